@@ -1,0 +1,73 @@
+// Index math of relative positions: the one place where distances, Shaw buckets and the Music
+// Transformer skew are defined. Used by the CPU kernels, the CUDA kernels and the emulator.
+//
+//   pos_q(i) = q_offset + i,  pos_k(j) = k_offset + j
+//   r(i, j)  = pos_k(j) - pos_q(i)                  "key minus query" (Shaw et al. 2018, T5)
+//   b(i, j)  = clamp(r(i, j), -K, K) + K            row of a [2K+1, D] table
+//   skew:    y[i, j] = x[i, j - i + Lq - 1]         (Huang et al. 2018; tensor2tensor's
+//                                                    _relative_position_to_absolute_position_*)
+#pragma once
+
+#include <cstdint>
+
+#include "macros.h"
+
+namespace relpos {
+
+RELPOS_HD int64_t rel_distance(int64_t i, int64_t j, int64_t q_offset, int64_t k_offset) {
+  return (k_offset + j) - (q_offset + i);
+}
+
+RELPOS_HD int64_t clamp_bucket(int64_t r, int64_t max_distance) {
+  const int64_t c = r < -max_distance ? -max_distance : (r > max_distance ? max_distance : r);
+  return c + max_distance;
+}
+
+RELPOS_HD int64_t shaw_bucket(int64_t i, int64_t j, int64_t max_distance, int64_t q_offset,
+                              int64_t k_offset) {
+  return clamp_bucket(rel_distance(i, j, q_offset, k_offset), max_distance);
+}
+
+RELPOS_HD int64_t num_buckets(int64_t max_distance) { return 2 * max_distance + 1; }
+
+// Columns of query row i whose bucket is not clamped, as the half-open range [begin, end) of
+// key indices clipped to [0, k_len). Keys left of it all map to bucket 0, keys right of it to 2K;
+// inside it the bucket grows by one per key, which is what makes the skew a contiguous copy.
+struct KeySpan {
+  int64_t begin;
+  int64_t end;
+};
+
+RELPOS_HD KeySpan unclamped_keys(int64_t i, int64_t k_len, int64_t max_distance, int64_t q_offset,
+                                 int64_t k_offset) {
+  // r(i, j) in [-K, K]  <=>  j in [q_offset + i - k_offset - K, q_offset + i - k_offset + K]
+  const int64_t lo = q_offset + i - k_offset - max_distance;
+  const int64_t hi = q_offset + i - k_offset + max_distance + 1;
+  KeySpan s;
+  s.begin = lo < 0 ? 0 : (lo > k_len ? k_len : lo);
+  s.end = hi < 0 ? 0 : (hi > k_len ? k_len : hi);
+  if (s.end < s.begin) s.end = s.begin;
+  return s;
+}
+
+// Buckets touched by any (i, j) with i < q_len, j < k_len: [first, last]. Because b(i, j) grows
+// with j and shrinks with i, the extremes are b(q_len - 1, 0) and b(0, k_len - 1).
+RELPOS_HD int64_t first_bucket(int64_t q_len, int64_t max_distance, int64_t q_offset,
+                               int64_t k_offset) {
+  return shaw_bucket(q_len - 1, 0, max_distance, q_offset, k_offset);
+}
+RELPOS_HD int64_t last_bucket(int64_t k_len, int64_t max_distance, int64_t q_offset,
+                              int64_t k_offset) {
+  return shaw_bucket(0, k_len - 1, max_distance, q_offset, k_offset);
+}
+
+// Skew (Music Transformer): x has width q_len + k_len - 1, column c holds relative distance
+// c - (q_len - 1); output column j of row i reads column skew_col(i, j).
+RELPOS_HD int64_t skew_width(int64_t q_len, int64_t k_len) { return q_len + k_len - 1; }
+RELPOS_HD int64_t skew_col(int64_t i, int64_t j, int64_t q_len) { return j - i + q_len - 1; }
+
+// Causal skew: x is [L, L], column c holds distance c - (L - 1) (only -(L-1)..0 exist); output
+// (i, j) is x[i, skew_col(i, j, L)] for j <= i and zero above the diagonal.
+RELPOS_HD bool causal_visible(int64_t i, int64_t j) { return j <= i; }
+
+}  // namespace relpos

@@ -1,0 +1,39 @@
+#include "cpu/isa.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <string>
+
+namespace relpos::cpu {
+namespace {
+
+bool cpu_has_avx2() {
+#if defined(RELPOS_HAVE_AVX2) && (defined(__x86_64__) || defined(_M_X64))
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  return has;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+Isa selected_isa() {
+  const char* env = std::getenv("RELPOS_CPU_ISA");
+  const std::string want = env ? env : "auto";
+  if (want == "scalar") return Isa::Scalar;
+  if (want == "avx2") {
+    TORCH_CHECK(cpu_has_avx2(),
+                "RELPOS_CPU_ISA=avx2 but the AVX2 kernels are not available on this build/CPU");
+    return Isa::Avx2;
+  }
+  TORCH_CHECK(want == "auto" || want.empty(),
+              "RELPOS_CPU_ISA must be one of scalar, avx2, auto; got '", want, "'");
+  return cpu_has_avx2() ? Isa::Avx2 : Isa::Scalar;
+}
+
+const char* isa_name(Isa isa) { return isa == Isa::Avx2 ? "avx2" : "scalar"; }
+
+}  // namespace relpos::cpu

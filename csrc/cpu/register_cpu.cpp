@@ -1,0 +1,110 @@
+// CPU backend of the relpos ops: picks the kernel path (cpu/isa.h) and splits the work items
+// over threads with at::parallel_for; the op bodies are shared with CUDA (common/ops_impl.h).
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <type_traits>
+
+#include "common/ops_impl.h"
+#include "cpu/isa.h"
+#include "cpu/kernels.h"
+#include "cpu/kernels_scalar.h"
+
+namespace relpos::cpu {
+namespace {
+
+at::ScalarType scalar_type_of(DType d) {
+  switch (d) {
+    case DType::Float32: return at::kFloat;
+    case DType::Float64: return at::kDouble;
+    case DType::Float16: return at::kHalf;
+    case DType::BFloat16: return at::kBFloat16;
+  }
+  return at::kFloat;
+}
+
+#if defined(RELPOS_HAVE_AVX2)
+#define RELPOS_AVX2_FN(name) &avx2::name
+#else
+#define RELPOS_AVX2_FN(name) nullptr
+#endif
+
+// Runs `avx2_fn` (float32/float16/bfloat16 on the AVX2 path) or the scalar template over
+// [0, items) in parallel. `grain` is the number of items worth a task.
+template <typename Params, typename ScalarFn>
+void run(const Params& p, int64_t items, int64_t grain,
+         std::type_identity_t<void (*)(const Params&, int64_t, int64_t)> avx2_fn,
+         ScalarFn scalar_fn) {
+  if (items <= 0) return;
+  if (avx2_fn != nullptr && p.dtype != DType::Float64 && selected_isa() == Isa::Avx2) {
+    at::parallel_for(0, items, grain, [&](int64_t b, int64_t e) { avx2_fn(p, b, e); });
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scalar_type_of(p.dtype), "relpos_cpu",
+                                  [&] {
+                                    at::parallel_for(0, items, grain, [&](int64_t b, int64_t e) {
+                                      scalar_fn.template operator()<scalar_t>(p, b, e);
+                                    });
+                                  });
+}
+
+// Roughly 32k elements of output per task, at least one item.
+int64_t grain_for(int64_t elems_per_item) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, elems_per_item));
+}
+
+struct CpuBackend {
+  static bool device_ok(const at::Tensor& t) { return t.device().is_cpu(); }
+  static const char* device_name() { return "cpu"; }
+
+  static void rel_gather(const RelGatherParams& p) {
+    run(p, p.heads * p.q_len, grain_for(p.k_len * p.dim), RELPOS_AVX2_FN(rel_gather),
+        []<typename T>(const RelGatherParams& pp, int64_t b, int64_t e) {
+          scalar::rel_gather<T>(pp, b, e);
+        });
+  }
+  static void rel_gather_backward(const RelGatherBwdParams& p) {
+    run(p, gather_bwd_items(p), 1, RELPOS_AVX2_FN(rel_gather_backward),
+        []<typename T>(const RelGatherBwdParams& pp, int64_t b, int64_t e) {
+          scalar::rel_gather_backward<T>(pp, b, e);
+        });
+  }
+  static void skew(const SkewParams& p) {
+    run(p, p.batch * p.q_len, grain_for(p.k_len), RELPOS_AVX2_FN(skew),
+        []<typename T>(const SkewParams& pp, int64_t b, int64_t e) { scalar::skew<T>(pp, b, e); });
+  }
+  static void skew_backward(const SkewParams& p) {
+    run(p, p.batch * p.q_len, grain_for(p.k_len), RELPOS_AVX2_FN(skew_backward),
+        []<typename T>(const SkewParams& pp, int64_t b, int64_t e) {
+          scalar::skew_backward<T>(pp, b, e);
+        });
+  }
+  static void rel_logits(const RelLogitsParams& p) {
+    run(p, p.batch * p.heads * p.q_len, grain_for(p.k_len + p.dim * 8), RELPOS_AVX2_FN(rel_logits),
+        []<typename T>(const RelLogitsParams& pp, int64_t b, int64_t e) {
+          scalar::rel_logits<T>(pp, b, e);
+        });
+  }
+  static void bucket_sum(const BucketSumParams& p) {
+    run(p, p.batch * p.heads * p.q_len, grain_for(p.k_len), RELPOS_AVX2_FN(bucket_sum),
+        []<typename T>(const BucketSumParams& pp, int64_t b, int64_t e) {
+          scalar::bucket_sum<T>(pp, b, e);
+        });
+  }
+};
+
+using Impl = OpsImpl<CpuBackend>;
+
+}  // namespace
+}  // namespace relpos::cpu
+
+TORCH_LIBRARY_IMPL(relpos, CPU, m) {
+  using relpos::cpu::Impl;
+  m.impl("rel_gather", &Impl::rel_gather);
+  m.impl("rel_gather_backward", &Impl::rel_gather_backward);
+  m.impl("skew", &Impl::skew);
+  m.impl("skew_backward", &Impl::skew_backward);
+  m.impl("rel_logits", &Impl::rel_logits);
+  m.impl("rel_logits_backward", &Impl::rel_logits_backward);
+}

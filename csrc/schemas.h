@@ -1,0 +1,25 @@
+// Every schema of the relpos library, in one place. csrc/ops.cpp defines them in the `relpos`
+// namespace; the CUDA emulator used by the tests defines the same list in `relpos_emu` so that the
+// emulated CUDA kernels are called with exactly the signatures of the real ops.
+//
+// Conventions (DESIGN.md §1): r = pos_k - pos_q, bucket = clamp(r, -K, K) + K, K = max_distance.
+// Shapes: table [2K+1, D] (shared) or [H, 2K+1, D] (per head); q [B, H, Lq, D].
+#pragma once
+
+#define RELPOS_FOR_EACH_SCHEMA(X)                                                              \
+  /* A[(h,) i, j, :] = table[(h,) bucket(i, j), :]  ->  [(H,) Lq, Lk, D] */                   \
+  X("rel_gather(Tensor table, SymInt q_len, SymInt k_len, SymInt max_distance, "              \
+    "SymInt q_offset=0, SymInt k_offset=0) -> Tensor")                                        \
+  /* the deterministic scatter-add of grad [(H,) Lq, Lk, D] into a [(H,) 2K+1, D] table */    \
+  X("rel_gather_backward(Tensor grad, SymInt max_distance, SymInt q_offset=0, "               \
+    "SymInt k_offset=0) -> Tensor")                                                           \
+  /* Music Transformer skew: x [..., Lq, Lq+Lk-1] -> [..., Lq, Lk]; causal: [..., L, L] */     \
+  X("skew(Tensor x, bool causal=False) -> Tensor")                                            \
+  /* the adjoint of skew (unskew): [..., Lq, Lk] -> [..., Lq, Lq+Lk-1] (causal: [..., L, L]) */ \
+  X("skew_backward(Tensor grad, bool causal=False) -> Tensor")                                \
+  /* S[b, h, i, j] = q[b, h, i, :] . table[(h,) bucket(i, j), :], the fused skewed matmul */   \
+  X("rel_logits(Tensor q, Tensor table, SymInt max_distance, SymInt k_len, "                  \
+    "SymInt q_offset=0, SymInt k_offset=0) -> Tensor")                                        \
+  /* (dq [B, H, Lq, D], dtable like table) from grad [B, H, Lq, Lk] */                        \
+  X("rel_logits_backward(Tensor grad, Tensor q, Tensor table, SymInt max_distance, "          \
+    "SymInt q_offset=0, SymInt k_offset=0) -> (Tensor, Tensor)")

@@ -1,0 +1,46 @@
+"""relpos_ext: fast, memory-lean relative-position attention ops for PyTorch.
+
+Importing the package loads the compiled extension, which registers ``torch.ops.relpos.*``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch  # noqa: F401  (libtorch must be loaded before the extension)
+
+from . import _C, nn, reference
+from .ops import (
+    rel_gather,
+    rel_gather_backward,
+    rel_logits,
+    rel_logits_backward,
+    skew,
+    skew_backward,
+)
+
+__all__ = [
+    "build_info",
+    "nn",
+    "reference",
+    "rel_gather",
+    "rel_gather_backward",
+    "rel_logits",
+    "rel_logits_backward",
+    "skew",
+    "skew_backward",
+]
+
+
+def build_info() -> dict[str, Any]:
+    """What this build contains.
+
+    Returns a dict with ``version``, ``torch_version`` (torch it was built against),
+    ``cpu_kernels`` (paths compiled in, e.g. ``["scalar", "avx2"]``), ``cpu_kernel_in_use`` (the
+    path the dispatcher picks now, honouring ``RELPOS_CPU_ISA``) and ``cuda_archs`` (e.g.
+    ``["80", "90"]``, or ``None`` when the CUDA kernels were not built).
+    """
+    return dict(_C.build_info())
+
+
+__version__: str = build_info()["version"]

@@ -1,0 +1,235 @@
+"""Typed Python entry points of the ``torch.ops.relpos`` operators.
+
+Each op has: a wrapper with a docstring, a fake (meta) kernel for ``torch.compile`` and
+``torch.library.opcheck``, and, where differentiable, autograd through a backward that is itself
+a ``relpos`` op. Conventions (DESIGN.md §1): ``r = pos_k - pos_q`` with ``pos_q(i) = q_offset + i``
+and ``pos_k(j) = k_offset + j``; ``bucket = clamp(r, -K, K) + K`` with ``K = max_distance``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _C  # noqa: F401  (loading the module registers torch.ops.relpos.*)
+
+__all__ = [
+    "rel_gather",
+    "rel_gather_backward",
+    "skew",
+    "skew_backward",
+    "rel_logits",
+    "rel_logits_backward",
+]
+
+IntLike = Any  # int, or torch.SymInt under torch.compile with dynamic shapes
+
+
+# --------------------------------------------------------------------------- rel_gather
+def rel_gather(
+    table: Tensor,
+    q_len: IntLike,
+    k_len: IntLike,
+    max_distance: IntLike,
+    q_offset: IntLike = 0,
+    k_offset: IntLike = 0,
+) -> Tensor:
+    """Gather relative embeddings: ``A[(h,) i, j, :] = table[(h,) bucket(i, j), :]``.
+
+    Args:
+        table: ``[2K+1, D]`` (shared by all heads) or ``[H, 2K+1, D]`` (per head).
+        q_len, k_len: number of queries ``Lq`` and keys ``Lk``.
+        max_distance: ``K``; distances are clipped to ``[-K, K]``.
+        q_offset, k_offset: absolute position of query 0 and key 0.
+
+    Returns:
+        ``[Lq, Lk, D]`` or ``[H, Lq, Lk, D]``. This is the O(L^2 D) form; prefer
+        :func:`rel_logits` for attention logits. Differentiable w.r.t. ``table`` (a
+        deterministic scatter-add).
+    """
+    return torch.ops.relpos.rel_gather.default(table, q_len, k_len, max_distance, q_offset, k_offset)
+
+
+def rel_gather_backward(
+    grad: Tensor, max_distance: IntLike, q_offset: IntLike = 0, k_offset: IntLike = 0
+) -> Tensor:
+    """Adjoint of :func:`rel_gather`: sum ``grad [(H,) Lq, Lk, D]`` into ``[(H,) 2K+1, D]``."""
+    return torch.ops.relpos.rel_gather_backward.default(grad, max_distance, q_offset, k_offset)
+
+
+@torch.library.register_fake("relpos::rel_gather")
+def _rel_gather_fake(table, q_len, k_len, max_distance, q_offset=0, k_offset=0):
+    torch._check(table.dim() in (2, 3), lambda: f"table must be 2-D or 3-D, got {table.dim()}-D")
+    torch._check(max_distance >= 0, lambda: "max_distance must be >= 0")
+    torch._check(table.shape[-2] == 2 * max_distance + 1, lambda: "table must have 2K+1 rows")
+    return table.new_empty((*table.shape[:-2], q_len, k_len, table.shape[-1]))
+
+
+@torch.library.register_fake("relpos::rel_gather_backward")
+def _rel_gather_backward_fake(grad, max_distance, q_offset=0, k_offset=0):
+    torch._check(grad.dim() in (3, 4), lambda: f"grad must be 3-D or 4-D, got {grad.dim()}-D")
+    torch._check(max_distance >= 0, lambda: "max_distance must be >= 0")
+    return grad.new_empty((*grad.shape[:-3], 2 * max_distance + 1, grad.shape[-1]))
+
+
+def _rel_gather_setup(ctx, inputs, output) -> None:
+    _, ctx.q_len, ctx.k_len, ctx.max_distance, ctx.q_offset, ctx.k_offset = inputs
+
+
+def _rel_gather_bwd(ctx, grad: Tensor):
+    dtable = rel_gather_backward(grad, ctx.max_distance, ctx.q_offset, ctx.k_offset)
+    return dtable, None, None, None, None, None
+
+
+def _rel_gather_backward_setup(ctx, inputs, output) -> None:
+    grad, ctx.max_distance, ctx.q_offset, ctx.k_offset = inputs
+    ctx.q_len, ctx.k_len = grad.shape[-3], grad.shape[-2]
+
+
+def _rel_gather_backward_bwd(ctx, ggrad: Tensor):
+    # rel_gather_backward is linear; its adjoint is rel_gather (double backward).
+    g = rel_gather(ggrad, ctx.q_len, ctx.k_len, ctx.max_distance, ctx.q_offset, ctx.k_offset)
+    return g, None, None, None
+
+
+torch.library.register_autograd(
+    "relpos::rel_gather", _rel_gather_bwd, setup_context=_rel_gather_setup
+)
+torch.library.register_autograd(
+    "relpos::rel_gather_backward", _rel_gather_backward_bwd, setup_context=_rel_gather_backward_setup
+)
+
+
+# --------------------------------------------------------------------------- skew
+def skew(x: Tensor, causal: bool = False) -> Tensor:
+    """Music Transformer skew (Huang et al. 2018): ``y[..., i, j] = x[..., i, j - i + Lq - 1]``.
+
+    Args:
+        x: ``[..., Lq, Lq+Lk-1]`` relative logits, column ``c`` holding distance ``c - (Lq-1)``;
+            with ``causal=True``, ``[..., L, L]`` holding distances ``-(L-1)..0``.
+        causal: the paper's masked form: lower-triangular result, zeros above the diagonal.
+
+    Returns:
+        ``[..., Lq, Lk]`` absolute-position logits, bit-identical to tensor2tensor's
+        pad/reshape/slice on the same input (see :func:`relpos_ext.reference.skew_t2t`).
+    """
+    return torch.ops.relpos.skew.default(x, causal)
+
+
+def skew_backward(grad: Tensor, causal: bool = False) -> Tensor:
+    """Adjoint of :func:`skew` ("unskew"): ``[..., Lq, Lk]`` -> ``[..., Lq, Lq+Lk-1]``."""
+    return torch.ops.relpos.skew_backward.default(grad, causal)
+
+
+@torch.library.register_fake("relpos::skew")
+def _skew_fake(x, causal=False):
+    torch._check(x.dim() >= 2, lambda: "x must have at least 2 dims")
+    q_len, width = x.shape[-2], x.shape[-1]
+    if causal:
+        torch._check(width == q_len, lambda: "causal skew needs a square x")
+        return x.new_empty(x.shape)
+    torch._check(width - q_len + 1 >= 0, lambda: "x must be [..., Lq, Lq+Lk-1]")
+    return x.new_empty((*x.shape[:-1], width - q_len + 1))
+
+
+@torch.library.register_fake("relpos::skew_backward")
+def _skew_backward_fake(grad, causal=False):
+    torch._check(grad.dim() >= 2, lambda: "grad must have at least 2 dims")
+    q_len, k_len = grad.shape[-2], grad.shape[-1]
+    if causal:
+        torch._check(q_len == k_len, lambda: "causal skew_backward needs a square grad")
+        return grad.new_empty(grad.shape)
+    return grad.new_empty((*grad.shape[:-1], torch.sym_max(q_len + k_len - 1, 0)))
+
+
+def _skew_setup(ctx, inputs, output) -> None:
+    ctx.causal = inputs[1]
+
+
+torch.library.register_autograd(
+    "relpos::skew", lambda ctx, g: (skew_backward(g, ctx.causal), None), setup_context=_skew_setup
+)
+torch.library.register_autograd(
+    "relpos::skew_backward", lambda ctx, g: (skew(g, ctx.causal), None), setup_context=_skew_setup
+)
+
+
+# --------------------------------------------------------------------------- rel_logits
+def rel_logits(
+    q: Tensor,
+    table: Tensor,
+    max_distance: IntLike,
+    k_len: IntLike,
+    q_offset: IntLike = 0,
+    k_offset: IntLike = 0,
+) -> Tensor:
+    """Relative logits by the fused skewed matmul: ``S[b, h, i, j] = q[b, h, i] . table[bucket(i, j)]``.
+
+    Never materialises ``[Lq, Lk, D]``: each query row takes one dot product per reachable
+    bucket and the skew places them. Works for clipped tables (``2K+1 << Lk``) and for the
+    unclipped Music Transformer case (``K >= max(Lq, Lk) - 1``).
+
+    Args:
+        q: ``[B, H, Lq, D]``.
+        table: ``[2K+1, D]`` or ``[H, 2K+1, D]``, same dtype and device as ``q``.
+        max_distance: ``K``.
+        k_len: number of keys ``Lk``.
+        q_offset, k_offset: absolute position of query 0 and key 0.
+
+    Returns:
+        ``[B, H, Lq, Lk]``. Differentiable w.r.t. ``q`` and ``table``.
+    """
+    return torch.ops.relpos.rel_logits.default(q, table, max_distance, k_len, q_offset, k_offset)
+
+
+def rel_logits_backward(
+    grad: Tensor,
+    q: Tensor,
+    table: Tensor,
+    max_distance: IntLike,
+    q_offset: IntLike = 0,
+    k_offset: IntLike = 0,
+) -> tuple[Tensor, Tensor]:
+    """Gradients of :func:`rel_logits`: ``(dq [B, H, Lq, D], dtable like table)``.
+
+    Uses O(Lq * (Lq + Lk)) extra memory (per-row bucket sums of ``grad``), never ``[Lq, Lk, D]``.
+    """
+    return torch.ops.relpos.rel_logits_backward.default(
+        grad, q, table, max_distance, q_offset, k_offset
+    )
+
+
+@torch.library.register_fake("relpos::rel_logits")
+def _rel_logits_fake(q, table, max_distance, k_len, q_offset=0, k_offset=0):
+    torch._check(q.dim() == 4, lambda: f"q must be [B, H, Lq, D], got {q.dim()}-D")
+    torch._check(table.dim() in (2, 3), lambda: "table must be 2-D or 3-D")
+    torch._check(table.dtype == q.dtype, lambda: "table dtype must match q dtype")
+    torch._check(table.shape[-1] == q.shape[-1], lambda: "table's last dim must equal D")
+    torch._check(table.shape[-2] == 2 * max_distance + 1, lambda: "table must have 2K+1 rows")
+    return q.new_empty((q.shape[0], q.shape[1], q.shape[2], k_len))
+
+
+@torch.library.register_fake("relpos::rel_logits_backward")
+def _rel_logits_backward_fake(grad, q, table, max_distance, q_offset=0, k_offset=0):
+    torch._check(grad.dim() == 4, lambda: "grad must be [B, H, Lq, Lk]")
+    return torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
+        table, memory_format=torch.contiguous_format
+    )
+
+
+def _rel_logits_setup(ctx, inputs, output) -> None:
+    q, table, ctx.max_distance, _, ctx.q_offset, ctx.k_offset = inputs
+    ctx.save_for_backward(q, table)
+
+
+def _rel_logits_bwd(ctx, grad: Tensor):
+    q, table = ctx.saved_tensors
+    dq, dtable = rel_logits_backward(grad, q, table, ctx.max_distance, ctx.q_offset, ctx.k_offset)
+    return dq, dtable, None, None, None, None
+
+
+torch.library.register_autograd(
+    "relpos::rel_logits", _rel_logits_bwd, setup_context=_rel_logits_setup
+)

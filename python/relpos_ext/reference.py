@@ -1,0 +1,165 @@
+"""Eager PyTorch oracle for every relpos op, written for clarity, not speed.
+
+The compiled kernels are tested against these functions. Conventions follow DESIGN.md §1:
+``r(i, j) = (k_offset + j) - (q_offset + i)`` ("key minus query", Shaw et al. 2018 /
+tensor2tensor / T5) and ``bucket = clamp(r, -K, K) + K`` with ``K = max_distance``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "shaw_buckets",
+    "rel_gather",
+    "skew",
+    "skew_t2t",
+    "rel_logits",
+    "rel_logits_gather",
+    "shaw_attention",
+]
+
+
+def shaw_buckets(
+    q_len: int,
+    k_len: int,
+    max_distance: int,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Bucket index of every (query, key) pair: ``[Lq, Lk]`` int64 in ``[0, 2K]``."""
+    pos_q = torch.arange(q_len, device=device) + q_offset
+    pos_k = torch.arange(k_len, device=device) + k_offset
+    r = pos_k[None, :] - pos_q[:, None]
+    return r.clamp(-max_distance, max_distance) + max_distance
+
+
+def rel_gather(
+    table: Tensor, q_len: int, k_len: int, max_distance: int, q_offset: int = 0, k_offset: int = 0
+) -> Tensor:
+    """``A[(h,) i, j, :] = table[(h,) bucket(i, j), :]``.
+
+    table: ``[2K+1, D]`` or ``[H, 2K+1, D]``; returns ``[Lq, Lk, D]`` or ``[H, Lq, Lk, D]``.
+    """
+    b = shaw_buckets(q_len, k_len, max_distance, q_offset, k_offset, table.device)
+    return table[b] if table.dim() == 2 else table[:, b]
+
+
+def skew_t2t(x: Tensor) -> Tensor:
+    """tensor2tensor's pad/reshape/slice skew, generalised to ``Lq != Lk``.
+
+    x: ``[..., Lq, Lq+Lk-1]`` (column c holds distance ``c - (Lq-1)``) -> ``[..., Lq, Lk]``.
+    Follows ``_relative_position_to_absolute_position_unmasked`` in tensor2tensor's
+    ``layers/common_attention.py``: pad one column, flatten, pad, reshape, slice.
+    """
+    *lead, q_len, width = x.shape
+    k_len = width - q_len + 1
+    x = torch.nn.functional.pad(x, (0, 1))  # [..., Lq, W+1]
+    x = x.reshape(*lead, q_len * (width + 1))
+    x = torch.nn.functional.pad(x, (0, width - q_len))  # now (Lq+1) * W elements
+    x = x.reshape(*lead, q_len + 1, width)
+    return x[..., :q_len, q_len - 1 : q_len - 1 + k_len]
+
+
+def skew_t2t_masked(x: Tensor) -> Tensor:
+    """tensor2tensor's causal skew (``_relative_position_to_absolute_position_masked``).
+
+    x: ``[..., L, L]`` with column c holding distance ``c - (L-1)``; the lower triangle of the
+    result is the skewed x. Above the diagonal t2t leaves whatever the reshape put there (the
+    paper masks it away); :func:`skew` with ``causal=True`` zeroes it.
+    """
+    *lead, length, _ = x.shape
+    x = torch.nn.functional.pad(x, (1, 0))  # [..., L, L+1]
+    x = x.reshape(*lead, length + 1, length)
+    return x[..., 1:, :]
+
+
+def skew(x: Tensor, causal: bool = False) -> Tensor:
+    """Music Transformer skew: ``y[..., i, j] = x[..., i, j - i + Lq - 1]``.
+
+    Non-causal: x ``[..., Lq, Lq+Lk-1]`` -> ``[..., Lq, Lk]``. Causal: x ``[..., L, L]`` ->
+    ``[..., L, L]``, lower-triangular, zeros above the diagonal.
+    """
+    if not causal:
+        return skew_t2t(x)
+    length = x.shape[-1]
+    keep = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+    return skew_t2t_masked(x).masked_fill(~keep, 0)
+
+
+def rel_logits(
+    q: Tensor,
+    table: Tensor,
+    max_distance: int,
+    k_len: int,
+    q_offset: int = 0,
+    k_offset: int = 0,
+) -> Tensor:
+    """``S[b, h, i, j] = q[b, h, i, :] . table[(h,) bucket(i, j), :]`` the memory-hungry way.
+
+    q: ``[B, H, Lq, D]``; table ``[2K+1, D]`` or ``[H, 2K+1, D]``; returns ``[B, H, Lq, Lk]``.
+    Materialises the ``[Lq, Lk, D]`` gather (tensor2tensor's ``_relative_attention_inner``).
+    """
+    a = rel_gather(table, q.shape[2], k_len, max_distance, q_offset, k_offset)
+    if table.dim() == 2:
+        return torch.einsum("bhid,ijd->bhij", q, a)
+    return torch.einsum("bhid,hijd->bhij", q, a)
+
+
+def rel_logits_gather(
+    q: Tensor,
+    table: Tensor,
+    max_distance: int,
+    k_len: int,
+    q_offset: int = 0,
+    k_offset: int = 0,
+) -> Tensor:
+    """The same logits as :func:`rel_logits` via ``q @ table^T`` and ``torch.gather``.
+
+    The "efficient eager" form: O(Lq * (2K+1)) for the matmul, then an index gather.
+    """
+    qe = torch.matmul(q, table.transpose(-1, -2))  # [B, H, Lq, 2K+1]
+    b = shaw_buckets(q.shape[2], k_len, max_distance, q_offset, k_offset, q.device)
+    return torch.gather(qe, -1, b.expand(*qe.shape[:-1], k_len))
+
+
+def shaw_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    rel_k: Tensor | None,
+    rel_v: Tensor | None,
+    max_distance: int,
+    causal: bool = False,
+    scale: float | None = None,
+    q_offset: int = 0,
+    k_offset: int = 0,
+) -> Tensor:
+    """Shaw et al. 2018 attention with relative keys and values, fully materialised.
+
+    ``e = (q k^T + q . EK[b]) * scale``, ``p = softmax(e)``, ``z = p v + sum_j p_ij EV[b(i, j)]``.
+    q: ``[B, H, Lq, D]``; k, v: ``[B, H, Lk, D]``; tables ``[2K+1, D]`` or ``[H, 2K+1, D]``.
+    Causal masking keeps key j for query i iff ``k_offset + j <= q_offset + i``.
+    """
+    q_len, k_len, dim = q.shape[2], k.shape[2], q.shape[3]
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    logits = torch.matmul(q, k.transpose(-1, -2))
+    if rel_k is not None:
+        logits = logits + rel_logits(q, rel_k, max_distance, k_len, q_offset, k_offset)
+    logits = logits * scale
+    if causal:
+        pos_q = torch.arange(q_len, device=q.device) + q_offset
+        pos_k = torch.arange(k_len, device=q.device) + k_offset
+        visible = pos_k[None, :] <= pos_q[:, None]
+        logits = logits.masked_fill(~visible, float("-inf"))
+    p = torch.softmax(logits, dim=-1)
+    out = torch.matmul(p, v)
+    if rel_v is not None:
+        a = rel_gather(rel_v, q_len, k_len, max_distance, q_offset, k_offset)
+        eq = "bhij,ijd->bhid" if rel_v.dim() == 2 else "bhij,hijd->bhid"
+        out = out + torch.einsum(eq, p, a)
+    return out
