@@ -37,7 +37,8 @@ void run(const Params& p, int64_t items, int64_t grain,
          std::type_identity_t<void (*)(const Params&, int64_t, int64_t)> avx2_fn,
          ScalarFn scalar_fn) {
   if (items <= 0) return;
-  if (avx2_fn != nullptr && p.dtype != DType::Float64 && selected_isa() == Isa::Avx2) {
+  const Isa isa = selected_isa();  // validates RELPOS_CPU_ISA on every call
+  if (avx2_fn != nullptr && p.dtype != DType::Float64 && isa == Isa::Avx2) {
     at::parallel_for(0, items, grain, [&](int64_t b, int64_t e) { avx2_fn(p, b, e); });
     return;
   }

@@ -206,6 +206,7 @@ def _rel_logits_fake(q, table, max_distance, k_len, q_offset=0, k_offset=0):
     torch._check(q.dim() == 4, lambda: f"q must be [B, H, Lq, D], got {q.dim()}-D")
     torch._check(table.dim() in (2, 3), lambda: "table must be 2-D or 3-D")
     torch._check(table.dtype == q.dtype, lambda: "table dtype must match q dtype")
+    torch._check(table.device == q.device, lambda: "table must be on the device of q")
     torch._check(table.shape[-1] == q.shape[-1], lambda: "table's last dim must equal D")
     torch._check(table.shape[-2] == 2 * max_distance + 1, lambda: "table must have 2K+1 rows")
     return q.new_empty((q.shape[0], q.shape[1], q.shape[2], k_len))
@@ -214,6 +215,10 @@ def _rel_logits_fake(q, table, max_distance, k_len, q_offset=0, k_offset=0):
 @torch.library.register_fake("relpos::rel_logits_backward")
 def _rel_logits_backward_fake(grad, q, table, max_distance, q_offset=0, k_offset=0):
     torch._check(grad.dim() == 4, lambda: "grad must be [B, H, Lq, Lk]")
+    torch._check(
+        grad.device == q.device and table.device == q.device,
+        lambda: "grad, q and table must be on one device",
+    )
     return torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
         table, memory_format=torch.contiguous_format
     )
@@ -230,6 +235,32 @@ def _rel_logits_bwd(ctx, grad: Tensor):
     return dq, dtable, None, None, None, None
 
 
+def _rel_logits_backward_setup(ctx, inputs, output) -> None:
+    grad, q, table, ctx.max_distance, ctx.q_offset, ctx.k_offset = inputs
+    ctx.save_for_backward(grad, q, table)
+
+
+def _rel_logits_backward_bwd(ctx, ddq: Tensor | None, ddtable: Tensor | None):
+    # (dq, dtable) is bilinear in (grad, q) and (grad, table): differentiate each side with the
+    # same ops (double backward, e.g. for gradient penalties).
+    grad, q, table = ctx.saved_tensors
+    k, qo, ko = ctx.max_distance, ctx.q_offset, ctx.k_offset
+    k_len = grad.shape[-1]
+    dgrad = torch.zeros_like(grad)
+    dq = torch.zeros_like(q)
+    dtable = torch.zeros_like(table)
+    if ddq is not None:
+        dgrad = dgrad + rel_logits(ddq.contiguous(), table, k, k_len, qo, ko)
+        dtable = dtable + rel_logits_backward(grad, ddq.contiguous(), table, k, qo, ko)[1]
+    if ddtable is not None:
+        dgrad = dgrad + rel_logits(q, ddtable.contiguous(), k, k_len, qo, ko)
+        dq = dq + rel_logits_backward(grad, q, ddtable.contiguous(), k, qo, ko)[0]
+    return dgrad, dq, dtable, None, None, None
+
+
 torch.library.register_autograd(
     "relpos::rel_logits", _rel_logits_bwd, setup_context=_rel_logits_setup
+)
+torch.library.register_autograd(
+    "relpos::rel_logits_backward", _rel_logits_backward_bwd, setup_context=_rel_logits_backward_setup
 )

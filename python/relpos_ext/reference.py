@@ -58,6 +58,8 @@ def skew_t2t(x: Tensor) -> Tensor:
     """
     *lead, q_len, width = x.shape
     k_len = width - q_len + 1
+    if q_len == 0:  # no rows: the reshapes below would lose Lk
+        return x.new_empty(*lead, 0, k_len)
     x = torch.nn.functional.pad(x, (0, 1))  # [..., Lq, W+1]
     x = x.reshape(*lead, q_len * (width + 1))
     x = torch.nn.functional.pad(x, (0, width - q_len))  # now (Lq+1) * W elements
