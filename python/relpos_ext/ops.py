@@ -388,3 +388,21 @@ def _rel_attention_bwd(ctx, grad_out: Tensor, _grad_lse: Tensor | None):
 torch.library.register_autograd(
     "relpos::rel_attention", _rel_attention_bwd, setup_context=_rel_attention_setup
 )
+
+
+def _rel_attention_backward_setup(ctx, inputs, output) -> None:
+    pass
+
+
+def _rel_attention_double_backward(ctx, *grads):
+    raise NotImplementedError(
+        "relpos::rel_attention does not support double backward (create_graph=True through its "
+        "gradient); use relpos_ext.reference.shaw_attention for higher-order gradients"
+    )
+
+
+torch.library.register_autograd(
+    "relpos::rel_attention_backward",
+    _rel_attention_double_backward,
+    setup_context=_rel_attention_backward_setup,
+)

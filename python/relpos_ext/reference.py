@@ -20,6 +20,7 @@ __all__ = [
     "rel_logits",
     "rel_logits_gather",
     "shaw_attention",
+    "RelativeMultiheadAttentionReference",
 ]
 
 
@@ -181,3 +182,22 @@ def shaw_attention(
     if return_lse:
         return out, lse.masked_fill(~any_visible[..., 0], float("inf"))
     return out
+
+
+def _reference_module_base():
+    from .nn import RelativeMultiheadAttention  # late import: nn depends on the compiled ops
+
+    return RelativeMultiheadAttention
+
+
+class RelativeMultiheadAttentionReference(_reference_module_base()):
+    """:class:`relpos_ext.nn.RelativeMultiheadAttention` with the core done by :func:`shaw_attention`.
+
+    Same parameters and projections; plain PyTorch attention, O(L^2 D) memory. For tests.
+    """
+
+    def attend(self, q, k, v, key_padding_mask, causal, q_offset, k_offset):
+        return shaw_attention(
+            q, k, v, self.rel_k, self.rel_v, self.max_distance, causal, None, q_offset, k_offset,
+            key_padding_mask,
+        )
