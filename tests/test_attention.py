@@ -36,6 +36,10 @@ CASES = {
     "D128": (1, 1, 1, 4, 5, 128, 2, 0, 0, False, False, False, True, True),
     "fully_masked_rows": (1, 2, 2, 4, 6, 16, 1, 0, 2, False, True, False, True, True),
     "L1": (1, 1, 1, 1, 1, 16, 0, 0, 0, False, True, False, True, True),
+    # several query and key tiles (the AVX2 kernel tiles by 64, CUDA kernels by smaller tiles)
+    "tiles_causal_padding": (1, 2, 2, 70, 150, 16, 5, 0, 0, False, True, True, True, True),
+    "tiles_unclipped": (1, 1, 1, 80, 80, 24, 100, 0, 0, True, False, False, True, True),
+    "tiles_decode_gqa": (2, 2, 1, 65, 130, 8, 3, 40, 0, True, True, False, True, True),
 }
 
 

@@ -99,14 +99,23 @@ struct CpuBackend {
           scalar::bucket_sum<T>(pp, b, e);
         });
   }
+  // The AVX2 attention kernels tile the work differently from the scalar ones (kernels.h).
   static void rel_attention(const RelAttentionParams& p) {
+#if defined(RELPOS_HAVE_AVX2)
+    if (p.dtype != DType::Float64 && selected_isa() == Isa::Avx2) {
+      const int64_t tiles = p.batch * p.heads * ((p.q_len + kAttentionTileQ - 1) / kAttentionTileQ);
+      at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) { avx2::rel_attention(p, b, e); });
+      return;
+    }
+#endif
     run(p, p.batch * p.heads * p.q_len, grain_for(p.k_len * p.dim * 4), nullptr,
         []<typename T>(const RelAttentionParams& pp, int64_t b, int64_t e) {
           scalar::rel_attention<T>(pp, b, e);
         });
   }
   static void rel_attention_backward(const RelAttentionBwdParams& p) {
-    run(p, p.fwd.batch * p.fwd.kv_heads, 1, nullptr,
+    // both paths: work items are (b, kv head)
+    run(p, p.fwd.batch * p.fwd.kv_heads, 1, RELPOS_AVX2_FN(rel_attention_backward),
         []<typename T>(const RelAttentionBwdParams& pp, int64_t b, int64_t e) {
           scalar::rel_attention_backward<T>(pp, b, e);
         });
