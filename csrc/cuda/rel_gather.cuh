@@ -39,7 +39,8 @@ __global__ void rel_gather_kernel(RelGatherParams p, int64_t units_per_row) {
   const U* last = tab + (rows - 1) * du;
   const int64_t n = p.k_len * du;
   const int64_t stride = static_cast<int64_t>(gridDim.y) * blockDim.x;
-  for (int64_t e = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; e < n; e += stride) {
+  const int64_t first = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  for (int64_t e = first; e < n; e += stride) {
     U v;
     if (e < lo) {
       v = tab[e % du];
