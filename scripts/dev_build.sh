@@ -8,6 +8,7 @@ name=${1:-default}; shift || true
 root=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-$(command -v python)}
 bdir="$root/build/dev-$name"
+mkdir -p "$root/build"
 cmake -S "$root" -B "$bdir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$py" \
   -DSKBUILD_PROJECT_VERSION=0.0.0+dev "$@" > "$bdir.configure.log" 2>&1 || { cat "$bdir.configure.log"; exit 1; }
 grep "relpos_ext:" "$bdir.configure.log" || true

@@ -61,7 +61,44 @@ RELPOS_HD KeySpan inner_keys(int64_t i, int64_t k_len, int64_t max_distance, int
     const int64_t c = t < 0 ? 0 : (t > k_len ? k_len : t);
     return KeySpan{c, c};
   }
-  KeySpan s = unclamped_keys(i, k_len, max_distance - 1, q_offset, k_offset);
+  return unclamped_keys(i, k_len, max_distance - 1, q_offset, k_offset);
+}
+
+// The keys of row i whose bucket is b, as a half-open range clipped to [0, k_len): the inverse of
+// shaw_bucket for one row. A middle bucket (0 < b < 2K) holds at most the one key at distance
+// b - K; bucket 0 collects every key at distance <= -K and bucket 2K every key at distance >= K
+// (for K = 0 both are the whole row). Used by the scatter-style backward kernels.
+RELPOS_HD KeySpan bucket_keys(int64_t i, int64_t b, int64_t k_len, int64_t max_distance,
+                              int64_t q_offset, int64_t k_offset) {
+  const int64_t j_at = q_offset + i - k_offset + (b - max_distance);  // r(i, j_at) = b - K
+  const int64_t lo = b == 0 ? 0 : j_at;
+  const int64_t hi = b == 2 * max_distance ? k_len : j_at + 1;
+  KeySpan s;
+  s.begin = lo < 0 ? 0 : (lo > k_len ? k_len : lo);
+  s.end = hi < 0 ? 0 : (hi > k_len ? k_len : hi);
+  if (s.end < s.begin) s.end = s.begin;
+  return s;
+}
+
+// The rows i in [0, q_len) for which bucket_keys(i, b, ...) is not empty, as a half-open range.
+// The key j_at = q_offset + i - k_offset + b - K moves right by one per row, so these rows are
+// contiguous: bucket 0 needs j_at >= 0 only (its keys are [0, j_at]), bucket 2K needs
+// j_at < k_len only (keys [j_at, k_len)), a middle bucket needs both.
+struct RowSpan {
+  int64_t begin;
+  int64_t end;
+};
+
+RELPOS_HD RowSpan bucket_rows(int64_t b, int64_t q_len, int64_t k_len, int64_t max_distance,
+                              int64_t q_offset, int64_t k_offset) {
+  RowSpan s;
+  s.begin = 0;
+  s.end = k_len > 0 ? q_len : 0;
+  const int64_t i_first = max_distance - b - q_offset + k_offset;  // row with j_at = 0
+  if (b != 2 * max_distance && i_first > s.begin) s.begin = i_first;
+  if (b != 0 && i_first + k_len < s.end) s.end = i_first + k_len;
+  if (s.end < 0) s.end = 0;
+  if (s.begin > s.end) s.begin = s.end;  // empty, and inside [0, q_len)
   return s;
 }
 

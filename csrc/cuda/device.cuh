@@ -1,0 +1,34 @@
+// Small device-side helpers shared by the kernel headers: qualifiers that also compile as host C++
+// under the emulator (RELPOS_CUDA_EMU, DESIGN.md §4) and the bitwise copy units
+// used by the pure data-movement kernels (rel_gather, skew), which depend only on element size.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/launch.cuh"
+
+#if defined(__CUDACC__)
+#define RELPOS_DEVICE __device__ __forceinline__
+#define RELPOS_UNROLL _Pragma("unroll")
+#else
+#define RELPOS_DEVICE inline
+#define RELPOS_UNROLL
+#endif
+
+namespace relpos::cuda {
+
+// Bit patterns moved by the copy kernels: one element of 2, 4 or 8 bytes, or 16 bytes at once
+// when rows allow it. Zero bits are +0.0 in every floating type, so copies can also zero-fill.
+struct alignas(16) Bits16 {
+  uint32_t w[4];
+};
+
+template <typename U>
+RELPOS_DEVICE U zero_bits() {
+  U u;
+  unsigned char* p = reinterpret_cast<unsigned char*>(&u);
+  for (unsigned k = 0; k < sizeof(U); ++k) p[k] = 0;
+  return u;
+}
+
+}  // namespace relpos::cuda

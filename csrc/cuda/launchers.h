@@ -1,0 +1,28 @@
+// Host entry points of the CUDA kernels: one per op kernel, implemented in csrc/cuda/*.cu without
+// torch headers and called by the torch glue (register_cuda.cpp) with the current stream. Each
+// picks the grid and the element type from the Params and launches through relpos::cuda::launch,
+// so under RELPOS_CUDA_EMU the emulator runs this very code. Errors: std::runtime_error.
+#pragma once
+
+#include "common/params.h"
+
+#if !defined(RELPOS_CUDA_EMU)
+struct CUstream_st;  // cudaStream_t is CUstream_st*; no CUDA header needed to name it
+#endif
+
+namespace relpos::cuda {
+
+#if defined(RELPOS_CUDA_EMU)
+using Stream = void*;
+#else
+using Stream = ::CUstream_st*;
+#endif
+
+void launch_rel_gather(const RelGatherParams& p, Stream stream);
+void launch_rel_gather_backward(const RelGatherBwdParams& p, Stream stream);
+void launch_skew(const SkewParams& p, Stream stream);
+void launch_skew_backward(const SkewParams& p, Stream stream);
+void launch_rel_logits(const RelLogitsParams& p, Stream stream);
+void launch_bucket_sum(const BucketSumParams& p, Stream stream);
+
+}  // namespace relpos::cuda

@@ -1,0 +1,86 @@
+// CUDA backend of the relpos ops: the shared op bodies (common/ops_impl.h) with the launchers of
+// csrc/cuda/*.cu as kernels. Host C++ only. With RELPOS_CUDA_EMU the same file is built into the
+// test-only emulator library: CPU tensors, ops registered as relpos_emu::* (glue_config.h), no
+// stream and no device guard; everything else is identical.
+#include <torch/library.h>
+
+#include <stdexcept>
+
+#include "common/ops_impl.h"
+#include "cuda/glue_config.h"
+#include "cuda/launchers.h"
+
+#if !defined(RELPOS_CUDA_EMU)
+// c10's stream and guard rather than <ATen/cuda/CUDAContext.h>, which also pulls in cuBLAS and
+// cuSPARSE headers that a minimal CUDA toolkit does not ship (the case on the build machines).
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace relpos::cuda {
+namespace {
+
+Stream current_stream() {
+#if defined(RELPOS_CUDA_EMU)
+  return nullptr;
+#else
+  return c10::cuda::getCurrentCUDAStream().stream();
+#endif
+}
+
+// Runs a launcher on the current stream; launch failures become torch errors.
+template <typename Params>
+void run(void (*launcher)(const Params&, Stream), const Params& p) {
+  try {
+    launcher(p, current_stream());
+  } catch (const std::runtime_error& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+struct CudaBackend {
+  static bool device_ok(const at::Tensor& t) { return RELPOS_CUDA_DEVICE_OK(t); }
+  static const char* device_name() { return RELPOS_CUDA_DEVICE_NAME; }
+
+  static void rel_gather(const RelGatherParams& p) { run(launch_rel_gather, p); }
+  static void rel_gather_backward(const RelGatherBwdParams& p) {
+    run(launch_rel_gather_backward, p);
+  }
+  static void skew(const SkewParams& p) { run(launch_skew, p); }
+  static void skew_backward(const SkewParams& p) { run(launch_skew_backward, p); }
+  static void rel_logits(const RelLogitsParams& p) { run(launch_rel_logits, p); }
+  static void bucket_sum(const BucketSumParams& p) { run(launch_bucket_sum, p); }
+};
+
+using Impl = OpsImpl<CudaBackend>;
+
+// Every op's first argument is a tensor: make its device current (so allocations, the current
+// stream and the launches all go to it) for the duration of the op.
+template <auto Fn>
+struct OnDeviceOf;
+
+template <typename R, typename... Args, R (*Fn)(const at::Tensor&, Args...)>
+struct OnDeviceOf<Fn> {
+  static R call(const at::Tensor& first, Args... args) {
+#if !defined(RELPOS_CUDA_EMU)
+    const c10::cuda::OptionalCUDAGuard guard(first.device().is_cuda()
+                                                 ? std::optional<c10::Device>(first.device())
+                                                 : std::nullopt);
+#endif
+    return Fn(first, args...);
+  }
+};
+
+}  // namespace
+}  // namespace relpos::cuda
+
+TORCH_LIBRARY_IMPL(RELPOS_CUDA_NAMESPACE, RELPOS_CUDA_DISPATCH_KEY, m) {
+  using relpos::cuda::Impl;
+  using relpos::cuda::OnDeviceOf;
+  m.impl("rel_gather", &OnDeviceOf<&Impl::rel_gather>::call);
+  m.impl("rel_gather_backward", &OnDeviceOf<&Impl::rel_gather_backward>::call);
+  m.impl("skew", &OnDeviceOf<&Impl::skew>::call);
+  m.impl("skew_backward", &OnDeviceOf<&Impl::skew_backward>::call);
+  m.impl("rel_logits", &OnDeviceOf<&Impl::rel_logits>::call);
+  m.impl("rel_logits_backward", &OnDeviceOf<&Impl::rel_logits_backward>::call);
+}
