@@ -179,6 +179,19 @@ void axpy(float alpha, const float* x, float* y, int64_t n) {  // y += alpha x
   for (; i < n; ++i) y[i] += alpha * x[i];
 }
 
+void add_const(float c, float* y, int64_t n) {  // y += c
+  const __m256 v = _mm256_set1_ps(c);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_add_ps(v, _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += c;
+}
+
+void add_row(const float* x, float* y, int64_t n) {  // y += x
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += x[i];
+}
+
 void scale_row(float alpha, float* y, int64_t n) {
   const __m256 a = _mm256_set1_ps(alpha);
   int64_t i = 0;
@@ -197,36 +210,71 @@ float sum_row(const float* x, int64_t n) {
 
 // ------------------------------------------------------------------------------ matmul
 // C[M, N] += A[M, K] @ B[K, N], all float row-major. Register block: MR rows x 16 columns, an
-// outer product per k (2 loads of B, MR broadcasts of A, 2*MR FMAs).
+// outer product per k (2 loads of B, MR broadcasts of A, 2*MR FMAs). The accumulators are named
+// variables, not an array: GCC kept an array of __m256 on the stack inside the k loop (a store
+// per FMA), which halved the speed.
 template <int MR, bool FULL>
 inline void gemm_block(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
                        float* C, int64_t ldc, int64_t n) {
   const __m256i m0 = tail_mask(std::min<int64_t>(n, 8));
   const __m256i m1 = tail_mask(std::max<int64_t>(n - 8, 0));
-  __m256 c0[MR], c1[MR];
-  for (int r = 0; r < MR; ++r) {
-    c0[r] = FULL ? _mm256_loadu_ps(C + r * ldc) : _mm256_maskload_ps(C + r * ldc, m0);
-    c1[r] = FULL ? _mm256_loadu_ps(C + r * ldc + 8) : _mm256_maskload_ps(C + r * ldc + 8, m1);
-  }
+  auto load = [&](const float* ptr, const __m256i& mk) {
+    return FULL ? _mm256_loadu_ps(ptr) : _mm256_maskload_ps(ptr, mk);
+  };
+  auto store = [&](float* ptr, const __m256i& mk, __m256 v) {
+    if (FULL) {
+      _mm256_storeu_ps(ptr, v);
+    } else {
+      _mm256_maskstore_ps(ptr, mk, v);
+    }
+  };
+  const __m256 z = _mm256_setzero_ps();
+  __m256 c00 = load(C, m0), c01 = load(C + 8, m1);
+  __m256 c10 = MR > 1 ? load(C + ldc, m0) : z, c11 = MR > 1 ? load(C + ldc + 8, m1) : z;
+  __m256 c20 = MR > 2 ? load(C + 2 * ldc, m0) : z, c21 = MR > 2 ? load(C + 2 * ldc + 8, m1) : z;
+  __m256 c30 = MR > 3 ? load(C + 3 * ldc, m0) : z, c31 = MR > 3 ? load(C + 3 * ldc + 8, m1) : z;
+  __m256 c40 = MR > 4 ? load(C + 4 * ldc, m0) : z, c41 = MR > 4 ? load(C + 4 * ldc + 8, m1) : z;
+  __m256 c50 = MR > 5 ? load(C + 5 * ldc, m0) : z, c51 = MR > 5 ? load(C + 5 * ldc + 8, m1) : z;
   for (int64_t k = 0; k < K; ++k) {
     const float* b = B + k * ldb;
-    const __m256 b0 = FULL ? _mm256_loadu_ps(b) : _mm256_maskload_ps(b, m0);
-    const __m256 b1 = FULL ? _mm256_loadu_ps(b + 8) : _mm256_maskload_ps(b + 8, m1);
-    for (int r = 0; r < MR; ++r) {
-      const __m256 a = _mm256_broadcast_ss(A + r * lda + k);
-      c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
-      c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
+    const float* a = A + k;
+    const __m256 b0 = load(b, m0), b1 = load(b + 8, m1);
+    __m256 x = _mm256_broadcast_ss(a);
+    c00 = _mm256_fmadd_ps(x, b0, c00);
+    c01 = _mm256_fmadd_ps(x, b1, c01);
+    if constexpr (MR > 1) {
+      x = _mm256_broadcast_ss(a + lda);
+      c10 = _mm256_fmadd_ps(x, b0, c10);
+      c11 = _mm256_fmadd_ps(x, b1, c11);
+    }
+    if constexpr (MR > 2) {
+      x = _mm256_broadcast_ss(a + 2 * lda);
+      c20 = _mm256_fmadd_ps(x, b0, c20);
+      c21 = _mm256_fmadd_ps(x, b1, c21);
+    }
+    if constexpr (MR > 3) {
+      x = _mm256_broadcast_ss(a + 3 * lda);
+      c30 = _mm256_fmadd_ps(x, b0, c30);
+      c31 = _mm256_fmadd_ps(x, b1, c31);
+    }
+    if constexpr (MR > 4) {
+      x = _mm256_broadcast_ss(a + 4 * lda);
+      c40 = _mm256_fmadd_ps(x, b0, c40);
+      c41 = _mm256_fmadd_ps(x, b1, c41);
+    }
+    if constexpr (MR > 5) {
+      x = _mm256_broadcast_ss(a + 5 * lda);
+      c50 = _mm256_fmadd_ps(x, b0, c50);
+      c51 = _mm256_fmadd_ps(x, b1, c51);
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    if (FULL) {
-      _mm256_storeu_ps(C + r * ldc, c0[r]);
-      _mm256_storeu_ps(C + r * ldc + 8, c1[r]);
-    } else {
-      _mm256_maskstore_ps(C + r * ldc, m0, c0[r]);
-      _mm256_maskstore_ps(C + r * ldc + 8, m1, c1[r]);
-    }
-  }
+  store(C, m0, c00);
+  store(C + 8, m1, c01);
+  if constexpr (MR > 1) { store(C + ldc, m0, c10); store(C + ldc + 8, m1, c11); }
+  if constexpr (MR > 2) { store(C + 2 * ldc, m0, c20); store(C + 2 * ldc + 8, m1, c21); }
+  if constexpr (MR > 3) { store(C + 3 * ldc, m0, c30); store(C + 3 * ldc + 8, m1, c31); }
+  if constexpr (MR > 4) { store(C + 4 * ldc, m0, c40); store(C + 4 * ldc + 8, m1, c41); }
+  if constexpr (MR > 5) { store(C + 5 * ldc, m0, c50); store(C + 5 * ldc + 8, m1, c51); }
 }
 
 template <int MR>
@@ -361,10 +409,9 @@ void softmax_grad_row(const float* pr, float* dp, int64_t n, float di, float sca
 // Add the key term to a row of logits: s[j - j0] += q_i . rel_k[b(i, j)].
 void add_rel_logits(float* s, int64_t j0, int64_t nk, const RowSplit& sp, float lo, float hi,
                     const float* qe_row) {
-  for (int64_t j = j0; j < sp.a; ++j) s[j - j0] += lo;
-  const float* src = qe_row + sp.col0;
-  for (int64_t j = sp.a; j < sp.e; ++j) s[j - j0] += src[j];
-  for (int64_t j = sp.e; j < j0 + nk; ++j) s[j - j0] += hi;
+  add_const(lo, s, sp.a - j0);
+  add_row(qe_row + sp.col0 + sp.a, s + (sp.a - j0), sp.e - sp.a);
+  add_const(hi, s + (sp.e - j0), j0 + nk - sp.e);
 }
 
 // Accumulate a row of per-key values into per-bucket sums: lo/hi running sums, band row.
@@ -372,8 +419,7 @@ void add_bucket_mass(const float* x, int64_t j0, int64_t nk, const RowSplit& sp,
                      float& hi, float* w_row) {
   lo += sum_row(x, sp.a - j0);
   hi += sum_row(x + (sp.e - j0), j0 + nk - sp.e);
-  float* dst = w_row + sp.col0;
-  for (int64_t j = sp.a; j < sp.e; ++j) dst[j] += x[j - j0];
+  add_row(x + (sp.a - j0), w_row + sp.col0 + sp.a, sp.e - sp.a);
 }
 
 // Band rows of a table as float: rows [lo, lo + n) -> [n, D]; and its transpose [D, n].
@@ -474,12 +520,16 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
       for (int64_t r = 0; r < mq; ++r) {
         if (m[r] == kNegInf || band.n == 0) continue;
         float* wr = w.data() + r * band.n;
-        const int64_t i = i0 + r;
-        for (int64_t c = 0; c < band.n; ++c) {
-          if (wr[c] == 0.f) continue;
-          // key of this bucket in row i, and the max its weight was taken relative to
-          const int64_t j = c + band.lo - K - p.k_offset + p.q_offset + i;
-          wr[c] *= std::exp(mref[r * n_ktiles + j / BK] - m[r]);
+        // band column c holds key j = c + base of row i; its weight was taken relative to the
+        // running max after that key's tile, so rescale each tile's columns to the final max
+        const int64_t base = band.lo - K - p.k_offset + p.q_offset + (i0 + r);
+        const int64_t t_lo = std::max<int64_t>(base, 0) / BK;
+        const int64_t t_hi = std::min<int64_t>(base + band.n - 1, p.k_len - 1) / BK;
+        for (int64_t t = t_lo; t <= t_hi; ++t) {
+          const int64_t c0 = std::max<int64_t>(t * BK - base, 0);
+          const int64_t c1 = std::min<int64_t>((t + 1) * BK - base, band.n);
+          const float mt = mref[r * n_ktiles + t];
+          scale_row(mt == kNegInf ? 0.f : std::exp(mt - m[r]), wr + c0, c1 - c0);
         }
       }
       if (band.n > 0) {
