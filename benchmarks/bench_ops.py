@@ -1,0 +1,499 @@
+#!/usr/bin/env python
+"""Benchmark ``relpos_ext.rel_logits`` against the two eager PyTorch ways of computing it.
+
+For every (L, K) it times the forward and the forward+backward (gradients w.r.t. ``q`` and the
+table) of three methods computing ``S[b, h, i, j] = q[b, h, i] . E[bucket(i, j)]``:
+
+* ``ours``  -- ``relpos_ext.rel_logits``: the fused skewed matmul, never ``[Lq, Lk, D]``.
+* ``(a)``   -- ``relpos_ext.reference.rel_logits``: materialised gather ``E[bucket]`` of shape
+  ``[Lq, Lk, D]`` then einsum (tensor2tensor's ``_relative_attention_inner``).
+* ``(b)``   -- ``relpos_ext.reference.rel_logits_gather``: eager ``q @ E^T`` (``[.., Lq, 2K+1]``)
+  then ``torch.gather`` with an ``[Lq, Lk]`` int64 bucket index.
+
+Each measurement runs in its own process, forked from this one after ``torch`` is imported (the
+parent never runs a kernel, so no thread pool is inherited), so that one measurement's freed
+memory cannot hide another's peak. Peak extra memory is the growth of the resident set: the child
+allocates its inputs (and the upstream gradient), resets the kernel's peak-RSS counter
+(``echo 5 > /proc/self/clear_refs``, Linux >= 4.0), runs the method once and reads ``VmHWM``. That
+counts every page touched (torch tensors and a kernel's private scratch alike), including the
+``[B, H, Lq, Lk]`` output and the gradients. Where ``clear_refs`` is not writable it falls back
+to the ``ru_maxrss`` delta, a lower bound (the JSON records which). The analytic size of each
+method's largest intermediate is printed beside it.
+
+Usage::
+
+    PYTHONPATH=build/dev-bench/stage python benchmarks/bench_ops.py            # full (~10 min, 2 cores)
+    PYTHONPATH=build/dev-bench/stage python benchmarks/bench_ops.py --quick    # smoke run (~30 s)
+    python benchmarks/bench_ops.py --lengths 1024 2048 --ks 64 --dtype float64 --out /tmp/b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import logging
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# torch.utils.benchmark imports cpp_extension, which warns about CUDA_HOME on CPU-only machines.
+logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+import torch.utils.benchmark as tbench  # noqa: E402
+
+import relpos_ext
+from relpos_ext import reference as ref
+
+BATCH, HEADS, DIM = 1, 8, 64
+METHODS = ("ours", "gather_einsum", "matmul_gather")
+LABELS = {
+    "ours": "ours: relpos_ext.rel_logits",
+    "gather_einsum": "(a) gather [Lq,Lk,D] + einsum",
+    "matmul_gather": "(b) q@E^T + torch.gather",
+}
+SHORT = {"ours": "ours", "gather_einsum": "(a) gather+einsum", "matmul_gather": "(b) q@E^T+gather"}
+MODES = ("fwd", "fwd+bwd")
+TARGET_L, TARGET_SPEEDUP = 2048, 2.0
+RESULTS = Path(__file__).resolve().parent / "results"
+MiB, GiB = 2.0**20, 2.0**30
+
+
+# --------------------------------------------------------------------------- the methods
+def method_fn(method: str) -> Callable[..., torch.Tensor]:
+    """The function ``f(q, table, K, Lk) -> [B, H, Lq, Lk]`` benchmarked under ``method``."""
+    return {
+        "ours": relpos_ext.rel_logits,
+        "gather_einsum": ref.rel_logits,
+        "matmul_gather": ref.rel_logits_gather,
+    }[method]
+
+
+def parse_k(spec: str, length: int) -> int:
+    """A K spec is an int or ``L-1`` (the unclipped Music Transformer case)."""
+    return length - 1 if spec.replace(" ", "").upper() == "L-1" else int(spec)
+
+
+def analytic_intermediate(method: str, mode: str, length: int, k: int, itemsize: int) -> dict:
+    """Bytes of the largest tensor a method creates besides the ``[B, H, Lq, Lk]`` output.
+
+    (a): the gathered ``[Lq, Lk, D]`` (and its gradient, alive at the same time, in backward).
+    (b): ``q @ E^T`` ``[B, H, Lq, 2K+1]`` or the ``[Lq, Lk]`` int64 bucket index, the larger.
+    ours: forward none (O(D) per row on the stack); backward the per-row bucket sums ``wsum``
+    ``[B, H, Lq, min(2K+1, Lq+Lk-1)]`` in float32/float64.
+    """
+    rows = 2 * k + 1
+    if method == "gather_einsum":
+        one = length * length * DIM * itemsize
+        return {
+            "bytes": one * (2 if mode == "fwd+bwd" else 1),
+            "what": "[Lq,Lk,D]" + (" + its grad" if mode == "fwd+bwd" else ""),
+        }
+    if method == "matmul_gather":
+        qe = BATCH * HEADS * length * rows * itemsize
+        index = length * length * 8
+        return (
+            {"bytes": qe, "what": "q@E^T [B,H,Lq,2K+1]"}
+            if qe >= index
+            else {"bytes": index, "what": "index [Lq,Lk] int64"}
+        )
+    if mode == "fwd":
+        return {"bytes": 0, "what": "none (O(D) per row)"}
+    cols = min(rows, 2 * length - 1)
+    return {"bytes": BATCH * HEADS * length * cols * max(itemsize, 4), "what": "wsum [B,H,Lq,C]"}
+
+
+# --------------------------------------------------------------------------- measuring
+def _proc_status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def _reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS; False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_bytes(resettable: bool) -> int:
+    if resettable:
+        return _proc_status_kib("VmHWM") * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _make_inputs(length: int, k: int, dtype: torch.dtype, grad: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(BATCH, HEADS, length, DIM, generator=g, dtype=dtype)
+    table = torch.randn(2 * k + 1, DIM, generator=g, dtype=dtype)
+    go = torch.randn(BATCH, HEADS, length, length, generator=g, dtype=dtype) if grad else None
+    return q.requires_grad_(grad), table.requires_grad_(grad), go
+
+
+def _runner(method: str, mode: str, length: int, k: int, dtype: torch.dtype) -> Callable[[], Any]:
+    f = method_fn(method)
+    q, table, go = _make_inputs(length, k, dtype, grad=mode == "fwd+bwd")
+    if mode == "fwd":
+        return lambda: f(q, table, k, length)
+    return lambda: torch.autograd.grad(f(q, table, k, length), (q, table), go)
+
+
+def measure(method: str, mode: str, length: int, k: int, args: argparse.Namespace) -> dict:
+    """Runs in a forked child: peak extra memory of one call, then its time."""
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    _runner(method, mode, 32, min(k, 31), dtype)()  # load lazy state: thread pool, dispatch
+    run = _runner(method, mode, length, k, dtype)
+    resettable = _reset_peak_rss()
+    base = _peak_rss_bytes(resettable)
+    t0 = time.perf_counter()
+    out = run()
+    first_s = time.perf_counter() - t0
+    peak = _peak_rss_bytes(resettable)
+    del out
+
+    if first_s >= args.slow_s:
+        # A few single calls, timed directly: the call above was the warm-up, and Timer.timeit
+        # adds two warm-up calls per sample and blocked_autorange a block-size probe.
+        times = []
+        for _ in range(args.slow_reps):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+    else:
+        timer = tbench.Timer(stmt="run()", globals={"run": run}, num_threads=args.threads)
+        times = list(timer.blocked_autorange(min_run_time=args.min_run_time).times)
+    return {
+        "time_ms": statistics.median(times) * 1e3,
+        "min_ms": min(times) * 1e3,
+        "times_ms": [t * 1e3 for t in times],
+        "first_call_ms": first_s * 1e3,
+        "peak_extra_bytes": max(peak - base, 0),
+        "memory_method": "VmHWM after clear_refs" if resettable else "ru_maxrss delta (lower bound)",
+    }
+
+
+def in_child(fn: Callable[..., dict], *fn_args: Any) -> dict:
+    """Run ``fn(*fn_args)`` in a forked child and return its (JSON) result or an error record.
+
+    The parent only imports torch and never runs a kernel, so the child starts with no thread
+    pool to inherit and with nothing freed in its heap that could hide its peak.
+    """
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(rfd)
+        try:
+            res = fn(*fn_args)
+        except BaseException as e:  # report, never fall back into the parent's code
+            res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        with os.fdopen(wfd, "w") as w:
+            json.dump(res, w)
+        os._exit(0)
+    os.close(wfd)
+    with os.fdopen(rfd) as r:
+        data = r.read()
+    _, status = os.waitpid(pid, 0)
+    if data:
+        return json.loads(data)
+    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+    why = f"killed by signal {sig}" + (" (out of memory?)" if sig == 9 else "") if sig else "no result"
+    return {"error": why}
+
+
+# --------------------------------------------------------------------------- the run
+@dataclass
+class Row:
+    length: int
+    k: int
+    mode: str
+    method: str
+    time_ms: float | None = None
+    ratio_vs_ours: float | None = None
+    peak_extra_mib: float | None = None
+    analytic_mib: float = 0.0
+    analytic_what: str = ""
+    skipped: str | None = None
+    raw: dict = field(default_factory=dict)
+
+
+def sanity_check(dtype_name: str, length: int = 96, k: int = 7) -> dict:
+    """Max |ours - (b)| at a small shape, so a broken build does not produce fast numbers."""
+    q, table, _ = _make_inputs(length, k, getattr(torch, dtype_name), grad=False, seed=1)
+    got = relpos_ext.rel_logits(q, table, k, length)
+    want = ref.rel_logits_gather(q, table, k, length)
+    return {"max_abs_err": (got - want).abs().max().item()}
+
+
+def machine_info(args: argparse.Namespace) -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        mem_gib = _proc_meminfo_kib("MemTotal") / 2**20
+    except (OSError, KeyError):
+        mem_gib = None
+    return {
+        "cpu": cpu,
+        "load_average_at_start": os.getloadavg(),
+        "logical_cpus": os.cpu_count(),
+        "threads": args.threads,
+        "mem_total_gib": mem_gib,
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+    }
+
+
+def _proc_meminfo_kib(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def run_all(args: argparse.Namespace) -> list[Row]:
+    itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    rows: list[Row] = []
+    for length in args.lengths:
+        ks = sorted({parse_k(s, length) for s in args.ks})
+        for k in ks:
+            for mode in MODES:
+                ours_ms = None
+                for method in METHODS:
+                    an = analytic_intermediate(method, mode, length, k, itemsize)
+                    row = Row(length, k, mode, method, analytic_mib=an["bytes"] / MiB,
+                              analytic_what=an["what"])
+                    if method == "gather_einsum" and an["bytes"] > args.mem_cap_gib * GiB:
+                        row.skipped = f"skipped ({an['bytes'] / GiB:.1f} GiB)"
+                    else:
+                        t0 = time.perf_counter()
+                        res = in_child(measure, method, mode, length, k, args)
+                        row.raw = res
+                        if "error" in res:
+                            row.skipped = "error: " + res["error"].splitlines()[0][:60]
+                        else:
+                            row.time_ms = res["time_ms"]
+                            row.peak_extra_mib = res["peak_extra_bytes"] / MiB
+                            if method == "ours":
+                                ours_ms = row.time_ms
+                            if ours_ms:
+                                row.ratio_vs_ours = row.time_ms / ours_ms
+                        if args.verbose:
+                            print(f"  [{time.perf_counter() - t0:6.1f}s] L={length} K={k} {mode} "
+                                  f"{method}: {row.time_ms or row.skipped}", flush=True)
+                    rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------- reporting
+def format_table(rows: list[Row]) -> str:
+    head = (f"{'L':>5} {'K':>5} {'mode':<8}{'method':<18}{'time ms':>10}{'x ours':>8}"
+            f"{'peak extra MiB':>16}   largest intermediate (analytic)")
+    lines = [head, "-" * len(head) + "-" * 12]
+    prev = None
+    for r in rows:
+        key = (r.length, r.k)
+        if prev is not None and key != prev:
+            lines.append("")
+        prev = key
+        if r.skipped:
+            lines.append(f"{r.length:>5} {r.k:>5} {r.mode:<8}{SHORT[r.method]:<18}{r.skipped:>34}"
+                         f"   {r.analytic_mib:10.1f} MiB {r.analytic_what}")
+            continue
+        x = f"{r.ratio_vs_ours:.2f}" if r.ratio_vs_ours is not None else "-"
+        lines.append(
+            f"{r.length:>5} {r.k:>5} {r.mode:<8}{SHORT[r.method]:<18}{r.time_ms:>10.2f}{x:>8}"
+            f"{r.peak_extra_mib:>16.1f}   {r.analytic_mib:10.1f} MiB {r.analytic_what}"
+        )
+    return "\n".join(lines)
+
+
+def target_verdicts(rows: list[Row]) -> list[dict]:
+    """rel_logits forward must be >= 2x faster than (b) at L=2048, per K."""
+    out = []
+    fwd = {(r.length, r.k, r.method): r for r in rows if r.mode == "fwd"}
+    for (length, k, method), r in sorted(fwd.items()):
+        if length != TARGET_L or method != "ours":
+            continue
+        b = fwd.get((length, k, "matmul_gather"))
+        if r.time_ms is None or b is None or b.time_ms is None:
+            out.append({"L": length, "K": k, "speedup": None, "verdict": "N/A"})
+            continue
+        speedup = b.time_ms / r.time_ms
+        out.append({"L": length, "K": k, "speedup": speedup,
+                    "verdict": "PASS" if speedup >= TARGET_SPEEDUP else "FAIL"})
+    return out
+
+
+def plot(rows: list[Row], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"ours": "tab:blue", "gather_einsum": "tab:red", "matmul_gather": "tab:green"}
+
+    def ks_kind(r: Row) -> str:
+        return "K=L-1" if r.k == r.length - 1 else f"K={r.k}"
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    for ax, mode in zip(axes, MODES):
+        series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+        for r in rows:
+            if r.mode == mode and r.time_ms is not None:
+                series.setdefault((r.method, ks_kind(r)), []).append((r.length, r.time_ms))
+        kinds = sorted({k for _, k in series}, key=lambda s: (s != "K=L-1", s))
+        styles = {k: s for k, s in zip(kinds, ["-", "--", ":", "-."] * 4)}
+        order = sorted(series.items(), key=lambda kv: (METHODS.index(kv[0][0]), kinds.index(kv[0][1])))
+        for (method, kind), pts in order:
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[kind], marker="o",
+                    color=colors[method], label=f"{SHORT[method]}, {kind}")
+        ax.set_xscale("log", base=2)
+        lengths = sorted({r.length for r in rows})
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.minorticks_off()
+        ax.set_yscale("log")
+        ax.set_xlabel("L (= Lq = Lk)")
+        ax.set_title(mode)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("time (ms)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", "-L", type=int, nargs="+",
+                   help="sequence lengths, Lq = Lk (default: 512 1024 2048 4096; --quick: 128 256)")
+    p.add_argument("--ks", "-K", nargs="+",
+                   help="max distances K; 'L-1' means unclipped (default: 64 L-1; --quick: 16 L-1)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    p.add_argument("--quick", action="store_true",
+                   help="tiny smoke run (~30 s): small L, short timings")
+    p.add_argument("--out", type=Path, default=RESULTS / "bench_ops.json",
+                   help="JSON path; the PNG goes beside it with a .png suffix")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    p.add_argument("--mem-cap-gib", type=float, default=4.0,
+                   help="skip (a) where its live [Lq,Lk,D] tensors exceed this (default 4)")
+    p.add_argument("--min-run-time", type=float, default=1.0,
+                   help="blocked_autorange min_run_time in seconds for fast cases")
+    p.add_argument("--slow-s", type=float, default=0.5,
+                   help="a first call slower than this is timed by --slow-reps single calls")
+    p.add_argument("--slow-reps", type=int, default=2)
+    p.add_argument("-v", "--verbose", action="store_true", help="print each measurement as it ends")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.min_run_time, args.slow_reps = 0.1, 1
+    args.lengths = args.lengths or ([128, 256] if args.quick else [512, 1024, 2048, 4096])
+    args.ks = args.ks or (["16", "L-1"] if args.quick else ["64", "L-1"])
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not hasattr(os, "fork") or not os.path.exists("/proc/self/status"):
+        sys.exit("bench_ops.py measures memory through /proc and fork(): run it on Linux")
+    info = relpos_ext.build_info()
+    itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    print(f"relpos_ext {info['version']}  torch {torch.__version__}  build_info={info}")
+    mach = machine_info(args)
+    print(f"machine: {mach['cpu']}, {mach['logical_cpus']} logical CPUs, "
+          f"torch threads={args.threads}, {mach['mem_total_gib'] or 0:.0f} GiB RAM")
+    load1 = mach["load_average_at_start"][0]
+    if load1 > 0.5 * (os.cpu_count() or 1):
+        print(f"warning: load average {load1:.1f} on {os.cpu_count()} CPUs: other work is running, "
+              "timings will be noisy and slow")
+    print(f"shape: B={BATCH} H={HEADS} D={DIM} Lq=Lk=L, dtype={args.dtype}, shared table [2K+1, D]")
+    sanity = in_child(sanity_check, args.dtype)
+    err = sanity.get("max_abs_err")
+    print(f"sanity: max |ours - (b)| at L=96, K=7: "
+          + (f"{err:.2e}" if err is not None else sanity["error"].splitlines()[0]))
+    print("methods:")
+    for m in METHODS:
+        print(f"  {LABELS[m]}")
+    print("memory: peak RSS growth during one call, each in a fresh forked process; inputs and "
+          "upstream grad excluded,\n        output and grads included (the output [B,H,L,L] is "
+          f"{BATCH * HEADS * 2048**2 * itemsize / MiB:.0f} MiB at L=2048, for every method)")
+    print(f"target: rel_logits forward >= {TARGET_SPEEDUP:.0f}x faster than (b) at L={TARGET_L}, per K")
+    print(flush=True)
+
+    t0 = time.perf_counter()
+    rows = run_all(args)
+    elapsed = time.perf_counter() - t0
+    print(format_table(rows))
+    print()
+    verdicts = target_verdicts(rows)
+    if not verdicts:
+        print(f"target: N/A (L={TARGET_L} not in this run)")
+    for v in verdicts:
+        s = f"{v['speedup']:.2f}x" if v["speedup"] is not None else "not measured"
+        print(f"target L={v['L']} K={v['K']}: ours fwd vs (b) fwd = {s} "
+              f"(need >= {TARGET_SPEEDUP:.1f}x): {v['verdict']}")
+    print(f"total {elapsed:.0f} s")
+
+    mem_methods = {r.raw.get("memory_method") for r in rows if r.raw.get("memory_method")}
+    doc = {
+        "benchmark": "bench_ops",
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch_version": torch.__version__,
+        "build_info": info,
+        "machine": mach,
+        "config": {
+            "batch": BATCH, "heads": HEADS, "dim": DIM, "dtype": args.dtype,
+            "lengths": args.lengths, "ks": args.ks, "quick": args.quick,
+            "mem_cap_gib": args.mem_cap_gib, "min_run_time": args.min_run_time,
+            "slow_s": args.slow_s, "slow_reps": args.slow_reps,
+        },
+        "memory_method": sorted(mem_methods),
+        "methods": LABELS,
+        "target": {"L": TARGET_L, "min_speedup_fwd_vs_b": TARGET_SPEEDUP, "verdicts": verdicts},
+        "sanity_max_abs_err": err,
+        "elapsed_s": elapsed,
+        "results": [
+            {k: v for k, v in asdict(r).items() if k != "raw"}
+            | {"min_ms": r.raw.get("min_ms"), "times_ms": r.raw.get("times_ms"),
+               "first_call_ms": r.raw.get("first_call_ms"),
+               "error": r.raw.get("error")}
+            for r in rows
+        ],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    if not args.no_plot:
+        png = args.out.with_suffix(".png")
+        plot(rows, png, f"rel_logits, B={BATCH} H={HEADS} D={DIM} {args.dtype}, "
+                        f"{args.threads} threads, {info['cpu_kernel_in_use']} kernel, "
+                        f"{mach['cpu']}")
+        print(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
