@@ -192,6 +192,8 @@ struct OpsImpl {
       return {at::zeros_like(q, at::MemoryFormat::Contiguous),
               at::zeros_like(table, at::MemoryFormat::Contiguous)};
     }
+    // The matmuls below are part of this kernel, not of the autograd graph.
+    const at::NoGradGuard no_grad;
     const at::Tensor g = grad.contiguous();
     const int64_t bucket0 = first_bucket(q_len, max_distance, q_offset, k_offset);
     const int64_t num_cols = last_bucket(k_len, max_distance, q_offset, k_offset) - bucket0 + 1;

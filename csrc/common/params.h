@@ -62,3 +62,44 @@ struct BucketSumParams {
 };
 
 }  // namespace relpos
+
+namespace relpos {
+
+// rel_attention (Shaw et al. 2018 with relative keys and values), per (b, h, i):
+//   s_ij = (q_i . k_j + q_i . rel_k[b(i, j)]) * scale,  masked where causal / key padding
+//   p_ij = softmax_j(s_ij),  out_i = sum_j p_ij (v_j + rel_v[b(i, j)]),  lse_i = log sum_j e^s_ij
+// k and v may have fewer heads (grouped-query attention): query head h reads kv head
+// h / (heads / kv_heads). Rows with no visible key get out = 0 and lse = +inf (so that the
+// backward's exp(s - lse) is 0, not NaN).
+struct RelAttentionParams {
+  const void* q;                  // [batch, heads, q_len, dim]
+  const void* k;                  // [batch, kv_heads, k_len, dim]
+  const void* v;                  // [batch, kv_heads, k_len, dim]
+  const void* rel_k;              // [2K+1, dim] or [heads, 2K+1, dim]; null: no key term
+  const void* rel_v;              // same; null: no value term
+  const bool* key_padding_mask;   // [batch, k_len], true = ignore that key; null: none
+  void* out;                      // [batch, heads, q_len, dim]
+  void* lse;                      // [batch, heads, q_len]: float32, float64 for Float64
+  int64_t batch, heads, kv_heads, q_len, k_len, dim, max_distance, q_offset, k_offset;
+  bool rel_k_per_head, rel_v_per_head, causal;
+  double scale;
+  DType dtype;
+};
+
+// rel_attention_backward: gradients of all five inputs, recomputing p from lse.
+//   dp_ij = dout_i . (v_j + rel_v[b]),  ds_ij = p_ij (dp_ij - dout_i . out_i)
+//   dq_i = scale sum_j ds_ij (k_j + rel_k[b]),  dk_j = scale sum_i ds_ij q_i,  dv_j = sum_i p_ij dout_i
+//   drel_k[b] = scale sum_{b(i,j)=b} ds_ij q_i,  drel_v[b] = sum_{b(i,j)=b} p_ij dout_i
+// Work items are (b, kv head) so that dk/dv of a kv head have one writer. The table gradients
+// are written per (b, h) into drel_*_partial (acc type) and summed by the glue in a fixed order.
+struct RelAttentionBwdParams {
+  RelAttentionParams fwd;         // inputs as in the forward (fwd.out and fwd.lse are read)
+  const void* grad_out;           // [batch, heads, q_len, dim]
+  void* dq;                       // [batch, heads, q_len, dim]
+  void* dk;                       // [batch, kv_heads, k_len, dim]
+  void* dv;                       // [batch, kv_heads, k_len, dim]
+  void* drel_k_partial;           // [batch, heads, 2K+1, dim] acc type, or null
+  void* drel_v_partial;           // [batch, heads, 2K+1, dim] acc type, or null
+};
+
+}  // namespace relpos

@@ -50,6 +50,21 @@ RELPOS_HD KeySpan unclamped_keys(int64_t i, int64_t k_len, int64_t max_distance,
   return s;
 }
 
+// Keys of query row i strictly inside the clipping window, |r(i, j)| < K, as [begin, end) clipped
+// to [0, k_len): there bucket = r + K takes each value 1..2K-1 once. Keys before `begin` are in
+// bucket 0 and keys from `end` on in bucket 2K (for K = 0 both are bucket 0). Fused attention
+// kernels use it to treat the two clamped buckets as running sums and the inside as a band.
+RELPOS_HD KeySpan inner_keys(int64_t i, int64_t k_len, int64_t max_distance, int64_t q_offset,
+                             int64_t k_offset) {
+  if (max_distance == 0) {
+    const int64_t t = q_offset + i - k_offset + 1;  // keys j < t have r <= 0: bucket "0 from below"
+    const int64_t c = t < 0 ? 0 : (t > k_len ? k_len : t);
+    return KeySpan{c, c};
+  }
+  KeySpan s = unclamped_keys(i, k_len, max_distance - 1, q_offset, k_offset);
+  return s;
+}
+
 // Buckets touched by any (i, j) with i < q_len, j < k_len: [first, last]. Because b(i, j) grows
 // with j and shrinks with i, the extremes are b(q_len - 1, 0) and b(0, k_len - 1).
 RELPOS_HD int64_t first_bucket(int64_t q_len, int64_t max_distance, int64_t q_offset,

@@ -29,6 +29,12 @@ void skew(const SkewParams& p, int64_t begin, int64_t end);
 void skew_backward(const SkewParams& p, int64_t begin, int64_t end);
 void rel_logits(const RelLogitsParams& p, int64_t begin, int64_t end);
 void bucket_sum(const BucketSumParams& p, int64_t begin, int64_t end);
+// Fused attention; work items differ from the scalar kernels (rel_attention_avx2.cpp):
+//   rel_attention: (b, h, tile of kAttentionTileQ query rows); backward: (b, kv head).
+void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end);
+void rel_attention_backward(const RelAttentionBwdParams& p, int64_t begin, int64_t end);
 }  // namespace avx2
+
+constexpr int64_t kAttentionTileQ = 64;
 
 }  // namespace relpos::cpu

@@ -6,10 +6,12 @@
 
 #include <type_traits>
 
+#include "common/attention_impl.h"
 #include "common/ops_impl.h"
 #include "cpu/isa.h"
 #include "cpu/kernels.h"
 #include "cpu/kernels_scalar.h"
+#include "cpu/rel_attention_scalar.h"
 
 namespace relpos::cpu {
 namespace {
@@ -30,6 +32,10 @@ at::ScalarType scalar_type_of(DType d) {
 #define RELPOS_AVX2_FN(name) nullptr
 #endif
 
+template <typename Params>
+DType params_dtype(const Params& p) { return p.dtype; }
+DType params_dtype(const RelAttentionBwdParams& p) { return p.fwd.dtype; }
+
 // Runs `avx2_fn` (float32/float16/bfloat16 on the AVX2 path) or the scalar template over
 // [0, items) in parallel. `grain` is the number of items worth a task.
 template <typename Params, typename ScalarFn>
@@ -37,11 +43,12 @@ void run(const Params& p, int64_t items, int64_t grain,
          std::type_identity_t<void (*)(const Params&, int64_t, int64_t)> avx2_fn,
          ScalarFn scalar_fn) {
   if (items <= 0) return;
-  if (avx2_fn != nullptr && p.dtype != DType::Float64 && selected_isa() == Isa::Avx2) {
+  const Isa isa = selected_isa();  // validates RELPOS_CPU_ISA on every call
+  if (avx2_fn != nullptr && params_dtype(p) != DType::Float64 && isa == Isa::Avx2) {
     at::parallel_for(0, items, grain, [&](int64_t b, int64_t e) { avx2_fn(p, b, e); });
     return;
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scalar_type_of(p.dtype), "relpos_cpu",
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scalar_type_of(params_dtype(p)), "relpos_cpu",
                                   [&] {
                                     at::parallel_for(0, items, grain, [&](int64_t b, int64_t e) {
                                       scalar_fn.template operator()<scalar_t>(p, b, e);
@@ -92,14 +99,37 @@ struct CpuBackend {
           scalar::bucket_sum<T>(pp, b, e);
         });
   }
+  // The AVX2 attention kernels tile the work differently from the scalar ones (kernels.h).
+  static void rel_attention(const RelAttentionParams& p) {
+#if defined(RELPOS_HAVE_AVX2)
+    if (p.dtype != DType::Float64 && selected_isa() == Isa::Avx2) {
+      const int64_t tiles = p.batch * p.heads * ((p.q_len + kAttentionTileQ - 1) / kAttentionTileQ);
+      at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) { avx2::rel_attention(p, b, e); });
+      return;
+    }
+#endif
+    run(p, p.batch * p.heads * p.q_len, grain_for(p.k_len * p.dim * 4), nullptr,
+        []<typename T>(const RelAttentionParams& pp, int64_t b, int64_t e) {
+          scalar::rel_attention<T>(pp, b, e);
+        });
+  }
+  static void rel_attention_backward(const RelAttentionBwdParams& p) {
+    // both paths: work items are (b, kv head)
+    run(p, p.fwd.batch * p.fwd.kv_heads, 1, RELPOS_AVX2_FN(rel_attention_backward),
+        []<typename T>(const RelAttentionBwdParams& pp, int64_t b, int64_t e) {
+          scalar::rel_attention_backward<T>(pp, b, e);
+        });
+  }
 };
 
 using Impl = OpsImpl<CpuBackend>;
+using Attention = AttentionImpl<CpuBackend>;
 
 }  // namespace
 }  // namespace relpos::cpu
 
 TORCH_LIBRARY_IMPL(relpos, CPU, m) {
+  using relpos::cpu::Attention;
   using relpos::cpu::Impl;
   m.impl("rel_gather", &Impl::rel_gather);
   m.impl("rel_gather_backward", &Impl::rel_gather_backward);
@@ -107,4 +137,6 @@ TORCH_LIBRARY_IMPL(relpos, CPU, m) {
   m.impl("skew_backward", &Impl::skew_backward);
   m.impl("rel_logits", &Impl::rel_logits);
   m.impl("rel_logits_backward", &Impl::rel_logits_backward);
+  m.impl("rel_attention", &Attention::rel_attention);
+  m.impl("rel_attention_backward", &Attention::rel_attention_backward);
 }

@@ -11,6 +11,8 @@ import torch  # noqa: F401  (libtorch must be loaded before the extension)
 
 from . import _C, nn, reference
 from .ops import (
+    rel_attention,
+    rel_attention_backward,
     rel_gather,
     rel_gather_backward,
     rel_logits,
@@ -23,6 +25,8 @@ __all__ = [
     "build_info",
     "nn",
     "reference",
+    "rel_attention",
+    "rel_attention_backward",
     "rel_gather",
     "rel_gather_backward",
     "rel_logits",

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from . import ops
 
-__all__ = ["ShawRelativeAttention"]
+__all__ = ["RelativeMultiheadAttention", "ShawRelativeAttention"]
 
 
 class ShawRelativeAttention(nn.Module):
@@ -72,3 +72,107 @@ class ShawRelativeAttention(nn.Module):
             eq = "bhij,ijd->bhid" if self.rel_v.dim() == 2 else "bhij,hijd->bhid"
             out = out + torch.einsum(eq, p, a)
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, self.embed_dim))
+
+
+class RelativeMultiheadAttention(nn.Module):
+    """Multi-head attention with Shaw et al. (2018) relative key/value embeddings, fused.
+
+    A drop-in for ``nn.MultiheadAttention(batch_first=True)`` whose attention core is
+    :func:`relpos_ext.rel_attention`: O(L) memory, no ``[L, L]`` matrix, forward and backward.
+    Self-attention when ``key``/``value`` are None; cross-attention (``Lq != Lk``) otherwise.
+
+    Args:
+        embed_dim: model width ``E``; must be divisible by ``num_heads``.
+        num_heads: query heads ``H``.
+        max_distance: ``K``; the tables have ``2K+1`` rows of ``E / H``.
+        num_kv_heads: key/value heads (grouped-query attention); must divide ``H``. Default ``H``.
+        rel_keys, rel_values: learn the relative key / value table (either may be off).
+        per_head_tables: ``[H, 2K+1, D]`` tables instead of one shared ``[2K+1, D]``.
+        bias: bias in the projections.
+        batch_first: must be True (inputs are ``[B, L, E]``); kept for nn.MultiheadAttention parity.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        max_distance: int,
+        num_kv_heads: int | None = None,
+        rel_keys: bool = True,
+        rel_values: bool = True,
+        per_head_tables: bool = False,
+        bias: bool = True,
+        batch_first: bool = True,
+    ) -> None:
+        super().__init__()
+        if not batch_first:
+            raise ValueError("RelativeMultiheadAttention supports batch_first=True only")
+        if embed_dim % num_heads != 0:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
+        if max_distance < 0:
+            raise ValueError(f"max_distance must be >= 0, got {max_distance}")
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.max_distance = max_distance
+        self.head_dim = embed_dim // num_heads
+        self.batch_first = True
+        kv_dim = num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias)
+        self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        shape = ((num_heads,) if per_head_tables else ()) + (2 * max_distance + 1, self.head_dim)
+        self.rel_k = nn.Parameter(torch.randn(shape) * self.head_dim**-0.5) if rel_keys else None
+        self.rel_v = nn.Parameter(torch.randn(shape) * self.head_dim**-0.5) if rel_values else None
+
+    def _heads(self, x: Tensor, heads: int) -> Tensor:
+        batch, length, _ = x.shape
+        return x.view(batch, length, heads, self.head_dim).transpose(1, 2)
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        key_padding_mask: Tensor | None,
+        causal: bool,
+        q_offset: int,
+        k_offset: int,
+    ) -> Tensor:
+        """The attention core on ``[B, H, L, D]`` heads (overridden by the reference module)."""
+        return ops.rel_attention(
+            q, k, v, self.rel_k, self.rel_v, self.max_distance, causal, None, q_offset, k_offset,
+            key_padding_mask,
+        )
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = False,
+        is_causal: bool = False,
+        q_offset: int = 0,
+        k_offset: int = 0,
+    ) -> tuple[Tensor, None]:
+        """query ``[B, Lq, E]``, key/value ``[B, Lk, E]`` (default: query) -> ``([B, Lq, E], None)``.
+
+        key_padding_mask: ``[B, Lk]`` bool, True = ignore (as nn.MultiheadAttention).
+        is_causal: key j visible to query i iff ``k_offset + j <= q_offset + i``.
+        need_weights must be False: the fused kernel never forms the attention matrix.
+        """
+        if need_weights:
+            raise ValueError("need_weights=True is not supported: the attention matrix is never formed")
+        key = query if key is None else key
+        value = key if value is None else value
+        if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
+            raise ValueError(f"key_padding_mask must be bool (True = ignore), got {key_padding_mask.dtype}")
+        q = self._heads(self.q_proj(query), self.num_heads)
+        k = self._heads(self.k_proj(key), self.num_kv_heads)
+        v = self._heads(self.v_proj(value), self.num_kv_heads)
+        z = self.attend(q, k, v, key_padding_mask, is_causal, q_offset, k_offset)
+        batch, q_len = query.shape[0], query.shape[1]
+        return self.out_proj(z.transpose(1, 2).reshape(batch, q_len, self.embed_dim)), None

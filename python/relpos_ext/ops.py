@@ -22,6 +22,8 @@ __all__ = [
     "skew_backward",
     "rel_logits",
     "rel_logits_backward",
+    "rel_attention",
+    "rel_attention_backward",
 ]
 
 IntLike = Any  # int, or torch.SymInt under torch.compile with dynamic shapes
@@ -206,6 +208,7 @@ def _rel_logits_fake(q, table, max_distance, k_len, q_offset=0, k_offset=0):
     torch._check(q.dim() == 4, lambda: f"q must be [B, H, Lq, D], got {q.dim()}-D")
     torch._check(table.dim() in (2, 3), lambda: "table must be 2-D or 3-D")
     torch._check(table.dtype == q.dtype, lambda: "table dtype must match q dtype")
+    torch._check(table.device == q.device, lambda: "table must be on the device of q")
     torch._check(table.shape[-1] == q.shape[-1], lambda: "table's last dim must equal D")
     torch._check(table.shape[-2] == 2 * max_distance + 1, lambda: "table must have 2K+1 rows")
     return q.new_empty((q.shape[0], q.shape[1], q.shape[2], k_len))
@@ -214,6 +217,10 @@ def _rel_logits_fake(q, table, max_distance, k_len, q_offset=0, k_offset=0):
 @torch.library.register_fake("relpos::rel_logits_backward")
 def _rel_logits_backward_fake(grad, q, table, max_distance, q_offset=0, k_offset=0):
     torch._check(grad.dim() == 4, lambda: "grad must be [B, H, Lq, Lk]")
+    torch._check(
+        grad.device == q.device and table.device == q.device,
+        lambda: "grad, q and table must be on one device",
+    )
     return torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
         table, memory_format=torch.contiguous_format
     )
@@ -230,6 +237,172 @@ def _rel_logits_bwd(ctx, grad: Tensor):
     return dq, dtable, None, None, None, None
 
 
+def _rel_logits_backward_setup(ctx, inputs, output) -> None:
+    grad, q, table, ctx.max_distance, ctx.q_offset, ctx.k_offset = inputs
+    ctx.save_for_backward(grad, q, table)
+
+
+def _rel_logits_backward_bwd(ctx, ddq: Tensor | None, ddtable: Tensor | None):
+    # (dq, dtable) is bilinear in (grad, q) and (grad, table): differentiate each side with the
+    # same ops (double backward, e.g. for gradient penalties).
+    grad, q, table = ctx.saved_tensors
+    k, qo, ko = ctx.max_distance, ctx.q_offset, ctx.k_offset
+    k_len = grad.shape[-1]
+    dgrad = torch.zeros_like(grad)
+    dq = torch.zeros_like(q)
+    dtable = torch.zeros_like(table)
+    if ddq is not None:
+        dgrad = dgrad + rel_logits(ddq.contiguous(), table, k, k_len, qo, ko)
+        dtable = dtable + rel_logits_backward(grad, ddq.contiguous(), table, k, qo, ko)[1]
+    if ddtable is not None:
+        dgrad = dgrad + rel_logits(q, ddtable.contiguous(), k, k_len, qo, ko)
+        dq = dq + rel_logits_backward(grad, q, ddtable.contiguous(), k, qo, ko)[0]
+    return dgrad, dq, dtable, None, None, None
+
+
 torch.library.register_autograd(
     "relpos::rel_logits", _rel_logits_bwd, setup_context=_rel_logits_setup
+)
+torch.library.register_autograd(
+    "relpos::rel_logits_backward", _rel_logits_backward_bwd, setup_context=_rel_logits_backward_setup
+)
+
+
+# --------------------------------------------------------------------------- rel_attention
+def rel_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    rel_k: Tensor | None = None,
+    rel_v: Tensor | None = None,
+    max_distance: IntLike = 0,
+    causal: bool = False,
+    scale: float | None = None,
+    q_offset: IntLike = 0,
+    k_offset: IntLike = 0,
+    key_padding_mask: Tensor | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Fused Shaw et al. (2018) attention with relative key and value embeddings, O(L) memory.
+
+    ``s_ij = (q_i . k_j + q_i . rel_k[b(i, j)]) * scale``, ``p = softmax_j(s)``,
+    ``out_i = sum_j p_ij (v_j + rel_v[b(i, j)])`` with ``b(i, j) = clamp(r, -K, K) + K``.
+    Never holds an ``[Lq, Lk]`` or ``[Lq, Lk, D]`` tensor; the backward recomputes the
+    probabilities from the saved log-sum-exp.
+
+    Args:
+        q: ``[B, H, Lq, D]``.
+        k, v: ``[B, Hkv, Lk, D]``; ``Hkv`` divides ``H`` (grouped-query attention).
+        rel_k, rel_v: ``[2K+1, D]`` or ``[H, 2K+1, D]``, or None to drop that term.
+        max_distance: ``K``.
+        causal: key j is visible to query i iff ``k_offset + j <= q_offset + i``.
+        scale: defaults to ``1 / sqrt(D)``.
+        q_offset, k_offset: absolute positions of query 0 and key 0 (decoding with a cache).
+        key_padding_mask: ``[B, Lk]`` bool, True = ignore that key (as nn.MultiheadAttention).
+        return_lse: also return the log-sum-exp ``[B, H, Lq]`` (float32; float64 for float64).
+
+    Returns:
+        ``out [B, H, Lq, D]`` (rows with no visible key are 0), or ``(out, lse)``.
+    """
+    out, lse = torch.ops.relpos.rel_attention.default(
+        q, k, v, rel_k, rel_v, max_distance, causal, scale, q_offset, k_offset, key_padding_mask
+    )
+    return (out, lse) if return_lse else out
+
+
+def rel_attention_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    rel_k: Tensor | None,
+    rel_v: Tensor | None,
+    out: Tensor,
+    lse: Tensor,
+    max_distance: IntLike,
+    causal: bool = False,
+    scale: float | None = None,
+    q_offset: IntLike = 0,
+    k_offset: IntLike = 0,
+    key_padding_mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """Gradients ``(dq, dk, dv, drel_k, drel_v)`` of :func:`rel_attention` (None for absent tables)."""
+    dq, dk, dv, drk, drv = torch.ops.relpos.rel_attention_backward.default(
+        grad_out, q, k, v, rel_k, rel_v, out, lse, max_distance, causal, scale, q_offset,
+        k_offset, key_padding_mask,
+    )
+    return dq, dk, dv, (drk if rel_k is not None else None), (drv if rel_v is not None else None)
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("relpos::rel_attention")
+def _rel_attention_fake(q, k, v, rel_k, rel_v, max_distance, causal=False, scale=None,
+                        q_offset=0, k_offset=0, key_padding_mask=None):
+    torch._check(q.dim() == 4 and k.dim() == 4, lambda: "q and k must be 4-D")
+    torch._check(v.shape == k.shape, lambda: "v must have the shape of k")
+    torch._check(k.dtype == q.dtype and v.dtype == q.dtype, lambda: "k/v dtype must match q")
+    torch._check(q.shape[1] % k.shape[1] == 0, lambda: "k heads must divide q heads")
+    for t in (rel_k, rel_v):
+        if t is not None:
+            torch._check(t.shape[-2] == 2 * max_distance + 1, lambda: "tables need 2K+1 rows")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
+    return out, lse
+
+
+@torch.library.register_fake("relpos::rel_attention_backward")
+def _rel_attention_backward_fake(grad_out, q, k, v, rel_k, rel_v, out, lse, max_distance,
+                                 causal, scale, q_offset, k_offset, key_padding_mask):
+    def like(t):
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+    def table_grad(t):
+        return q.new_empty((0,)) if t is None else like(t)
+
+    return like(q), like(k), like(v), table_grad(rel_k), table_grad(rel_v)
+
+
+def _rel_attention_setup(ctx, inputs, output) -> None:
+    q, k, v, rel_k, rel_v, ctx.max_distance, ctx.causal, ctx.scale, ctx.q_offset, ctx.k_offset, mask = inputs
+    out, lse = output
+    ctx.has_rel = (rel_k is not None, rel_v is not None, mask is not None)
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, rel_k, rel_v, out, lse, mask)
+
+
+def _rel_attention_bwd(ctx, grad_out: Tensor, _grad_lse: Tensor | None):
+    q, k, v, rel_k, rel_v, out, lse, mask = ctx.saved_tensors
+    has_k, has_v, has_mask = ctx.has_rel
+    dq, dk, dv, drk, drv = torch.ops.relpos.rel_attention_backward.default(
+        grad_out.contiguous(), q, k, v, rel_k if has_k else None, rel_v if has_v else None,
+        out, lse, ctx.max_distance, ctx.causal, ctx.scale, ctx.q_offset, ctx.k_offset,
+        mask if has_mask else None,
+    )
+    return (dq, dk, dv, drk if has_k else None, drv if has_v else None,
+            None, None, None, None, None, None)
+
+
+torch.library.register_autograd(
+    "relpos::rel_attention", _rel_attention_bwd, setup_context=_rel_attention_setup
+)
+
+
+def _rel_attention_backward_setup(ctx, inputs, output) -> None:
+    pass
+
+
+def _rel_attention_double_backward(ctx, *grads):
+    raise NotImplementedError(
+        "relpos::rel_attention does not support double backward (create_graph=True through its "
+        "gradient); use relpos_ext.reference.shaw_attention for higher-order gradients"
+    )
+
+
+torch.library.register_autograd(
+    "relpos::rel_attention_backward",
+    _rel_attention_double_backward,
+    setup_context=_rel_attention_backward_setup,
 )

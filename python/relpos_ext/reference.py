@@ -20,6 +20,7 @@ __all__ = [
     "rel_logits",
     "rel_logits_gather",
     "shaw_attention",
+    "RelativeMultiheadAttentionReference",
 ]
 
 
@@ -58,6 +59,8 @@ def skew_t2t(x: Tensor) -> Tensor:
     """
     *lead, q_len, width = x.shape
     k_len = width - q_len + 1
+    if q_len == 0:  # no rows: the reshapes below would lose Lk
+        return x.new_empty(*lead, 0, k_len)
     x = torch.nn.functional.pad(x, (0, 1))  # [..., Lq, W+1]
     x = x.reshape(*lead, q_len * (width + 1))
     x = torch.nn.functional.pad(x, (0, width - q_len))  # now (Lq+1) * W elements
@@ -138,28 +141,63 @@ def shaw_attention(
     scale: float | None = None,
     q_offset: int = 0,
     k_offset: int = 0,
-) -> Tensor:
+    key_padding_mask: Tensor | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Shaw et al. 2018 attention with relative keys and values, fully materialised.
 
     ``e = (q k^T + q . EK[b]) * scale``, ``p = softmax(e)``, ``z = p v + sum_j p_ij EV[b(i, j)]``.
-    q: ``[B, H, Lq, D]``; k, v: ``[B, H, Lk, D]``; tables ``[2K+1, D]`` or ``[H, 2K+1, D]``.
-    Causal masking keeps key j for query i iff ``k_offset + j <= q_offset + i``.
+    q: ``[B, H, Lq, D]``; k, v: ``[B, Hkv, Lk, D]`` (Hkv divides H: grouped-query attention);
+    tables ``[2K+1, D]`` or ``[H, 2K+1, D]``; key_padding_mask ``[B, Lk]`` bool, True = ignore.
+    Causal masking keeps key j for query i iff ``k_offset + j <= q_offset + i``. Rows with no
+    visible key give zeros (and ``lse = +inf``). With return_lse, also returns the
+    log-sum-exp of the scaled logits, ``[B, H, Lq]``.
     """
     q_len, k_len, dim = q.shape[2], k.shape[2], q.shape[3]
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
     logits = torch.matmul(q, k.transpose(-1, -2))
     if rel_k is not None:
         logits = logits + rel_logits(q, rel_k, max_distance, k_len, q_offset, k_offset)
     logits = logits * scale
+    visible = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device)
     if causal:
         pos_q = torch.arange(q_len, device=q.device) + q_offset
         pos_k = torch.arange(k_len, device=q.device) + k_offset
         visible = pos_k[None, :] <= pos_q[:, None]
-        logits = logits.masked_fill(~visible, float("-inf"))
-    p = torch.softmax(logits, dim=-1)
+    visible = visible.expand(q.shape[0], 1, q_len, k_len)
+    if key_padding_mask is not None:
+        visible = visible & ~key_padding_mask[:, None, None, :]
+    logits = logits.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    any_visible = visible.any(-1, keepdim=True)
+    p = torch.softmax(logits.masked_fill(~any_visible, 0.0), dim=-1) * any_visible
     out = torch.matmul(p, v)
     if rel_v is not None:
         a = rel_gather(rel_v, q_len, k_len, max_distance, q_offset, k_offset)
         eq = "bhij,ijd->bhid" if rel_v.dim() == 2 else "bhij,hijd->bhid"
         out = out + torch.einsum(eq, p, a)
+    if return_lse:
+        return out, lse.masked_fill(~any_visible[..., 0], float("inf"))
     return out
+
+
+def _reference_module_base():
+    from .nn import RelativeMultiheadAttention  # late import: nn depends on the compiled ops
+
+    return RelativeMultiheadAttention
+
+
+class RelativeMultiheadAttentionReference(_reference_module_base()):
+    """:class:`relpos_ext.nn.RelativeMultiheadAttention` with the core done by :func:`shaw_attention`.
+
+    Same parameters and projections; plain PyTorch attention, O(L^2 D) memory. For tests.
+    """
+
+    def attend(self, q, k, v, key_padding_mask, causal, q_offset, k_offset):
+        return shaw_attention(
+            q, k, v, self.rel_k, self.rel_v, self.max_distance, causal, None, q_offset, k_offset,
+            key_padding_mask,
+        )

@@ -1,0 +1,187 @@
+// The torch-facing body of rel_attention / rel_attention_backward (fused Shaw attention), shared
+// by the backends like common/ops_impl.h. `Backend` supplies device_ok/device_name and
+//   static void rel_attention(const RelAttentionParams&);
+//   static void rel_attention_backward(const RelAttentionBwdParams&);
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <optional>
+#include <tuple>
+
+#include "common/ops_impl.h"
+#include "common/params.h"
+
+namespace relpos {
+
+template <class Backend>
+struct AttentionImpl {
+  struct Checked {
+    at::Tensor q, k, v, rel_k, rel_v, mask;  // contiguous; undefined when absent
+    int64_t batch, heads, kv_heads, q_len, k_len, dim;
+    double scale;
+  };
+
+  static void check_table(const std::optional<at::Tensor>& t, const at::Tensor& q,
+                          int64_t max_distance, const char* name) {
+    if (!t.has_value()) return;
+    check_device<Backend>(*t, name);
+    check_table_rows(*t, max_distance, name);
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), name, " dtype must match q dtype (",
+                q.scalar_type(), "); got ", t->scalar_type());
+    TORCH_CHECK(t->size(-1) == q.size(3), name, "'s last dim must equal q's head dim D=", q.size(3),
+                "; got shape ", t->sizes());
+    TORCH_CHECK(t->dim() == 2 || t->size(0) == q.size(1), "a per-head ", name,
+                " [H, 2K+1, D] must have H equal to q.size(1)=", q.size(1), "; got shape ",
+                t->sizes());
+  }
+
+  static Checked check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const std::optional<at::Tensor>& rel_k,
+                       const std::optional<at::Tensor>& rel_v, int64_t max_distance,
+                       std::optional<double> scale,
+                       const std::optional<at::Tensor>& key_padding_mask) {
+    check_device<Backend>(q, "q");
+    check_device<Backend>(k, "k");
+    check_device<Backend>(v, "v");
+    check_float_dtype(q, "q");
+    TORCH_CHECK(q.dim() == 4, "q must be [B, H, Lq, D]; got shape ", q.sizes());
+    TORCH_CHECK(k.dim() == 4, "k must be [B, Hkv, Lk, D]; got shape ", k.sizes());
+    TORCH_CHECK(v.sizes() == k.sizes(), "v must have the shape of k ", k.sizes(), "; got ",
+                v.sizes());
+    TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+                "k and v dtypes must match q dtype (", q.scalar_type(), "); got ", k.scalar_type(),
+                " and ", v.scalar_type());
+    TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(3),
+                "k must be [B, Hkv, Lk, D] with B and D of q ", q.sizes(), "; got ", k.sizes());
+    TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+                "k's head count must divide q's (grouped-query attention); got q heads ", q.size(1),
+                ", k heads ", k.size(1));
+    check_max_distance(max_distance);
+    check_table(rel_k, q, max_distance, "rel_k");
+    check_table(rel_v, q, max_distance, "rel_v");
+    if (key_padding_mask.has_value()) {
+      const at::Tensor& m = *key_padding_mask;
+      check_device<Backend>(m, "key_padding_mask");
+      TORCH_CHECK(m.scalar_type() == at::kBool, "key_padding_mask must be bool (true = ignore); got ",
+                  m.scalar_type());
+      TORCH_CHECK(m.dim() == 2 && m.size(0) == q.size(0) && m.size(1) == k.size(2),
+                  "key_padding_mask must be [B, Lk] = [", q.size(0), ", ", k.size(2), "]; got ",
+                  m.sizes());
+    }
+    Checked c;
+    c.q = q.contiguous();
+    c.k = k.contiguous();
+    c.v = v.contiguous();
+    if (rel_k.has_value()) c.rel_k = rel_k->contiguous();
+    if (rel_v.has_value()) c.rel_v = rel_v->contiguous();
+    if (key_padding_mask.has_value()) c.mask = key_padding_mask->contiguous();
+    c.batch = q.size(0);
+    c.heads = q.size(1);
+    c.kv_heads = k.size(1);
+    c.q_len = q.size(2);
+    c.k_len = k.size(2);
+    c.dim = q.size(3);
+    c.scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(c.dim, 1)));
+    return c;
+  }
+
+  static RelAttentionParams params(const Checked& c, int64_t max_distance, bool causal,
+                                   int64_t q_offset, int64_t k_offset) {
+    RelAttentionParams p{};
+    p.q = c.q.data_ptr();
+    p.k = c.k.data_ptr();
+    p.v = c.v.data_ptr();
+    p.rel_k = c.rel_k.defined() ? c.rel_k.data_ptr() : nullptr;
+    p.rel_v = c.rel_v.defined() ? c.rel_v.data_ptr() : nullptr;
+    p.key_padding_mask = c.mask.defined() ? static_cast<const bool*>(c.mask.data_ptr()) : nullptr;
+    p.batch = c.batch;
+    p.heads = c.heads;
+    p.kv_heads = c.kv_heads;
+    p.q_len = c.q_len;
+    p.k_len = c.k_len;
+    p.dim = c.dim;
+    p.max_distance = max_distance;
+    p.q_offset = q_offset;
+    p.k_offset = k_offset;
+    p.rel_k_per_head = c.rel_k.defined() && c.rel_k.dim() == 3;
+    p.rel_v_per_head = c.rel_v.defined() && c.rel_v.dim() == 3;
+    p.causal = causal;
+    p.scale = c.scale;
+    p.dtype = dtype_of(c.q);
+    return p;
+  }
+
+  static at::ScalarType acc_type(const at::Tensor& q) {
+    return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  }
+
+  static std::tuple<at::Tensor, at::Tensor> rel_attention(
+      const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+      const std::optional<at::Tensor>& rel_k, const std::optional<at::Tensor>& rel_v,
+      int64_t max_distance, bool causal, std::optional<double> scale, int64_t q_offset,
+      int64_t k_offset, const std::optional<at::Tensor>& key_padding_mask) {
+    const Checked c = check(q, k, v, rel_k, rel_v, max_distance, scale, key_padding_mask);
+    at::Tensor out = at::empty({c.batch, c.heads, c.q_len, c.dim}, c.q.options());
+    at::Tensor lse = at::empty({c.batch, c.heads, c.q_len}, c.q.options().dtype(acc_type(c.q)));
+    if (lse.numel() == 0) return {out, lse};
+    RelAttentionParams p = params(c, max_distance, causal, q_offset, k_offset);
+    p.out = out.data_ptr();
+    p.lse = lse.data_ptr();
+    Backend::rel_attention(p);
+    return {out, lse};
+  }
+
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+  rel_attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                         const at::Tensor& v, const std::optional<at::Tensor>& rel_k,
+                         const std::optional<at::Tensor>& rel_v, const at::Tensor& out,
+                         const at::Tensor& logsumexp, int64_t max_distance, bool causal,
+                         std::optional<double> scale, int64_t q_offset, int64_t k_offset,
+                         const std::optional<at::Tensor>& key_padding_mask) {
+    const Checked c = check(q, k, v, rel_k, rel_v, max_distance, scale, key_padding_mask);
+    TORCH_CHECK(grad_out.sizes() == c.q.sizes() && out.sizes() == c.q.sizes(),
+                "grad_out and out must have the shape of q ", c.q.sizes(), "; got ",
+                grad_out.sizes(), " and ", out.sizes());
+    TORCH_CHECK(grad_out.scalar_type() == c.q.scalar_type() && out.scalar_type() == c.q.scalar_type(),
+                "grad_out and out dtypes must match q dtype");
+    TORCH_CHECK(logsumexp.dim() == 3 && logsumexp.size(0) == c.batch &&
+                    logsumexp.size(1) == c.heads && logsumexp.size(2) == c.q_len &&
+                    logsumexp.scalar_type() == acc_type(c.q),
+                "logsumexp must be the [B, H, Lq] ", acc_type(c.q), " tensor rel_attention returned; got ",
+                logsumexp.sizes(), " ", logsumexp.scalar_type());
+    check_device<Backend>(grad_out, "grad_out");
+    const at::Tensor go = grad_out.contiguous(), o = out.contiguous(), l = logsumexp.contiguous();
+    at::Tensor dq = at::zeros_like(c.q);
+    at::Tensor dk = at::zeros_like(c.k);
+    at::Tensor dv = at::zeros_like(c.v);
+    const int64_t rows = num_buckets(max_distance);
+    const auto acc_opts = c.q.options().dtype(acc_type(c.q));
+    at::Tensor pk = c.rel_k.defined() ? at::zeros({c.batch, c.heads, rows, c.dim}, acc_opts) : at::Tensor();
+    at::Tensor pv = c.rel_v.defined() ? at::zeros({c.batch, c.heads, rows, c.dim}, acc_opts) : at::Tensor();
+    if (c.batch * c.heads * c.q_len * c.k_len * c.dim > 0) {
+      RelAttentionBwdParams p{};
+      p.fwd = params(c, max_distance, causal, q_offset, k_offset);
+      p.fwd.out = o.data_ptr();
+      p.fwd.lse = l.data_ptr();
+      p.grad_out = go.data_ptr();
+      p.dq = dq.data_ptr();
+      p.dk = dk.data_ptr();
+      p.dv = dv.data_ptr();
+      p.drel_k_partial = pk.defined() ? pk.data_ptr() : nullptr;
+      p.drel_v_partial = pv.defined() ? pv.data_ptr() : nullptr;
+      Backend::rel_attention_backward(p);
+    }
+    auto finish = [&](const at::Tensor& partial, const at::Tensor& table) {
+      if (!table.defined()) return at::empty({0}, c.q.options());
+      at::Tensor g = partial.sum(0);  // over the batch, in a fixed order
+      if (table.dim() == 2) g = g.sum(0);  // a shared table also sums over heads
+      return g.to(table.scalar_type());
+    };
+    return {dq, dk, dv, finish(pk, c.rel_k), finish(pv, c.rel_v)};
+  }
+};
+
+}  // namespace relpos

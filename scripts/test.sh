@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The whole test suite from a clean clone: set up (scripts/setup.sh), build the CUDA emulator
+# library, run pytest on every backend, then rerun the emulator tests under AddressSanitizer.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+bash scripts/setup.sh
+# shellcheck disable=SC1091
+. "${RELPOS_VENV:-$root/.venv}/bin/activate"
+
+echo "== building the CUDA emulator (tests/cuda_emu)"
+bash scripts/build_cuda_emu.sh
+
+echo "== pytest (cpu-scalar, cpu-avx2, cuda-emu; cuda where a GPU exists)"
+export RELPOS_REQUIRE_CUDA_EMU=1
+python -m pytest tests -q -p no:cacheprovider -ra
+
+echo "== emulator tests under AddressSanitizer"
+bash scripts/test_asan.sh

@@ -1,0 +1,97 @@
+"""Shared test machinery: the backends every op suite is parametrised over, and the tolerances.
+
+Backends:
+  cpu-scalar  torch.ops.relpos on CPU tensors with RELPOS_CPU_ISA=scalar
+  cpu-avx2    torch.ops.relpos on CPU tensors with RELPOS_CPU_ISA=avx2
+  cuda-emu    the CUDA kernels run by the CPU emulator: torch.ops.relpos_emu on CPU tensors
+  cuda        torch.ops.relpos on CUDA tensors (only where a GPU exists)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import relpos_ext
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _emu import load_emu  # noqa: E402
+
+BACKENDS = ["cpu-scalar", "cpu-avx2", "cuda-emu", "cuda"]
+
+# Absolute/relative tolerance per dtype, for results compared with a float64 reference computed
+# from the same (already rounded) inputs. Data movement ops are compared exactly instead.
+TOLERANCES = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
+    """Compare with the per-dtype tolerance; `scale` widens it for long reductions."""
+    atol, rtol = TOLERANCES[dtype]
+    assert actual.dtype == dtype, f"dtype {actual.dtype} != {dtype}"
+    torch.testing.assert_close(
+        actual.double().cpu(), expected.double().cpu(), atol=atol * scale, rtol=rtol * scale
+    )
+
+
+@dataclass
+class Backend:
+    name: str
+    device: str
+    namespace: str  # torch.ops.<namespace>
+
+    def op(self, name: str):
+        return getattr(getattr(torch.ops, self.namespace), name).default
+
+    def tensor(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device)
+
+
+def _avx2_available() -> bool:
+    info = relpos_ext.build_info()
+    return "avx2" in info["cpu_kernels"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch) -> Backend:
+    name = request.param
+    if name == "cpu-scalar":
+        monkeypatch.setenv("RELPOS_CPU_ISA", "scalar")
+        return Backend(name, "cpu", "relpos")
+    if name == "cpu-avx2":
+        if not _avx2_available():
+            pytest.skip("AVX2 kernels not built (non-x86 build)")
+        monkeypatch.setenv("RELPOS_CPU_ISA", "avx2")
+        return Backend(name, "cpu", "relpos")
+    if name == "cuda-emu":
+        if not load_emu():
+            pytest.skip("CUDA emulator library not built (bash scripts/build_cuda_emu.sh)")
+        return Backend(name, "cpu", "relpos_emu")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if relpos_ext.build_info()["cuda_archs"] is None:
+        pytest.fail("a CUDA device is present but relpos_ext was built without CUDA kernels")
+    return Backend(name, "cuda", "relpos")
+
+
+def pytest_collection_modifyitems(config, items):
+    # Everything parametrised with the cuda-emu backend runs the emulator: mark it so that
+    # `pytest -m emu` (the AddressSanitizer step) selects exactly those tests.
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("backend") == "cuda-emu":
+            item.add_marker(pytest.mark.emu)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,231 @@
+"""rel_attention (fused Shaw attention): backend x dtype x case against relpos_ext.reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import relpos_ext
+from relpos_ext import reference as ref
+from conftest import assert_close
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def _attention_backend(backend):
+    if backend.name == "cuda-emu" and not torch._C._dispatch_has_kernel_for_dispatch_key(
+        "relpos_emu::rel_attention", "CPU"
+    ):
+        pytest.skip("no CUDA rel_attention kernel in this build yet")
+    return backend
+
+
+# (B, H, Hkv, Lq, Lk, D, K, q_offset, k_offset, per_head, causal, padding, rel_k?, rel_v?)
+CASES = {
+    "basic": (2, 2, 2, 5, 5, 16, 2, 0, 0, False, False, False, True, True),
+    "causal": (1, 2, 2, 7, 7, 16, 3, 0, 0, False, True, False, True, True),
+    "cross_lq_ne_lk": (2, 2, 2, 4, 9, 64, 3, 0, 0, True, False, False, True, True),
+    "decode_offset": (1, 2, 2, 3, 8, 16, 2, 5, 0, False, True, False, True, True),
+    "padding": (2, 2, 2, 6, 7, 80, 2, 0, 0, False, False, True, True, True),
+    "K0": (1, 2, 2, 5, 6, 16, 0, 0, 0, False, True, False, True, True),
+    "K_ge_L": (1, 1, 1, 6, 6, 16, 8, 0, 0, True, False, False, True, True),
+    "only_rel_k": (1, 2, 2, 5, 5, 16, 2, 0, 0, False, True, False, True, False),
+    "only_rel_v": (1, 2, 2, 5, 5, 16, 2, 0, 0, False, False, False, False, True),
+    "no_rel": (1, 2, 2, 5, 5, 16, 2, 0, 0, False, False, False, False, False),
+    "gqa": (1, 4, 2, 5, 6, 16, 2, 0, 0, True, True, True, True, True),
+    "D128": (1, 1, 1, 4, 5, 128, 2, 0, 0, False, False, False, True, True),
+    "fully_masked_rows": (1, 2, 2, 4, 6, 16, 1, 0, 2, False, True, False, True, True),
+    "L1": (1, 1, 1, 1, 1, 16, 0, 0, 0, False, True, False, True, True),
+    # several query and key tiles (the AVX2 kernel tiles by 64, CUDA kernels by smaller tiles)
+    "tiles_causal_padding": (1, 2, 2, 70, 150, 16, 5, 0, 0, False, True, True, True, True),
+    "tiles_unclipped": (1, 1, 1, 80, 80, 24, 100, 0, 0, True, False, False, True, True),
+    "tiles_decode_gqa": (2, 2, 1, 65, 130, 8, 3, 40, 0, True, True, False, True, True),
+}
+
+
+def make_inputs(case, dtype, requires_grad=False):
+    b, h, hk, lq, lk, d, k, qo, ko, per_head, causal, padding, has_k, has_v = case
+
+    def t(*shape):
+        return torch.randn(*shape, dtype=torch.float64).to(dtype).requires_grad_(requires_grad)
+
+    q, kk, v = t(b, h, lq, d), t(b, hk, lk, d), t(b, hk, lk, d)
+    table_shape = ((h,) if per_head else ()) + (2 * k + 1, d)
+    rel_k = t(*table_shape) if has_k else None
+    rel_v = t(*table_shape) if has_v else None
+    mask = None
+    if padding:
+        mask = torch.zeros(b, lk, dtype=torch.bool)
+        mask[0, -2:] = True
+        mask[-1, 0] = True
+    return (q, kk, v, rel_k, rel_v), dict(max_distance=k, causal=causal, q_offset=qo,
+                                          k_offset=ko, key_padding_mask=mask)
+
+
+def _f64(x):
+    return None if x is None else x.detach().double().requires_grad_()
+
+
+def _call(backend, tensors, kw):
+    q, k, v, rk, rv = (None if x is None else backend.tensor(x.detach()) for x in tensors)
+    mask = kw["key_padding_mask"]
+    return backend.op("rel_attention")(
+        q, k, v, rk, rv, kw["max_distance"], kw["causal"], None, kw["q_offset"], kw["k_offset"],
+        None if mask is None else backend.tensor(mask),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_rel_attention_forward(backend, dtype, name):
+    _attention_backend(backend)
+    if dtype == torch.float64 and backend.name == "cpu-avx2":
+        pytest.skip("float64 always takes the scalar path")
+    tensors, kw = make_inputs(CASES[name], dtype)
+    out, lse = _call(backend, tensors, kw)
+    exp_out, exp_lse = ref.shaw_attention(*(_f64(x) for x in tensors), **kw, return_lse=True)
+    assert out.shape == exp_out.shape and lse.shape == exp_lse.shape
+    assert torch.isfinite(out).all()
+    assert_close(out, exp_out, dtype, scale=4)
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    assert_close(lse, exp_lse.to(lse_dtype), lse_dtype, scale=4 if dtype == lse_dtype else 1000)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_rel_attention_backward(backend, dtype, name):
+    _attention_backend(backend)
+    if dtype == torch.float64 and backend.name == "cpu-avx2":
+        pytest.skip("float64 always takes the scalar path")
+    tensors, kw = make_inputs(CASES[name], dtype)
+    t64 = [_f64(x) for x in tensors]
+    exp_out = ref.shaw_attention(*t64, **kw)
+    grad = torch.randn(exp_out.shape, dtype=torch.float64).to(dtype)
+    wrt = [x for x in t64 if x is not None]
+    expected = iter(torch.autograd.grad(exp_out, wrt, grad.double()))
+    out, lse = _call(backend, tensors, kw)
+    q, k, v, rk, rv = (None if x is None else backend.tensor(x.detach()) for x in tensors)
+    mask = kw["key_padding_mask"]
+    grads = backend.op("rel_attention_backward")(
+        backend.tensor(grad), q, k, v, rk, rv, out, lse, kw["max_distance"], kw["causal"], None,
+        kw["q_offset"], kw["k_offset"], None if mask is None else backend.tensor(mask),
+    )
+    for got, x in zip(grads, t64):
+        if x is None:
+            assert got.numel() == 0
+            continue
+        assert torch.isfinite(got).all()
+        assert_close(got, next(expected), dtype, scale=8 * (x.shape[-2] ** 0.5))
+
+
+def test_gradcheck_rel_attention():
+    for name in ("basic", "causal", "padding", "gqa", "fully_masked_rows", "only_rel_v"):
+        tensors, kw = make_inputs(CASES[name], torch.float64, requires_grad=True)
+        args = [x for x in tensors if x is not None]
+        has = [x is not None for x in tensors]
+
+        def fn(*a, kw=kw, has=has):
+            it = iter(a)
+            full = [next(it) if h else None for h in has]
+            return relpos_ext.rel_attention(*full, **kw)
+
+        assert torch.autograd.gradcheck(fn, args), name
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck_rel_attention(requires_grad):
+    for name in ("basic", "gqa", "only_rel_k"):
+        tensors, kw = make_inputs(CASES[name], torch.float32, requires_grad=requires_grad)
+        args = (*tensors, kw["max_distance"], kw["causal"], None, kw["q_offset"], kw["k_offset"],
+                kw["key_padding_mask"])
+        torch.library.opcheck(torch.ops.relpos.rel_attention.default, args)
+        out, lse = torch.ops.relpos.rel_attention.default(*args)
+        # The backward op has no derivative of its own (double backward raises), so check it
+        # on plain tensors.
+        plain = [None if x is None else x.detach() for x in tensors]
+        bargs = (torch.randn_like(out), *plain, out.detach(), lse, *args[5:])
+        torch.library.opcheck(torch.ops.relpos.rel_attention_backward.default, bargs)
+
+
+def test_double_backward_raises_clearly():
+    tensors, kw = make_inputs(CASES["basic"], torch.float64, requires_grad=True)
+    out = relpos_ext.rel_attention(*tensors, **kw)
+    (dq,) = torch.autograd.grad(out.sum(), tensors[0], create_graph=True)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        dq.sum().backward()
+
+
+# ------------------------------------------------------------------------------------ module
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_module_matches_reference_module(gqa, causal):
+    kw = dict(embed_dim=32, num_heads=4, max_distance=3, num_kv_heads=2 if gqa else None,
+              per_head_tables=gqa)
+    m = relpos_ext.nn.RelativeMultiheadAttention(**kw)
+    r = ref.RelativeMultiheadAttentionReference(**kw)
+    r.load_state_dict(m.state_dict())
+    x = torch.randn(2, 7, 32)
+    mem = torch.randn(2, 9, 32)
+    mask = torch.zeros(2, 9, dtype=torch.bool)
+    mask[1, -3:] = True
+    for args in ((x,), (x, mem, mem, mask)):
+        got, weights = m(*args, is_causal=causal and len(args) == 1)
+        exp, _ = r(*args, is_causal=causal and len(args) == 1)
+        assert weights is None
+        torch.testing.assert_close(got, exp, atol=1e-5, rtol=1e-5)
+        got.square().sum().backward()
+        exp.square().sum().backward()
+        for (name, pm), pr in zip(m.named_parameters(), r.parameters()):
+            torch.testing.assert_close(pm.grad, pr.grad, atol=1e-4, rtol=1e-4, msg=name)
+            pm.grad = pr.grad = None
+
+
+def test_module_compile_training_step():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = relpos_ext.nn.RelativeMultiheadAttention(32, 4, 3, num_kv_heads=2)
+    eager = relpos_ext.nn.RelativeMultiheadAttention(32, 4, 3, num_kv_heads=2)
+    eager.load_state_dict(m.state_dict())
+    step = torch.compile(lambda x: m(x, is_causal=True)[0].square().mean(), fullgraph=True, dynamic=True)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
+    for length in (5, 8, 11):
+        x = torch.randn(2, length, 32)
+        loss = step(x)
+        loss_e = eager(x, is_causal=True)[0].square().mean()
+        torch.testing.assert_close(loss, loss_e)
+        for o, l in ((opt, loss), (opt_e, loss_e)):
+            o.zero_grad()
+            l.backward()
+            o.step()
+    for pm, pe in zip(m.parameters(), eager.parameters()):
+        torch.testing.assert_close(pm, pe, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------ errors
+def _bad(**over):
+    tensors, kw = make_inputs(CASES["basic"], torch.float32)
+    q, k, v, rk, rv = tensors
+    args = dict(q=q, k=k, v=v, rel_k=rk, rel_v=rv, max_distance=2)
+    args.update(over)
+    return lambda: relpos_ext.rel_attention(**args)
+
+
+BAD = [
+    ("mask wrong shape", _bad(key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)), r"key_padding_mask must be \[B, Lk\]"),
+    ("mask not bool", _bad(key_padding_mask=torch.zeros(2, 5)), r"key_padding_mask must be bool"),
+    ("k dtype", _bad(k=torch.randn(2, 2, 5, 16, dtype=torch.float64)), r"k and v dtypes must match q dtype"),
+    ("v shape", _bad(v=torch.randn(2, 2, 6, 16)), r"v must have the shape of k"),
+    ("heads not dividing", _bad(k=torch.randn(2, 3, 5, 16), v=torch.randn(2, 3, 5, 16)), r"k's head count must divide q's"),
+    ("table rows", _bad(rel_k=torch.randn(4, 16)), r"rel_k must have 2\*max_distance\+1 = 5 rows"),
+    ("table dtype", _bad(rel_v=torch.randn(5, 16, dtype=torch.float16)), r"rel_v dtype must match q dtype"),
+    ("table D", _bad(rel_v=torch.randn(5, 8)), r"rel_v's last dim must equal q's head dim"),
+    ("q 3-D", _bad(q=torch.randn(2, 5, 16)), r"q must be \[B, H, Lq, D\]"),
+    ("negative K", _bad(max_distance=-1, rel_k=None, rel_v=None), r"max_distance must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("desc,fn,pattern", BAD, ids=[b[0] for b in BAD])
+def test_rel_attention_bad_input(desc, fn, pattern):
+    with pytest.raises((RuntimeError, ValueError), match=pattern):
+        fn()

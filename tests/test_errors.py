@@ -1,0 +1,65 @@
+"""Bad input gets a clear RuntimeError naming the argument; nothing crashes the interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import relpos_ext
+
+CASES = [
+    # (description, callable, regex the message must match)
+    ("rel_gather: table 1-D", lambda: relpos_ext.rel_gather(torch.randn(5), 3, 3, 2), r"table must be"),
+    ("rel_gather: rows != 2K+1", lambda: relpos_ext.rel_gather(torch.randn(4, 8), 3, 3, 2), r"table must have 2\*max_distance\+1 = 5 rows"),
+    ("rel_gather: negative K", lambda: relpos_ext.rel_gather(torch.randn(1, 8), 3, 3, -1), r"max_distance must be >= 0"),
+    ("rel_gather: negative length", lambda: relpos_ext.rel_gather(torch.randn(5, 8), -1, 3, 2), r"q_len and k_len must be >= 0"),
+    ("rel_gather: integer table", lambda: relpos_ext.rel_gather(torch.ones(5, 8, dtype=torch.int32), 3, 3, 2), r"table must be float32"),
+    ("rel_gather_backward: grad 2-D", lambda: relpos_ext.rel_gather_backward(torch.randn(3, 8), 2), r"grad must be \[Lq, Lk, D\]"),
+    ("skew: 1-D", lambda: relpos_ext.skew(torch.randn(5)), r"x must have at least 2 dims"),
+    ("skew: too narrow", lambda: relpos_ext.skew(torch.randn(6, 3)), r"x must be \[\.\.\., Lq, Lq\+Lk-1\]"),
+    ("skew: causal not square", lambda: relpos_ext.skew(torch.randn(4, 5), causal=True), r"causal skew needs a square x"),
+    ("skew_backward: causal not square", lambda: relpos_ext.skew_backward(torch.randn(4, 5), causal=True), r"needs a square grad"),
+    ("rel_logits: q 3-D", lambda: relpos_ext.rel_logits(torch.randn(2, 4, 8), torch.randn(5, 8), 2, 4), r"q must be \[B, H, Lq, D\]"),
+    ("rel_logits: table rows", lambda: relpos_ext.rel_logits(torch.randn(1, 2, 4, 8), torch.randn(6, 8), 2, 4), r"table must have 2\*max_distance\+1 = 5 rows"),
+    ("rel_logits: negative K", lambda: relpos_ext.rel_logits(torch.randn(1, 2, 4, 8), torch.randn(5, 8), -2, 4), r"max_distance must be >= 0"),
+    ("rel_logits: dtype mismatch", lambda: relpos_ext.rel_logits(torch.randn(1, 2, 4, 8), torch.randn(5, 8, dtype=torch.float64), 2, 4), r"table dtype must match q dtype"),
+    ("rel_logits: D mismatch", lambda: relpos_ext.rel_logits(torch.randn(1, 2, 4, 8), torch.randn(5, 7), 2, 4), r"table's last dim must equal q's head dim"),
+    ("rel_logits: heads mismatch", lambda: relpos_ext.rel_logits(torch.randn(1, 2, 4, 8), torch.randn(3, 5, 8), 2, 4), r"per-head table .* must have H equal to q.size\(1\)=2"),
+    ("rel_logits: negative k_len", lambda: relpos_ext.rel_logits(torch.randn(1, 2, 4, 8), torch.randn(5, 8), 2, -4), r"k_len must be >= 0"),
+    ("rel_logits: device mismatch", lambda: relpos_ext.rel_logits(torch.randn(1, 2, 4, 8), torch.randn(5, 8, device="meta"), 2, 4), r"table must be on the device of q"),
+    ("rel_logits_backward: grad shape", lambda: relpos_ext.rel_logits_backward(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 4, 8), torch.randn(5, 8), 2), r"grad must be \[B, H, Lq, Lk\]"),
+]
+
+
+@pytest.mark.parametrize("desc,fn,pattern", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_raises_clear_error(desc, fn, pattern):
+    with pytest.raises((RuntimeError, ValueError), match=pattern):
+        fn()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for a cpu/cuda mix")
+def test_cpu_cuda_mismatch():
+    with pytest.raises(RuntimeError, match="must be on"):
+        relpos_ext.rel_logits(torch.randn(1, 2, 4, 8, device="cuda"), torch.randn(5, 8), 2, 4)
+
+
+def test_bad_isa_override(monkeypatch):
+    monkeypatch.setenv("RELPOS_CPU_ISA", "sse9")
+    with pytest.raises(RuntimeError, match="RELPOS_CPU_ISA must be one of"):
+        relpos_ext.rel_gather(torch.randn(5, 8), 3, 3, 2)
+
+
+def test_module_bad_config():
+    with pytest.raises(ValueError, match="divisible"):
+        relpos_ext.nn.ShawRelativeAttention(30, 4, 2)
+    with pytest.raises(ValueError, match="max_distance"):
+        relpos_ext.nn.ShawRelativeAttention(32, 4, -1)
+
+
+def test_build_info():
+    info = relpos_ext.build_info()
+    assert info["version"] == relpos_ext.__version__
+    assert info["torch_version"].split("+")[0] == torch.__version__.split("+")[0]
+    assert "scalar" in info["cpu_kernels"]
+    assert info["cpu_kernel_in_use"] in info["cpu_kernels"]
+    assert info["cuda_archs"] is None or all(a.isdigit() for a in info["cuda_archs"])
