@@ -81,6 +81,70 @@ void pack_panels(const T* tab, int64_t rows, int64_t D, Packed& pk) {
 
 thread_local Scratch t_packed, t_qe, t_qf;
 
+// Packing a table costs about as much as 8 rows of direct dot products over it: runs that would
+// use a packed table for fewer rows (decoding steps, Lq = 1 per (b, h)) take the direct path.
+constexpr int64_t kPackMinRows = 8;
+
+// e[t] = x . rows[t] for t < n (rows: n rows of D elements), four rows per pass.
+template <typename T>
+void dot_rows(const float* x, const T* rows, int64_t D, int64_t n, float* e) {
+  const int64_t d8 = D & ~int64_t(7);
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    const T* r = rows + t * D;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < d8; d += 8) {
+      const __m256 xv = _mm256_loadu_ps(x + d);
+      a0 = _mm256_fmadd_ps(xv, load8(r + d), a0);
+      a1 = _mm256_fmadd_ps(xv, load8(r + D + d), a1);
+      a2 = _mm256_fmadd_ps(xv, load8(r + 2 * D + d), a2);
+      a3 = _mm256_fmadd_ps(xv, load8(r + 3 * D + d), a3);
+    }
+    if (d8 < D) {
+      const __m256 xv = load_n(x + d8, D - d8);
+      a0 = _mm256_fmadd_ps(xv, load_n(r + d8, D - d8), a0);
+      a1 = _mm256_fmadd_ps(xv, load_n(r + D + d8, D - d8), a1);
+      a2 = _mm256_fmadd_ps(xv, load_n(r + 2 * D + d8, D - d8), a2);
+      a3 = _mm256_fmadd_ps(xv, load_n(r + 3 * D + d8, D - d8), a3);
+    }
+    // per 128-bit half: [sum a0, sum a1, sum a2, sum a3]; then add the halves
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    _mm_storeu_ps(e + t, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  }
+  for (; t < n; ++t) {
+    const T* r = rows + t * D;
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t d = 0; d < d8; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(x + d), load8(r + d), a);
+    if (d8 < D) a = _mm256_fmadd_ps(load_n(x + d8, D - d8), load_n(r + d8, D - d8), a);
+    e[t] = hsum(a);
+  }
+}
+
+// Output row i from its QE row, e[b - lo] = q_i . table[b]: the three runs of unclamped_keys.
+template <typename T>
+inline void write_row(T* o, const float* e, int64_t lo, int64_t i, const RelLogitsParams& p) {
+  const int64_t Lk = p.k_len, K = p.max_distance;
+  const KeySpan s = unclamped_keys(i, Lk, K, p.q_offset, p.k_offset);
+  if (s.begin > 0) fill(o, from_f32<T>(e[0 - lo]), s.begin);
+  if (s.end > s.begin) {
+    const int64_t b = shaw_bucket(i, s.begin, K, p.q_offset, p.k_offset);
+    convert_store(o + s.begin, e + (b - lo), s.end - s.begin);
+  }
+  if (s.end < Lk) fill(o + s.end, from_f32<T>(e[2 * K - lo]), Lk - s.end);
+}
+
+// q rows [row0, row0 + m) as float32: the input itself for float32, else a converted copy.
+template <typename T>
+inline const float* q_as_f32(const T* q, int64_t row0, int64_t m, int64_t D) {
+  if constexpr (sizeof(T) == sizeof(float)) {
+    return q + row0 * D;
+  } else {
+    float* qf = t_qf.get(m * D);
+    convert_load(qf, q + row0 * D, m * D);
+    return qf;
+  }
+}
+
 template <typename T>
 void logits_rows(const RelLogitsParams& p, int64_t begin, int64_t end) {
   const T* q = static_cast<const T*>(p.q);
@@ -88,56 +152,61 @@ void logits_rows(const RelLogitsParams& p, int64_t begin, int64_t end) {
   T* out = static_cast<T*>(p.out);
   const int64_t D = p.dim, K = p.max_distance, rows = num_buckets(K);
   const int64_t Lq = p.q_len, Lk = p.k_len, qo = p.q_offset, ko = p.k_offset;
+  // A segment of consecutive rows shares one table: a run of one (b, h) for per-head tables, the
+  // whole [begin, end) for a shared one (so a register tile may span heads: with Lq = 1 every row
+  // reaches the same buckets).
+  const int64_t rows_per_pack = p.table_per_head ? imin(Lq, end - begin) : end - begin;
+  const bool direct = rows_per_pack < kPackMinRows;
   Packed pk;  // valid for this call only: a later call may reuse the table's address
   float* qe = nullptr;
   int64_t ldqe = 0;
-  for (int64_t item = begin; item < end;) {
-    // One run of rows [ia, ib) of the same (b, h).
-    const int64_t bh = item / Lq, ia = item % Lq;
-    const int64_t run_end = imin(end, (bh + 1) * Lq);
-    const int64_t ib = ia + (run_end - item);
+  for (int64_t seg = begin; seg < end;) {
+    const int64_t bh = seg / Lq;
+    const int64_t seg_end = p.table_per_head ? imin(end, (bh + 1) * Lq) : end;
     const T* tab = table + (p.table_per_head ? (bh % p.heads) * rows * D : 0);
-    const int64_t run_lo = shaw_bucket(ib - 1, 0, K, qo, ko);
-    const int64_t run_hi = shaw_bucket(ia, Lk - 1, K, qo, ko);
-    if (!pk.covers(tab, run_lo, run_hi)) {
+    if (direct) {
+      for (int64_t row = seg; row < seg_end; ++row) {
+        const int64_t i = row % Lq;
+        const int64_t lo = shaw_bucket(i, 0, K, qo, ko), hi = shaw_bucket(i, Lk - 1, K, qo, ko);
+        float* e = t_qe.get(hi - lo + 1);
+        dot_rows(q_as_f32(q, row, 1, D), tab + lo * D, D, hi - lo + 1, e);
+        write_row(out + row * Lk, e, lo, i, p);
+      }
+      seg = seg_end;
+      continue;
+    }
+    // Rows i of the segment lie in [i_min, i_max] (all of them once it wraps to another (b, h)).
+    const bool wraps = seg / Lq != (seg_end - 1) / Lq;
+    const int64_t i_min = wraps ? 0 : seg % Lq, i_max = wraps ? Lq - 1 : (seg_end - 1) % Lq;
+    const int64_t seg_lo = shaw_bucket(i_max, 0, K, qo, ko);
+    const int64_t seg_hi = shaw_bucket(i_min, Lk - 1, K, qo, ko);
+    if (!pk.covers(tab, seg_lo, seg_hi)) {
       pk.src = tab;
-      pk.lo = run_lo;
-      pk.panels = (run_hi - run_lo) / kNR + 1;
+      pk.lo = seg_lo;
+      pk.panels = (seg_hi - seg_lo) / kNR + 1;
       pk.data = t_packed.get(pk.panels * kNR * D);
       pack_panels(tab, rows, D, pk);
-      ldqe = pk.panels * kNR;
+      ldqe = pk.panels * kNR + kNR;  // padded: QE rows 2^k floats apart would share L1 sets
       qe = t_qe.get(kMR * ldqe);
     }
-    for (int64_t i0 = ia; i0 < ib; i0 += kMR) {
-      const int64_t m = imin(kMR, ib - i0);
-      const int64_t row0 = bh * Lq + i0;
-      const float* A;
-      if constexpr (sizeof(T) == sizeof(float)) {
-        A = q + row0 * D;
-      } else {
-        float* qf = t_qf.get(kMR * D);
-        convert_load(qf, q + row0 * D, m * D);
-        A = qf;
+    for (int64_t row0 = seg; row0 < seg_end; row0 += kMR) {
+      const int64_t m = imin(kMR, seg_end - row0);
+      int64_t bi_min = Lq, bi_max = -1;  // rows i of this block
+      for (int64_t r = 0; r < m; ++r) {
+        bi_min = imin(bi_min, (row0 + r) % Lq);
+        bi_max = imax(bi_max, (row0 + r) % Lq);
       }
-      // Panels holding the buckets that rows i0 .. i0+m-1 reach.
-      const int64_t p0 = (shaw_bucket(i0 + m - 1, 0, K, qo, ko) - pk.lo) / kNR;
-      const int64_t p1 = (shaw_bucket(i0, Lk - 1, K, qo, ko) - pk.lo) / kNR;
+      const float* A = q_as_f32(q, row0, m, D);
+      // Panels holding the buckets that the block's rows reach.
+      const int64_t p0 = (shaw_bucket(bi_max, 0, K, qo, ko) - pk.lo) / kNR;
+      const int64_t p1 = (shaw_bucket(bi_min, Lk - 1, K, qo, ko) - pk.lo) / kNR;
       const TileFn tile = kTile[m];
       for (int64_t pp = p0; pp <= p1; ++pp) tile(A, D, pk.data + pp * kNR * D, qe + pp * kNR, ldqe);
       for (int64_t r = 0; r < m; ++r) {
-        const int64_t i = i0 + r;
-        const float* e = qe + r * ldqe;  // e[b - pk.lo] = q_i . table[b]
-        T* o = out + (row0 + r) * Lk;
-        const KeySpan s = unclamped_keys(i, Lk, K, qo, ko);
-        if (s.begin > 0) fill(o, from_f32<T>(e[0 - pk.lo]), s.begin);
-        if (s.end > s.begin) {
-          const int64_t b = shaw_bucket(i, s.begin, K, qo, ko);
-          convert_store(o + s.begin, e + (b - pk.lo), s.end - s.begin);
-        }
-        if (s.end < Lk) fill(o + s.end, from_f32<T>(e[rows - 1 - pk.lo]), Lk - s.end);
+        write_row(out + (row0 + r) * Lk, qe + r * ldqe, pk.lo, (row0 + r) % Lq, p);
       }
     }
-    item = run_end;
+    seg = seg_end;
   }
 }
 

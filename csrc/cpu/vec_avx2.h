@@ -157,7 +157,7 @@ inline float sum_n(const T* src, int64_t n) {
   return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 }
 
-// dst[0, n) = v (already in storage type T). For float32, 16-bit v is splatted the same way.
+// dst[0, n) = v, with v already in the storage type.
 inline void fill_f32(float* dst, float v, int64_t n) {
   const __m256 x = _mm256_set1_ps(v);
   int64_t k = 0;
