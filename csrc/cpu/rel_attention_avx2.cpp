@@ -12,16 +12,15 @@
 // This file is compiled with -mavx2 -mfma -mf16c and includes no torch headers (kernels.h).
 #include <immintrin.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <vector>
 
 #include "common/params.h"
 #include "common/relpos_index.h"
 #include "cpu/kernels.h"
+#include "cpu/vec_avx2.h"
 
 namespace relpos::cpu::avx2 {
 namespace {
@@ -33,60 +32,28 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // ------------------------------------------------------------------------------ conversions
 int64_t elem_bytes(DType d) { return d == DType::Float32 ? 4 : 2; }
 
-float bf16_to_float(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+inline int64_t iclamp(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
+inline float fmax_(float a, float b) { return a > b ? a : b; }
 
-uint16_t float_to_bf16(float f) {  // round to nearest even, NaN stays NaN (as c10::BFloat16)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-// n elements of dtype `d` at src -> float dst
+// n elements of dtype `d` at src -> float dst, and back
 void load_row(DType d, const void* src, float* dst, int64_t n) {
-  if (d == DType::Float32) {
-    std::memcpy(dst, src, n * sizeof(float));
-    return;
-  }
-  const uint16_t* s = static_cast<const uint16_t*>(src);
-  int64_t i = 0;
-  if (d == DType::Float16) {
-    for (; i + 8 <= n; i += 8) {
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
-    }
-    for (; i < n; ++i) dst[i] = _cvtsh_ss(s[i]);
-  } else {
-    for (; i + 8 <= n; i += 8) {
-      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
-      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-    }
-    for (; i < n; ++i) dst[i] = bf16_to_float(s[i]);
-  }
+  dispatch(d, [&](auto tag) { convert_load(dst, static_cast<const decltype(tag)*>(src), n); });
 }
 
 void store_row(DType d, const float* src, void* dst, int64_t n) {
-  if (d == DType::Float32) {
-    std::memcpy(dst, src, n * sizeof(float));
-    return;
-  }
-  uint16_t* o = static_cast<uint16_t*>(dst);
-  if (d == DType::Float16) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i),
-                       _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
-    }
-    for (; i < n; ++i) o[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
-  } else {
-    for (int64_t i = 0; i < n; ++i) o[i] = float_to_bf16(src[i]);
-  }
+  dispatch(d, [&](auto tag) { convert_store(static_cast<decltype(tag)*>(dst), src, n); });
 }
+
+// Float buffers for one kernel call: each from its own 64-byte aligned Scratch (vec_avx2.h; no
+// std::vector here, see the ODR note there).
+class Buffers {
+ public:
+  float* take(int64_t n) { return pool_[used_++].get(n > 0 ? n : 1); }
+
+ private:
+  Scratch pool_[48];
+  int used_ = 0;
+};
 
 // rows x cols block of a row-major matrix (leading dim lds, dtype d) -> float, row-major (ldd)
 void load_block(DType d, const void* src, int64_t lds, int64_t rows, int64_t cols, float* dst,
@@ -151,13 +118,6 @@ inline __m256 exp256(__m256 x) {
   return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(n)));
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 inline __m256i tail_mask(int64_t n) {  // lanes [0, n) of 8 enabled
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), idx);
@@ -216,8 +176,8 @@ float sum_row(const float* x, int64_t n) {
 template <int MR, bool FULL>
 inline void gemm_block(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
                        float* C, int64_t ldc, int64_t n) {
-  const __m256i m0 = tail_mask(std::min<int64_t>(n, 8));
-  const __m256i m1 = tail_mask(std::max<int64_t>(n - 8, 0));
+  const __m256i m0 = tail_mask(imin(n, 8));
+  const __m256i m1 = tail_mask(imax(n - 8, 0));
   auto load = [&](const float* ptr, const __m256i& mk) {
     return FULL ? _mm256_loadu_ps(ptr) : _mm256_maskload_ps(ptr, mk);
   };
@@ -331,8 +291,8 @@ struct Band {
 Band band_of(const RelAttentionParams& p, int64_t i0, int64_t mq) {
   Band band;
   if (p.max_distance == 0 || p.k_len == 0) return band;
-  const int64_t lo = std::max<int64_t>(1, shaw_bucket(i0 + mq - 1, 0, p.max_distance, p.q_offset, p.k_offset));
-  const int64_t hi = std::min<int64_t>(2 * p.max_distance - 1,
+  const int64_t lo = imax(1, shaw_bucket(i0 + mq - 1, 0, p.max_distance, p.q_offset, p.k_offset));
+  const int64_t hi = imin(2 * p.max_distance - 1,
                                        shaw_bucket(i0, p.k_len - 1, p.max_distance, p.q_offset, p.k_offset));
   if (hi >= lo) {
     band.lo = lo;
@@ -350,8 +310,8 @@ struct RowSplit {
 RowSplit split_row(const RelAttentionParams& p, int64_t i, int64_t j0, int64_t nk, const Band& band) {
   const KeySpan in = inner_keys(i, p.k_len, p.max_distance, p.q_offset, p.k_offset);
   RowSplit s;
-  s.a = std::clamp(in.begin, j0, j0 + nk);
-  s.e = std::clamp(in.end, s.a, j0 + nk);
+  s.a = iclamp(in.begin, j0, j0 + nk);
+  s.e = iclamp(in.end, s.a, j0 + nk);
   // bucket of key j inside the window: r + K = (k_offset + j - q_offset - i) + K
   s.col0 = p.k_offset - p.q_offset - i + p.max_distance - band.lo;
   return s;
@@ -362,9 +322,9 @@ RowSplit split_row(const RelAttentionParams& p, int64_t i, int64_t j0, int64_t n
 void scale_and_mask(const RelAttentionParams& p, const Head& hd, int64_t i, int64_t j0, int64_t nk,
                     float scale, float* sr) {
   int64_t vis = nk;
-  if (p.causal) vis = std::clamp<int64_t>(p.q_offset + i - p.k_offset + 1 - j0, 0, nk);
+  if (p.causal) vis = iclamp(p.q_offset + i - p.k_offset + 1 - j0, 0, nk);
   scale_row(scale, sr, vis);
-  std::fill(sr + vis, sr + nk, kNegInf);
+  fill_f32(sr + vis, kNegInf, nk - vis);
   if (hd.pad != nullptr) {
     for (int64_t j = 0; j < vis; ++j) {
       if (hd.pad[j0 + j]) sr[j] = kNegInf;
@@ -380,7 +340,7 @@ float max_row(const float* x, int64_t n) {
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   h = _mm_max_ss(h, _mm_movehdup_ps(h));
   float m = _mm_cvtss_f32(h);
-  for (; i < n; ++i) m = std::max(m, x[i]);
+  for (; i < n; ++i) m = fmax_(m, x[i]);
   return m;
 }
 
@@ -438,7 +398,7 @@ void load_keys(DType d, const char* base, int64_t dim, int64_t j0, int64_t nk, f
 
 int64_t last_key_tile(const RelAttentionParams& p, int64_t i_last) {
   int64_t k_end = p.k_len;
-  if (p.causal) k_end = std::clamp<int64_t>(p.q_offset + i_last - p.k_offset + 1, 0, p.k_len);
+  if (p.causal) k_end = iclamp(p.q_offset + i_last - p.k_offset + 1, 0, p.k_len);
   return (k_end + BK - 1) / BK;
 }
 
@@ -449,112 +409,130 @@ int64_t last_key_tile(const RelAttentionParams& p, int64_t i_last) {
 void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
   const int64_t D = p.dim, K = p.max_distance, rows_tab = num_buckets(K);
   const int64_t q_tiles = (p.q_len + BQ - 1) / BQ, es = elem_bytes(p.dtype);
-  const int64_t max_band = std::min<int64_t>(std::max<int64_t>(2 * K - 1, 0), BQ + p.k_len);
+  const int64_t max_band = imin(imax(2 * K - 1, 0), BQ + p.k_len);
   const int64_t n_ktiles = (p.k_len + BK - 1) / BK;
   const float scale = static_cast<float>(p.scale);
-  std::vector<float> qf(BQ * D), kf(BK * D), kt(D * BK), vf(BK * D), s(BQ * BK), acc(BQ * D);
-  std::vector<float> m(BQ), l(BQ), qe_lo(BQ), qe_hi(BQ), w_lo(BQ), w_hi(BQ), row(D);
-  std::vector<float> band_k(max_band * D), band_kt(D * max_band), qe(BQ * max_band);
-  std::vector<float> band_v(max_band * D), w(BQ * max_band), mref(BQ * n_ktiles), ek0(D), ek1(D);
+  Buffers buf;
+  float* qf = buf.take(BQ * D);
+  float* kf = buf.take(BK * D);
+  float* kt = buf.take(D * BK);
+  float* vf = buf.take(BK * D);
+  float* s = buf.take(BQ * BK);
+  float* acc = buf.take(BQ * D);
+  float* m = buf.take(BQ);
+  float* l = buf.take(BQ);
+  float* qe_lo = buf.take(BQ);
+  float* qe_hi = buf.take(BQ);
+  float* w_lo = buf.take(BQ);
+  float* w_hi = buf.take(BQ);
+  float* row = buf.take(D);
+  float* band_k = buf.take(max_band * D);
+  float* band_kt = buf.take(D * max_band);
+  float* qe = buf.take(BQ * max_band);
+  float* band_v = buf.take(max_band * D);
+  float* w = buf.take(BQ * max_band);
+  float* mref = buf.take(BQ * n_ktiles);
+  float* ek0 = buf.take(D);
+  float* ek1 = buf.take(D);
   for (int64_t item = begin; item < end; ++item) {
     const int64_t qt = item % q_tiles, h = (item / q_tiles) % p.heads, b = item / (q_tiles * p.heads);
-    const int64_t i0 = qt * BQ, mq = std::min(BQ, p.q_len - i0);
+    const int64_t i0 = qt * BQ, mq = imin(BQ, p.q_len - i0);
     const Head hd = head_of(p, b, h);
-    load_block(p.dtype, hd.q + i0 * D * es, D, mq, D, qf.data(), D);
+    load_block(p.dtype, hd.q + i0 * D * es, D, mq, D, qf, D);
     const Band band = band_of(p, i0, mq);
     if (hd.rel_k) {  // QE = Q @ rel_k[band]^T, and the two clamped buckets per row
-      load_row(p.dtype, hd.rel_k, ek0.data(), D);
-      load_row(p.dtype, hd.rel_k + (rows_tab - 1) * D * es, ek1.data(), D);
+      load_row(p.dtype, hd.rel_k, ek0, D);
+      load_row(p.dtype, hd.rel_k + (rows_tab - 1) * D * es, ek1, D);
       for (int64_t r = 0; r < mq; ++r) {
-        qe_lo[r] = dot(qf.data() + r * D, ek0.data(), D);
-        qe_hi[r] = dot(qf.data() + r * D, ek1.data(), D);
+        qe_lo[r] = dot(qf + r * D, ek0, D);
+        qe_hi[r] = dot(qf + r * D, ek1, D);
       }
       if (band.n > 0) {
-        load_band(p.dtype, hd.rel_k, D, band, band_k.data(), band_kt.data());
-        std::fill(qe.begin(), qe.begin() + mq * band.n, 0.f);
-        gemm(mq, band.n, D, qf.data(), D, band_kt.data(), band.n, qe.data(), band.n);
+        load_band(p.dtype, hd.rel_k, D, band, band_k, band_kt);
+        fill_f32(qe, 0.f, mq * band.n);
+        gemm(mq, band.n, D, qf, D, band_kt, band.n, qe, band.n);
       }
     }
-    std::fill(m.begin(), m.end(), kNegInf);
-    std::fill(l.begin(), l.end(), 0.f);
-    std::fill(w_lo.begin(), w_lo.end(), 0.f);
-    std::fill(w_hi.begin(), w_hi.end(), 0.f);
-    std::fill(acc.begin(), acc.begin() + mq * D, 0.f);
+    fill_f32(m, kNegInf, BQ);
+    fill_f32(l, 0.f, BQ);
+    fill_f32(w_lo, 0.f, BQ);
+    fill_f32(w_hi, 0.f, BQ);
+    fill_f32(acc, 0.f, mq * D);
     if (hd.rel_v) {
-      std::fill(w.begin(), w.begin() + mq * band.n, 0.f);
-      std::fill(mref.begin(), mref.begin() + mq * n_ktiles, kNegInf);
+      fill_f32(w, 0.f, mq * band.n);
+      fill_f32(mref, kNegInf, mq * n_ktiles);
     }
     const int64_t kt_end = last_key_tile(p, i0 + mq - 1);
     for (int64_t t = 0; t < kt_end; ++t) {
-      const int64_t j0 = t * BK, nk = std::min(BK, p.k_len - j0);
-      load_keys(p.dtype, hd.k, D, j0, nk, kf.data(), kt.data());
-      std::fill(s.begin(), s.begin() + mq * BK, 0.f);
-      gemm(mq, nk, D, qf.data(), D, kt.data(), BK, s.data(), BK);  // S = Q K^T
+      const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0);
+      load_keys(p.dtype, hd.k, D, j0, nk, kf, kt);
+      fill_f32(s, 0.f, mq * BK);
+      gemm(mq, nk, D, qf, D, kt, BK, s, BK);  // S = Q K^T
       for (int64_t r = 0; r < mq; ++r) {
         const int64_t i = i0 + r;
-        float* sr = s.data() + r * BK;
+        float* sr = s + r * BK;
         const RowSplit sp = split_row(p, i, j0, nk, band);
-        if (hd.rel_k) add_rel_logits(sr, j0, nk, sp, qe_lo[r], qe_hi[r], qe.data() + r * band.n);
+        if (hd.rel_k) add_rel_logits(sr, j0, nk, sp, qe_lo[r], qe_hi[r], qe + r * band.n);
         scale_and_mask(p, hd, i, j0, nk, scale, sr);
-        const float mt = std::max(m[r], max_row(sr, nk));
+        const float mt = fmax_(m[r], max_row(sr, nk));
         if (mt == kNegInf) {  // nothing visible yet in this row
-          std::fill(sr, sr + nk, 0.f);
+          fill_f32(sr, 0.f, nk);
           continue;
         }
         const float alpha = m[r] == kNegInf ? 0.f : std::exp(m[r] - mt);
         exp_row(sr, nk, mt);
         l[r] = l[r] * alpha + sum_row(sr, nk);
-        if (alpha != 1.f) scale_row(alpha, acc.data() + r * D, D);
+        if (alpha != 1.f) scale_row(alpha, acc + r * D, D);
         if (hd.rel_v) {
           w_lo[r] *= alpha;
           w_hi[r] *= alpha;
-          add_bucket_mass(sr, j0, nk, sp, w_lo[r], w_hi[r], w.data() + r * band.n);
+          add_bucket_mass(sr, j0, nk, sp, w_lo[r], w_hi[r], w + r * band.n);
           mref[r * n_ktiles + t] = mt;  // the band entries of this tile are relative to mt
         }
         m[r] = mt;
       }
-      load_block(p.dtype, hd.v + j0 * D * es, D, nk, D, vf.data(), D);
-      gemm(mq, D, nk, s.data(), BK, vf.data(), D, acc.data(), D);  // acc += P V
+      load_block(p.dtype, hd.v + j0 * D * es, D, nk, D, vf, D);
+      gemm(mq, D, nk, s, BK, vf, D, acc, D);  // acc += P V
     }
     if (hd.rel_v) {  // value term: acc += W @ rel_v[band] + the clamped buckets
       for (int64_t r = 0; r < mq; ++r) {
         if (m[r] == kNegInf || band.n == 0) continue;
-        float* wr = w.data() + r * band.n;
+        float* wr = w + r * band.n;
         // band column c holds key j = c + base of row i; its weight was taken relative to the
         // running max after that key's tile, so rescale each tile's columns to the final max
         const int64_t base = band.lo - K - p.k_offset + p.q_offset + (i0 + r);
-        const int64_t t_lo = std::max<int64_t>(base, 0) / BK;
-        const int64_t t_hi = std::min<int64_t>(base + band.n - 1, p.k_len - 1) / BK;
+        const int64_t t_lo = imax(base, 0) / BK;
+        const int64_t t_hi = imin(base + band.n - 1, p.k_len - 1) / BK;
         for (int64_t t = t_lo; t <= t_hi; ++t) {
-          const int64_t c0 = std::max<int64_t>(t * BK - base, 0);
-          const int64_t c1 = std::min<int64_t>((t + 1) * BK - base, band.n);
+          const int64_t c0 = imax(t * BK - base, 0);
+          const int64_t c1 = imin((t + 1) * BK - base, band.n);
           const float mt = mref[r * n_ktiles + t];
           scale_row(mt == kNegInf ? 0.f : std::exp(mt - m[r]), wr + c0, c1 - c0);
         }
       }
       if (band.n > 0) {
-        load_band(p.dtype, hd.rel_v, D, band, band_v.data(), nullptr);
-        gemm(mq, D, band.n, w.data(), band.n, band_v.data(), D, acc.data(), D);
+        load_band(p.dtype, hd.rel_v, D, band, band_v, nullptr);
+        gemm(mq, D, band.n, w, band.n, band_v, D, acc, D);
       }
-      load_row(p.dtype, hd.rel_v, ek0.data(), D);
-      load_row(p.dtype, hd.rel_v + (rows_tab - 1) * D * es, ek1.data(), D);
+      load_row(p.dtype, hd.rel_v, ek0, D);
+      load_row(p.dtype, hd.rel_v + (rows_tab - 1) * D * es, ek1, D);
       for (int64_t r = 0; r < mq; ++r) {
-        axpy(w_lo[r], ek0.data(), acc.data() + r * D, D);
-        axpy(w_hi[r], ek1.data(), acc.data() + r * D, D);
+        axpy(w_lo[r], ek0, acc + r * D, D);
+        axpy(w_hi[r], ek1, acc + r * D, D);
       }
     }
     float* lse = static_cast<float*>(p.lse) + (b * p.heads + h) * p.q_len + i0;
     char* out = static_cast<char*>(p.out) + ((b * p.heads + h) * p.q_len + i0) * D * es;
     for (int64_t r = 0; r < mq; ++r) {
       if (m[r] == kNegInf || l[r] == 0.f) {
-        std::fill(row.begin(), row.end(), 0.f);
+        fill_f32(row, 0.f, D);
         lse[r] = std::numeric_limits<float>::infinity();
       } else {
         const float inv = 1.f / l[r];
         for (int64_t d = 0; d < D; ++d) row[d] = acc[r * D + d] * inv;
         lse[r] = m[r] + std::log(l[r]);
       }
-      store_row(p.dtype, row.data(), out + r * D * es, D);
+      store_row(p.dtype, row, out + r * D * es, D);
     }
   }
 }
@@ -566,132 +544,162 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
   const RelAttentionParams& p = bp.fwd;
   const int64_t D = p.dim, K = p.max_distance, rows_tab = num_buckets(K), es = elem_bytes(p.dtype);
   const int64_t group = p.heads / p.kv_heads;
-  const int64_t max_band = std::min<int64_t>(std::max<int64_t>(2 * K - 1, 0), BQ + p.k_len);
+  const int64_t max_band = imin(imax(2 * K - 1, 0), BQ + p.k_len);
   const float scale = static_cast<float>(p.scale);
-  std::vector<float> dk_acc(p.k_len * D), dv_acc(p.k_len * D);
-  std::vector<float> qf(BQ * D), dof(BQ * D), of(BQ * D), dq(BQ * D), kf(BK * D), kt(D * BK);
-  std::vector<float> vf(BK * D), vt(D * BK);
-  std::vector<float> s(BQ * BK), dp(BQ * BK), tt(BK * BQ), lse(BQ), di(BQ), row(D);
-  std::vector<float> qe_lo(BQ), qe_hi(BQ), de_lo(BQ), de_hi(BQ), ds_lo(BQ), ds_hi(BQ), p_lo(BQ), p_hi(BQ);
-  std::vector<float> band_k(max_band * D), band_kt(D * max_band), band_v(max_band * D), band_vt(D * max_band);
-  std::vector<float> qe(BQ * max_band), de(BQ * max_band), wds(BQ * max_band), wp(BQ * max_band);
-  std::vector<float> wt(max_band * BQ), ek0(D), ek1(D), ev0(D), ev1(D);
+  Buffers buf;
+  float* dk_acc = buf.take(p.k_len * D);
+  float* dv_acc = buf.take(p.k_len * D);
+  float* qf = buf.take(BQ * D);
+  float* dof = buf.take(BQ * D);
+  float* of = buf.take(BQ * D);
+  float* dq = buf.take(BQ * D);
+  float* kf = buf.take(BK * D);
+  float* kt = buf.take(D * BK);
+  float* vf = buf.take(BK * D);
+  float* vt = buf.take(D * BK);
+  float* s = buf.take(BQ * BK);
+  float* dp = buf.take(BQ * BK);
+  float* tt = buf.take(BK * BQ);
+  float* lse = buf.take(BQ);
+  float* di = buf.take(BQ);
+  float* row = buf.take(D);
+  float* qe_lo = buf.take(BQ);
+  float* qe_hi = buf.take(BQ);
+  float* de_lo = buf.take(BQ);
+  float* de_hi = buf.take(BQ);
+  float* ds_lo = buf.take(BQ);
+  float* ds_hi = buf.take(BQ);
+  float* p_lo = buf.take(BQ);
+  float* p_hi = buf.take(BQ);
+  float* band_k = buf.take(max_band * D);
+  float* band_kt = buf.take(D * max_band);
+  float* band_v = buf.take(max_band * D);
+  float* band_vt = buf.take(D * max_band);
+  float* qe = buf.take(BQ * max_band);
+  float* de = buf.take(BQ * max_band);
+  float* wds = buf.take(BQ * max_band);
+  float* wp = buf.take(BQ * max_band);
+  float* wt = buf.take(max_band * BQ);
+  float* ek0 = buf.take(D);
+  float* ek1 = buf.take(D);
+  float* ev0 = buf.take(D);
+  float* ev1 = buf.take(D);
   for (int64_t item = begin; item < end; ++item) {
     const int64_t b = item / p.kv_heads, hk = item % p.kv_heads;
-    std::fill(dk_acc.begin(), dk_acc.end(), 0.f);
-    std::fill(dv_acc.begin(), dv_acc.end(), 0.f);
+    fill_f32(dk_acc, 0.f, p.k_len * D);
+    fill_f32(dv_acc, 0.f, p.k_len * D);
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       const Head hd = head_of(p, b, h);
       const int64_t bh = b * p.heads + h;
       float* pk = bp.drel_k_partial ? static_cast<float*>(bp.drel_k_partial) + bh * rows_tab * D : nullptr;
       float* pv = bp.drel_v_partial ? static_cast<float*>(bp.drel_v_partial) + bh * rows_tab * D : nullptr;
       if (hd.rel_k) {
-        load_row(p.dtype, hd.rel_k, ek0.data(), D);
-        load_row(p.dtype, hd.rel_k + (rows_tab - 1) * D * es, ek1.data(), D);
+        load_row(p.dtype, hd.rel_k, ek0, D);
+        load_row(p.dtype, hd.rel_k + (rows_tab - 1) * D * es, ek1, D);
       }
       if (hd.rel_v) {
-        load_row(p.dtype, hd.rel_v, ev0.data(), D);
-        load_row(p.dtype, hd.rel_v + (rows_tab - 1) * D * es, ev1.data(), D);
+        load_row(p.dtype, hd.rel_v, ev0, D);
+        load_row(p.dtype, hd.rel_v + (rows_tab - 1) * D * es, ev1, D);
       }
       for (int64_t i0 = 0; i0 < p.q_len; i0 += BQ) {
-        const int64_t mq = std::min(BQ, p.q_len - i0);
+        const int64_t mq = imin(BQ, p.q_len - i0);
         const int64_t row0 = bh * p.q_len + i0;
-        load_block(p.dtype, hd.q + i0 * D * es, D, mq, D, qf.data(), D);
-        load_block(p.dtype, static_cast<const char*>(bp.grad_out) + row0 * D * es, D, mq, D, dof.data(), D);
-        load_block(p.dtype, static_cast<const char*>(p.out) + row0 * D * es, D, mq, D, of.data(), D);
+        load_block(p.dtype, hd.q + i0 * D * es, D, mq, D, qf, D);
+        load_block(p.dtype, static_cast<const char*>(bp.grad_out) + row0 * D * es, D, mq, D, dof, D);
+        load_block(p.dtype, static_cast<const char*>(p.out) + row0 * D * es, D, mq, D, of, D);
         for (int64_t r = 0; r < mq; ++r) {
           lse[r] = static_cast<const float*>(p.lse)[row0 + r];
-          di[r] = dot(dof.data() + r * D, of.data() + r * D, D);
+          di[r] = dot(dof + r * D, of + r * D, D);
         }
         const Band band = band_of(p, i0, mq);
         if (hd.rel_k) {
           for (int64_t r = 0; r < mq; ++r) {
-            qe_lo[r] = dot(qf.data() + r * D, ek0.data(), D);
-            qe_hi[r] = dot(qf.data() + r * D, ek1.data(), D);
+            qe_lo[r] = dot(qf + r * D, ek0, D);
+            qe_hi[r] = dot(qf + r * D, ek1, D);
           }
           if (band.n > 0) {
-            load_band(p.dtype, hd.rel_k, D, band, band_k.data(), band_kt.data());
-            std::fill(qe.begin(), qe.begin() + mq * band.n, 0.f);
-            gemm(mq, band.n, D, qf.data(), D, band_kt.data(), band.n, qe.data(), band.n);
+            load_band(p.dtype, hd.rel_k, D, band, band_k, band_kt);
+            fill_f32(qe, 0.f, mq * band.n);
+            gemm(mq, band.n, D, qf, D, band_kt, band.n, qe, band.n);
           }
-          std::fill(wds.begin(), wds.begin() + mq * band.n, 0.f);
-          std::fill(ds_lo.begin(), ds_lo.end(), 0.f);
-          std::fill(ds_hi.begin(), ds_hi.end(), 0.f);
+          fill_f32(wds, 0.f, mq * band.n);
+          fill_f32(ds_lo, 0.f, BQ);
+          fill_f32(ds_hi, 0.f, BQ);
         }
         if (hd.rel_v) {
           for (int64_t r = 0; r < mq; ++r) {
-            de_lo[r] = dot(dof.data() + r * D, ev0.data(), D);
-            de_hi[r] = dot(dof.data() + r * D, ev1.data(), D);
+            de_lo[r] = dot(dof + r * D, ev0, D);
+            de_hi[r] = dot(dof + r * D, ev1, D);
           }
           if (band.n > 0) {
-            load_band(p.dtype, hd.rel_v, D, band, band_v.data(), band_vt.data());
-            std::fill(de.begin(), de.begin() + mq * band.n, 0.f);
-            gemm(mq, band.n, D, dof.data(), D, band_vt.data(), band.n, de.data(), band.n);
+            load_band(p.dtype, hd.rel_v, D, band, band_v, band_vt);
+            fill_f32(de, 0.f, mq * band.n);
+            gemm(mq, band.n, D, dof, D, band_vt, band.n, de, band.n);
           }
-          std::fill(wp.begin(), wp.begin() + mq * band.n, 0.f);
-          std::fill(p_lo.begin(), p_lo.end(), 0.f);
-          std::fill(p_hi.begin(), p_hi.end(), 0.f);
+          fill_f32(wp, 0.f, mq * band.n);
+          fill_f32(p_lo, 0.f, BQ);
+          fill_f32(p_hi, 0.f, BQ);
         }
-        std::fill(dq.begin(), dq.begin() + mq * D, 0.f);
+        fill_f32(dq, 0.f, mq * D);
         const int64_t kt_end = last_key_tile(p, i0 + mq - 1);
         for (int64_t t = 0; t < kt_end; ++t) {
-          const int64_t j0 = t * BK, nk = std::min(BK, p.k_len - j0);
-          load_keys(p.dtype, hd.k, D, j0, nk, kf.data(), kt.data());
-          load_keys(p.dtype, hd.v, D, j0, nk, vf.data(), vt.data());
-          std::fill(s.begin(), s.begin() + mq * BK, 0.f);
-          std::fill(dp.begin(), dp.begin() + mq * BK, 0.f);
-          gemm(mq, nk, D, qf.data(), D, kt.data(), BK, s.data(), BK);     // S = Q K^T
-          gemm(mq, nk, D, dof.data(), D, vt.data(), BK, dp.data(), BK);   // dP = dO V^T
+          const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0);
+          load_keys(p.dtype, hd.k, D, j0, nk, kf, kt);
+          load_keys(p.dtype, hd.v, D, j0, nk, vf, vt);
+          fill_f32(s, 0.f, mq * BK);
+          fill_f32(dp, 0.f, mq * BK);
+          gemm(mq, nk, D, qf, D, kt, BK, s, BK);     // S = Q K^T
+          gemm(mq, nk, D, dof, D, vt, BK, dp, BK);   // dP = dO V^T
           for (int64_t r = 0; r < mq; ++r) {
             const int64_t i = i0 + r;
-            float* sr = s.data() + r * BK;
-            float* dpr = dp.data() + r * BK;
+            float* sr = s + r * BK;
+            float* dpr = dp + r * BK;
             const RowSplit sp = split_row(p, i, j0, nk, band);
-            if (hd.rel_k) add_rel_logits(sr, j0, nk, sp, qe_lo[r], qe_hi[r], qe.data() + r * band.n);
-            if (hd.rel_v) add_rel_logits(dpr, j0, nk, sp, de_lo[r], de_hi[r], de.data() + r * band.n);
+            if (hd.rel_k) add_rel_logits(sr, j0, nk, sp, qe_lo[r], qe_hi[r], qe + r * band.n);
+            if (hd.rel_v) add_rel_logits(dpr, j0, nk, sp, de_lo[r], de_hi[r], de + r * band.n);
             scale_and_mask(p, hd, i, j0, nk, scale, sr);  // P = exp(S * scale - lse)
             exp_row(sr, nk, lse[r]);
             softmax_grad_row(sr, dpr, nk, di[r], scale);  // dS = scale P (dP - D_i)
-            if (hd.rel_v) add_bucket_mass(sr, j0, nk, sp, p_lo[r], p_hi[r], wp.data() + r * band.n);
-            if (hd.rel_k) add_bucket_mass(dpr, j0, nk, sp, ds_lo[r], ds_hi[r], wds.data() + r * band.n);
+            if (hd.rel_v) add_bucket_mass(sr, j0, nk, sp, p_lo[r], p_hi[r], wp + r * band.n);
+            if (hd.rel_k) add_bucket_mass(dpr, j0, nk, sp, ds_lo[r], ds_hi[r], wds + r * band.n);
           }
-          transpose(s.data(), BK, mq, nk, tt.data(), BQ);  // P^T [nk, mq]
-          gemm(nk, D, mq, tt.data(), BQ, dof.data(), D, dv_acc.data() + j0 * D, D);  // dV += P^T dO
-          transpose(dp.data(), BK, mq, nk, tt.data(), BQ);  // dS^T
-          gemm(nk, D, mq, tt.data(), BQ, qf.data(), D, dk_acc.data() + j0 * D, D);  // dK += dS^T Q
-          gemm(mq, D, nk, dp.data(), BK, kf.data(), D, dq.data(), D);               // dQ += dS K
+          transpose(s, BK, mq, nk, tt, BQ);  // P^T [nk, mq]
+          gemm(nk, D, mq, tt, BQ, dof, D, dv_acc + j0 * D, D);  // dV += P^T dO
+          transpose(dp, BK, mq, nk, tt, BQ);  // dS^T
+          gemm(nk, D, mq, tt, BQ, qf, D, dk_acc + j0 * D, D);  // dK += dS^T Q
+          gemm(mq, D, nk, dp, BK, kf, D, dq, D);               // dQ += dS K
         }
         if (hd.rel_k) {  // dQ += W_ds @ rel_k; drel_k += W_ds^T Q (band and clamped buckets)
           if (band.n > 0) {
-            gemm(mq, D, band.n, wds.data(), band.n, band_k.data(), D, dq.data(), D);
-            transpose(wds.data(), band.n, mq, band.n, wt.data(), BQ);
-            gemm(band.n, D, mq, wt.data(), BQ, qf.data(), D, pk + band.lo * D, D);
+            gemm(mq, D, band.n, wds, band.n, band_k, D, dq, D);
+            transpose(wds, band.n, mq, band.n, wt, BQ);
+            gemm(band.n, D, mq, wt, BQ, qf, D, pk + band.lo * D, D);
           }
           for (int64_t r = 0; r < mq; ++r) {
-            axpy(ds_lo[r], ek0.data(), dq.data() + r * D, D);
-            axpy(ds_hi[r], ek1.data(), dq.data() + r * D, D);
-            axpy(ds_lo[r], qf.data() + r * D, pk, D);
-            axpy(ds_hi[r], qf.data() + r * D, pk + (rows_tab - 1) * D, D);
+            axpy(ds_lo[r], ek0, dq + r * D, D);
+            axpy(ds_hi[r], ek1, dq + r * D, D);
+            axpy(ds_lo[r], qf + r * D, pk, D);
+            axpy(ds_hi[r], qf + r * D, pk + (rows_tab - 1) * D, D);
           }
         }
         if (hd.rel_v) {  // drel_v += W_p^T dO
           if (band.n > 0) {
-            transpose(wp.data(), band.n, mq, band.n, wt.data(), BQ);
-            gemm(band.n, D, mq, wt.data(), BQ, dof.data(), D, pv + band.lo * D, D);
+            transpose(wp, band.n, mq, band.n, wt, BQ);
+            gemm(band.n, D, mq, wt, BQ, dof, D, pv + band.lo * D, D);
           }
           for (int64_t r = 0; r < mq; ++r) {
-            axpy(p_lo[r], dof.data() + r * D, pv, D);
-            axpy(p_hi[r], dof.data() + r * D, pv + (rows_tab - 1) * D, D);
+            axpy(p_lo[r], dof + r * D, pv, D);
+            axpy(p_hi[r], dof + r * D, pv + (rows_tab - 1) * D, D);
           }
         }
         char* dq_out = static_cast<char*>(bp.dq) + row0 * D * es;
-        for (int64_t r = 0; r < mq; ++r) store_row(p.dtype, dq.data() + r * D, dq_out + r * D * es, D);
+        for (int64_t r = 0; r < mq; ++r) store_row(p.dtype, dq + r * D, dq_out + r * D * es, D);
       }
     }
     const int64_t kv_off = item * p.k_len * D * es;
     for (int64_t j = 0; j < p.k_len; ++j) {
-      store_row(p.dtype, dk_acc.data() + j * D, static_cast<char*>(bp.dk) + kv_off + j * D * es, D);
-      store_row(p.dtype, dv_acc.data() + j * D, static_cast<char*>(bp.dv) + kv_off + j * D * es, D);
+      store_row(p.dtype, dk_acc + j * D, static_cast<char*>(bp.dk) + kv_off + j * D * es, D);
+      store_row(p.dtype, dv_acc + j * D, static_cast<char*>(bp.dv) + kv_off + j * D * es, D);
     }
   }
 }
