@@ -11,8 +11,8 @@
 // kOwn + 32 - 1 table rows (tile_inner_buckets); the band is staged in shared memory next to the
 // key tile and each (i, j) reads its row along the skew.
 //
-// Tiling: a block of 4 warps owns 16 rows (query rows in the forward and the dq kernel, key rows in
-// the dk/dv kernel), 4 per warp, held in shared memory at full head dim (up to kD = 32 kDC) and as
+// Tiling: a block of 4 warps owns 16 rows (8 for float64; query rows in the forward and the dq
+// kernel, key rows in the dk/dv kernel), 4 (2) per warp, held in shared memory at full head dim (up to kD = 32 kDC) and as
 // register accumulators (column d = lane + 32 c of each owned row). The other side streams in tiles
 // of 32, one per lane: lane l computes the dot products of its key (or query) with the warp's 4 rows
 // over chunks of kDK columns staged in shared memory. Head dims up to 256, any value (zero-padded).
@@ -33,11 +33,15 @@
 
 namespace relpos::cuda {
 
+// Per query row of the backward, computed once by the rows kernel: D_i and the clamped dots.
+enum RowTerm : int { kRowDi = 0, kRowQeLo, kRowQeHi, kRowDeLo, kRowDeHi, kRowTerms };
+
 template <typename A, int kDC>
 struct AttnTile {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kRows = 4;                      // owned rows per warp
+  static constexpr int kRows = sizeof(A) == 8 ? 2 : 4;  // owned rows per warp (float64: fewer
+                                                        // registers per accumulator row)
   static constexpr int kOwn = kWarps * kRows;          // owned rows per block
   static constexpr int kLanes = 32;                    // streamed tile: one row per lane
   static constexpr int kD = 32 * kDC;                  // largest head dim of this instantiation
@@ -49,15 +53,12 @@ struct AttnTile {
   static constexpr int kLdP = kLanes + 1;
 
   // Dynamic shared memory of each kernel, in elements of A (layouts in the kernels).
-  static constexpr int fwd_smem() { return kOwn * kD + (kLanes + kBand) * kLd + kOwn * kLdP; }
+  static constexpr int fwd_smem() { return kOwn * kD + (kLanes + kBand) * kLd + kOwn * kLdP + 2 * kOwn; }
   static constexpr int dq_smem() {
-    return 2 * kOwn * kD + 2 * (kLanes + kBand) * kLd + 2 * kOwn * kLdP + 4 * kOwn;
+    return 2 * kOwn * kD + 2 * (kLanes + kBand) * kLd + 2 * kOwn * kLdP + (4 + 1 + kRowTerms) * kOwn;
   }
   static constexpr int dkdv_smem() { return 2 * kOwn * kD + 2 * (kLanes + kBand) * kLd + 2 * kOwn * kLdP; }
 };
-
-// Per query row of the backward, computed once by the rows kernel: D_i and the clamped dots.
-enum RowTerm : int { kRowDi = 0, kRowQeLo, kRowQeHi, kRowDeLo, kRowDeHi, kRowTerms };
 
 RELPOS_DEVICE float exp_acc(float x) { return expf(x); }
 RELPOS_DEVICE double exp_acc(double x) { return exp(x); }
@@ -201,9 +202,10 @@ RELPOS_DEVICE void chunk_accumulate_band(A (&acc_row)[Tl::kChunks * Tl::kCPC], i
 // ---- forward ------------------------------------------------------------------------------------
 // Grid: batch * heads * ceil(q_len / kOwn) blocks of kThreads. Shared memory (dynamic, elements of
 // the accumulation type): sQ [kOwn][kD] | sKV [32][kLd] a chunk of K, then of V | sE [kBand][kLd] a
-// chunk of the rel_k band, then of the rel_v band | sP [kOwn][33] the tile's probabilities.
+// chunk of the rel_k band, then of the rel_v band | sP [kOwn][33] the tile's probabilities |
+// sQe [kOwn][2] q_i . rel_k[0] and q_i . rel_k[2K].
 template <typename T, int kDC>
-__global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads)
+__global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
     rel_attention_fwd_kernel(RelAttentionParams p) {
   using A = acc_t<T>;
   using Tl = AttnTile<A, kDC>;
@@ -213,6 +215,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads)
   A* sKV = sQ + Tl::kOwn * Tl::kD;
   A* sE = sKV + Tl::kLanes * Tl::kLd;
   A* sP = sE + Tl::kBand * Tl::kLd;
+  A* sQe = sP + Tl::kOwn * Tl::kLdP;
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t q_tiles = (p.q_len + Tl::kOwn - 1) / Tl::kOwn;
@@ -236,14 +239,9 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads)
 
   // Row state: m (running max) is warp-uniform; l and the clamped masses w_lo / w_hi are per-lane
   // partials (of this lane's keys), rescaled with the row and summed over the warp at the end.
-  A m[R], l[R], w_lo[R], w_hi[R], qe_lo[R], qe_hi[R], acc[R][C];
-  int64_t in_begin[R], in_end[R];
+  A m[R], l[R], w_lo[R], w_hi[R], acc[R][C];
   RELPOS_UNROLL
   for (int rr = 0; rr < R; ++rr) {
-    const int64_t i = i0 + warp * R + rr;
-    const KeySpan in = inner_keys(i, p.k_len, K, p.q_offset, p.k_offset);
-    in_begin[rr] = in.begin;
-    in_end[rr] = in.end;
     A x0 = 0, x1 = 0;
     if (ek != nullptr) {  // q_i . rel_k[0] and q_i . rel_k[2K]
       RELPOS_UNROLL
@@ -257,8 +255,10 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads)
       x0 = warp_sum(x0);
       x1 = warp_sum(x1);
     }
-    qe_lo[rr] = x0;
-    qe_hi[rr] = x1;
+    if (lane == 0) {  // read after the first key tile's __syncthreads
+      sQe[(warp * R + rr) * 2 + 0] = x0;
+      sQe[(warp * R + rr) * 2 + 1] = x1;
+    }
     m[rr] = -INFINITY;
     l[rr] = w_lo[rr] = w_hi[rr] = 0;
     RELPOS_UNROLL
@@ -294,10 +294,11 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads)
     RELPOS_UNROLL
     for (int rr = 0; rr < R; ++rr) {
       const int64_t i = i0 + warp * R + rr;
+      const KeySpan in = inner_keys(i, p.k_len, K, p.q_offset, p.k_offset);
       A x = -INFINITY;
       if (attn_visible(p, b, i, j)) {
-        const A rel = ek == nullptr ? A(0)
-                      : (j < in_begin[rr] ? qe_lo[rr] : (j >= in_end[rr] ? qe_hi[rr] : se[rr]));
+        const A* qe = sQe + (warp * R + rr) * 2;
+        const A rel = ek == nullptr ? A(0) : (j < in.begin ? qe[0] : (j >= in.end ? qe[1] : se[rr]));
         x = (s[rr] + rel) * scale;
       }
       const A mt = warp_max(x);
@@ -309,8 +310,8 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads)
       }
       m[rr] = mn;
       l[rr] = l[rr] * alpha + pr;
-      w_lo[rr] = w_lo[rr] * alpha + (j < in_begin[rr] ? pr : A(0));
-      w_hi[rr] = w_hi[rr] * alpha + (j >= in_end[rr] ? pr : A(0));
+      w_lo[rr] = w_lo[rr] * alpha + (j < in.begin ? pr : A(0));
+      w_hi[rr] = w_hi[rr] * alpha + (j >= in.end ? pr : A(0));
       RELPOS_UNROLL
       for (int c = 0; c < C; ++c) acc[rr][c] *= alpha;
       sP[(warp * R + rr) * Tl::kLdP + lane] = pr;
@@ -331,8 +332,9 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads)
         RELPOS_UNROLL
         for (int rr = 0; rr < R; ++rr) {
           const int64_t i = i0 + warp * R + rr;
-          const int64_t jb = in_begin[rr] > j0 ? in_begin[rr] : j0;
-          const int64_t je = in_end[rr] < j0 + nk ? in_end[rr] : j0 + nk;
+          const KeySpan in = inner_keys(i, p.k_len, K, p.q_offset, p.k_offset);
+          const int64_t jb = in.begin > j0 ? in.begin : j0;
+          const int64_t je = in.end < j0 + nk ? in.end : j0 + nk;
           if (jb >= je) continue;
           // band row of key j0 if it were inner (unclamped bucket r + K); inner keys follow it
           const int first = static_cast<int>(
@@ -434,10 +436,10 @@ RELPOS_DEVICE ProbGrad<A> prob_grad(bool visible, bool has_k, bool has_v, int64_
 // ---- backward: dq and the table gradients ------------------------------------------------------
 // Grid: batch * heads * ceil(q_len / kOwn) blocks. Shared memory: sQ, sdO [kOwn][kD] |
 // sK, sV [32][kLd] chunks | sEk, sEv [kBand][kLd] band chunks | sP, sDS [kOwn][33] | sLo [kOwn][4]
-// (per row: clamped ds mass lo/hi, clamped p mass lo/hi). dq accumulates in registers; the table
+// (per row: clamped ds mass lo/hi, clamped p mass lo/hi) | sRow [kOwn][1 + kRowTerms] (lse, ws row). dq accumulates in registers; the table
 // gradients of the band go straight to drel_*_partial with atomicAdd (rows shared by query tiles).
 template <typename T, int kDC>
-__global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads)
+__global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
     rel_attention_bwd_dq_kernel(RelAttentionBwdParams bp, const acc_t<T>* ws) {
   using A = acc_t<T>;
   using Tl = AttnTile<A, kDC>;
@@ -453,6 +455,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads)
   A* sP = sEv + Tl::kBand * Tl::kLd;
   A* sDS = sP + Tl::kOwn * Tl::kLdP;
   A* sLo = sDS + Tl::kOwn * Tl::kLdP;
+  A* sRow = sLo + 4 * Tl::kOwn;
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t q_tiles = (p.q_len + Tl::kOwn - 1) / Tl::kOwn;
@@ -476,22 +479,19 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads)
 
   stage_owned<Tl>(sQ, static_cast<const T*>(p.q) + (bh * p.q_len + i0) * D, nq, D);
   stage_owned<Tl>(sG, static_cast<const T*>(bp.grad_out) + (bh * p.q_len + i0) * D, nq, D);
+  for (int idx = threadIdx.x; idx < Tl::kOwn * (1 + kRowTerms); idx += Tl::kThreads) {
+    const int r = idx / (1 + kRowTerms), t = idx % (1 + kRowTerms);
+    const int64_t row = bh * p.q_len + i0 + r;
+    sRow[idx] = r >= nq ? (t == 0 ? A(INFINITY) : A(0))
+                        : (t == 0 ? static_cast<const A*>(p.lse)[row] : ws[row * kRowTerms + t - 1]);
+  }
   __syncthreads();
   const A* my_q = sQ + warp * R * Tl::kD;
   const A* my_g = sG + warp * R * Tl::kD;
 
-  A lse[R], row[R][kRowTerms], acc[R][C], m_lo[R][4];  // m_lo: per-lane clamped ds / p masses
-  int64_t in_begin[R], in_end[R];
+  A acc[R][C], m_lo[R][4];  // m_lo: per-lane clamped ds / p masses
   RELPOS_UNROLL
   for (int rr = 0; rr < R; ++rr) {
-    const int64_t i = i0 + warp * R + rr;
-    const bool valid = i < p.q_len;
-    lse[rr] = valid ? static_cast<const A*>(p.lse)[bh * p.q_len + i] : A(INFINITY);
-    RELPOS_UNROLL
-    for (int t = 0; t < kRowTerms; ++t) row[rr][t] = valid ? ws[(bh * p.q_len + i) * kRowTerms + t] : A(0);
-    const KeySpan in = inner_keys(i, p.k_len, K, p.q_offset, p.k_offset);
-    in_begin[rr] = in.begin;
-    in_end[rr] = in.end;
     RELPOS_UNROLL
     for (int c = 0; c < C; ++c) acc[rr][c] = 0;
     RELPOS_UNROLL
@@ -527,10 +527,12 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads)
     RELPOS_UNROLL
     for (int rr = 0; rr < R; ++rr) {
       const int64_t i = i0 + warp * R + rr;
+      const KeySpan in = inner_keys(i, p.k_len, K, p.q_offset, p.k_offset);
+      const A* row = sRow + (warp * R + rr) * (1 + kRowTerms);
       const ProbGrad<A> g = prob_grad(attn_visible(p, b, i, j), ek != nullptr, ev != nullptr, j,
-                                      in_begin[rr], in_end[rr], s[rr], se[rr], dp[rr], dpe[rr],
-                                      row[rr], lse[rr], scale);
-      const bool lo = j < in_begin[rr], hi = j >= in_end[rr];
+                                      in.begin, in.end, s[rr], se[rr], dp[rr], dpe[rr], row + 1,
+                                      row[0], scale);
+      const bool lo = j < in.begin, hi = j >= in.end;
       m_lo[rr][0] += lo ? g.ds : A(0);
       m_lo[rr][1] += hi ? g.ds : A(0);
       m_lo[rr][2] += lo ? g.p : A(0);
@@ -574,8 +576,9 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads)
         RELPOS_UNROLL
         for (int rr = 0; rr < R; ++rr) {
           const int64_t i = i0 + warp * R + rr;
-          const int64_t jb = in_begin[rr] > j0 ? in_begin[rr] : j0;
-          const int64_t je = in_end[rr] < j0 + nk ? in_end[rr] : j0 + nk;
+          const KeySpan in = inner_keys(i, p.k_len, K, p.q_offset, p.k_offset);
+          const int64_t jb = in.begin > j0 ? in.begin : j0;
+          const int64_t je = in.end < j0 + nk ? in.end : j0 + nk;
           if (jb >= je) continue;
           const int first = static_cast<int>(
               rel_distance(i, j0, p.q_offset, p.k_offset) + K - band.begin);
@@ -638,7 +641,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads)
 // (one query row per lane). Shared memory: sK, sV [kOwn][kD] | sQ, sdO [32][kLd] chunks |
 // sEk, sEv [kBand][kLd] band chunks | sP, sDS [kOwn][33] (key row x query lane).
 template <typename T, int kDC>
-__global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads)
+__global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
     rel_attention_bwd_dkdv_kernel(RelAttentionBwdParams bp, const acc_t<T>* ws) {
   using A = acc_t<T>;
   using Tl = AttnTile<A, kDC>;
