@@ -102,6 +102,27 @@ RELPOS_HD RowSpan bucket_rows(int64_t b, int64_t q_len, int64_t k_len, int64_t m
   return s;
 }
 
+// Inner buckets (1 .. 2K-1, where the bucket is not clamped) reached by query rows
+// [i0, i0 + nq) and keys [j0, j0 + nk), as a half-open range: contiguous because b(i, j) moves by
+// one per row and per key, at most nq + nk - 1 wide, empty for K = 0. The CUDA fused attention
+// stages exactly these table rows for each (query tile, key tile) pair.
+struct BucketSpan {
+  int64_t begin;
+  int64_t end;
+};
+
+RELPOS_HD BucketSpan tile_inner_buckets(int64_t i0, int64_t nq, int64_t j0, int64_t nk,
+                                        int64_t max_distance, int64_t q_offset, int64_t k_offset) {
+  BucketSpan s{1, 1};
+  if (max_distance == 0 || nq <= 0 || nk <= 0) return s;
+  const int64_t lo = shaw_bucket(i0 + nq - 1, j0, max_distance, q_offset, k_offset);
+  const int64_t hi = shaw_bucket(i0, j0 + nk - 1, max_distance, q_offset, k_offset) + 1;
+  s.begin = lo < 1 ? 1 : lo;
+  s.end = hi > 2 * max_distance ? 2 * max_distance : hi;
+  if (s.end < s.begin) s.end = s.begin;
+  return s;
+}
+
 // Buckets touched by any (i, j) with i < q_len, j < k_len: [first, last]. Because b(i, j) grows
 // with j and shrinks with i, the extremes are b(q_len - 1, 0) and b(0, k_len - 1).
 RELPOS_HD int64_t first_bucket(int64_t q_len, int64_t max_distance, int64_t q_offset,

@@ -10,9 +10,11 @@
 #if defined(__CUDACC__)
 #define RELPOS_DEVICE __device__ __forceinline__
 #define RELPOS_UNROLL _Pragma("unroll")
+#define RELPOS_UNROLL4 _Pragma("unroll 4")
 #else
 #define RELPOS_DEVICE inline
 #define RELPOS_UNROLL
+#define RELPOS_UNROLL4
 #endif
 
 namespace relpos::cuda {
@@ -22,6 +24,25 @@ namespace relpos::cuda {
 struct alignas(16) Bits16 {
   uint32_t w[4];
 };
+
+// Butterfly reductions over the 32 lanes of a warp (all lanes take part). Every lane ends with
+// the same bits: each step adds (or compares) the same two partials in either order.
+template <typename A>
+RELPOS_DEVICE A warp_sum(A v) {
+  RELPOS_UNROLL
+  for (int m = 16; m > 0; m /= 2) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+
+template <typename A>
+RELPOS_DEVICE A warp_max(A v) {
+  RELPOS_UNROLL
+  for (int m = 16; m > 0; m /= 2) {
+    const A o = __shfl_xor_sync(0xffffffffu, v, m);
+    v = o > v ? o : v;
+  }
+  return v;
+}
 
 template <typename U>
 RELPOS_DEVICE U zero_bits() {

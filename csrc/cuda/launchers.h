@@ -4,6 +4,8 @@
 // so under RELPOS_CUDA_EMU the emulator runs this very code. Errors: std::runtime_error.
 #pragma once
 
+#include <cstddef>
+
 #include "common/params.h"
 
 #if !defined(RELPOS_CUDA_EMU)
@@ -24,5 +26,10 @@ void launch_skew(const SkewParams& p, Stream stream);
 void launch_skew_backward(const SkewParams& p, Stream stream);
 void launch_rel_logits(const RelLogitsParams& p, Stream stream);
 void launch_bucket_sum(const BucketSumParams& p, Stream stream);
+void launch_rel_attention(const RelAttentionParams& p, Stream stream);
+// The backward needs rel_attention_backward_workspace_bytes(p) bytes of device scratch (per query
+// row: D_i = dO_i . O_i and the clamped-bucket dots), allocated by the glue, uninitialised.
+size_t rel_attention_backward_workspace_bytes(const RelAttentionBwdParams& p);
+void launch_rel_attention_backward(const RelAttentionBwdParams& p, void* workspace, Stream stream);
 
 }  // namespace relpos::cuda

@@ -6,6 +6,7 @@
 
 #include <stdexcept>
 
+#include "common/attention_impl.h"
 #include "common/ops_impl.h"
 #include "cuda/glue_config.h"
 #include "cuda/launchers.h"
@@ -13,6 +14,7 @@
 #if !defined(RELPOS_CUDA_EMU)
 // c10's stream and guard rather than <ATen/cuda/CUDAContext.h>, which also pulls in cuBLAS and
 // cuSPARSE headers that a minimal CUDA toolkit does not ship (the case on the build machines).
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -50,9 +52,28 @@ struct CudaBackend {
   static void skew_backward(const SkewParams& p) { run(launch_skew_backward, p); }
   static void rel_logits(const RelLogitsParams& p) { run(launch_rel_logits, p); }
   static void bucket_sum(const BucketSumParams& p) { run(launch_bucket_sum, p); }
+  static void rel_attention(const RelAttentionParams& p) { run(launch_rel_attention, p); }
+  static void rel_attention_backward(const RelAttentionBwdParams& p) {
+    // Scratch of the backward (per-row terms), on the op's device; the caching allocator makes
+    // this cheap and keeps it ordered on the current stream.
+    const size_t bytes = rel_attention_backward_workspace_bytes(p);
+#if defined(RELPOS_CUDA_EMU)
+    const at::Device device(at::kCPU);
+#else
+    const at::Device device(at::kCUDA, c10::cuda::current_device());
+#endif
+    const at::Tensor ws =
+        at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).device(device));
+    try {
+      launch_rel_attention_backward(p, ws.data_ptr(), current_stream());
+    } catch (const std::runtime_error& e) {
+      TORCH_CHECK(false, e.what());
+    }
+  }
 };
 
 using Impl = OpsImpl<CudaBackend>;
+using Attention = AttentionImpl<CudaBackend>;
 
 // Every op's first argument is a tensor: make its device current (so allocations, the current
 // stream and the launches all go to it) for the duration of the op.
@@ -83,4 +104,7 @@ TORCH_LIBRARY_IMPL(RELPOS_CUDA_NAMESPACE, RELPOS_CUDA_DISPATCH_KEY, m) {
   m.impl("skew_backward", &OnDeviceOf<&Impl::skew_backward>::call);
   m.impl("rel_logits", &OnDeviceOf<&Impl::rel_logits>::call);
   m.impl("rel_logits_backward", &OnDeviceOf<&Impl::rel_logits_backward>::call);
+  using relpos::cuda::Attention;
+  m.impl("rel_attention", &OnDeviceOf<&Attention::rel_attention>::call);
+  m.impl("rel_attention_backward", &OnDeviceOf<&Attention::rel_attention_backward>::call);
 }

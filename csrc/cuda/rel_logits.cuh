@@ -130,13 +130,6 @@ __global__ void rel_logits_kernel(RelLogitsParams p) {
 // the gradient of the one key at distance bucket0 + c - K, or 0 when that key is out of range.
 constexpr int kBucketSumWarps = 8;
 
-template <typename A>
-RELPOS_DEVICE A warp_sum(A v) {
-  RELPOS_UNROLL
-  for (int m = 16; m > 0; m /= 2) v += __shfl_xor_sync(0xffffffffu, v, m);
-  return v;
-}
-
 template <typename T>
 __global__ void bucket_sum_kernel(BucketSumParams p) {
   using A = acc_t<T>;

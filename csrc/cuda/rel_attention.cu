@@ -1,0 +1,80 @@
+// Launchers of the fused Shaw attention (kernels and tiling: rel_attention.cuh). The head dim
+// picks the instantiation (kDC = ceil(D / 32) rounded up to 1, 2, 4 or 8: D <= 256).
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "cuda/launch_util.h"
+#include "cuda/launchers.h"
+#include "cuda/rel_attention.cuh"
+
+namespace relpos::cuda {
+namespace {
+
+constexpr int64_t kMaxHeadDim = 256;
+
+// Calls f.template operator()<kDC>() with the smallest instantiated kDC >= ceil(dim / 32).
+template <typename F>
+void dispatch_head_dim(int64_t dim, F&& f) {
+  if (dim <= 32) {
+    f.template operator()<1>();
+  } else if (dim <= 64) {
+    f.template operator()<2>();
+  } else if (dim <= 128) {
+    f.template operator()<4>();
+  } else if (dim <= kMaxHeadDim) {
+    f.template operator()<8>();
+  } else {
+    throw std::runtime_error("relpos CUDA rel_attention: head dim D must be <= " +
+                             std::to_string(kMaxHeadDim) + "; got " + std::to_string(dim));
+  }
+}
+
+int64_t acc_size(DType d) { return d == DType::Float64 ? 8 : 4; }
+
+}  // namespace
+
+void launch_rel_attention(const RelAttentionParams& p, Stream stream) {
+  if (p.batch * p.heads * p.q_len == 0) return;
+  dispatch_dtype(p.dtype, [&]<typename T>() {
+    dispatch_head_dim(p.dim, [&]<int kDC>() {
+      using Tl = AttnTile<acc_t<T>, kDC>;
+      const int64_t blocks = p.batch * p.heads * cdiv(p.q_len, Tl::kOwn);
+      launch(rel_attention_fwd_kernel<T, kDC>, dim3(grid_x(blocks, "rel_attention"), 1, 1),
+             dim3(Tl::kThreads, 1, 1), Tl::fwd_smem() * sizeof(acc_t<T>), stream, p);
+    });
+  });
+}
+
+size_t rel_attention_backward_workspace_bytes(const RelAttentionBwdParams& p) {
+  const RelAttentionParams& f = p.fwd;
+  return static_cast<size_t>(f.batch * f.heads * f.q_len * kRowTerms * acc_size(f.dtype));
+}
+
+void launch_rel_attention_backward(const RelAttentionBwdParams& p, void* workspace,
+                                   Stream stream) {
+  const RelAttentionParams& f = p.fwd;
+  if (f.batch * f.heads * f.q_len * f.k_len * f.dim == 0) return;
+  dispatch_dtype(f.dtype, [&]<typename T>() {
+    using A = acc_t<T>;
+    A* ws = static_cast<A*>(workspace);
+    const int64_t rows = f.batch * f.heads * f.q_len;
+    launch(rel_attention_bwd_rows_kernel<T>,
+           dim3(grid_x(cdiv(rows, kRowsWarps), "rel_attention_backward"), 1, 1),
+           dim3(32 * kRowsWarps, 1, 1), 0, stream, p, ws);
+    dispatch_head_dim(f.dim, [&]<int kDC>() {
+      using Tl = AttnTile<A, kDC>;
+      const int64_t q_blocks = f.batch * f.heads * cdiv(f.q_len, Tl::kOwn);
+      launch(rel_attention_bwd_dq_kernel<T, kDC>,
+             dim3(grid_x(q_blocks, "rel_attention_backward"), 1, 1), dim3(Tl::kThreads, 1, 1),
+             Tl::dq_smem() * sizeof(A), stream, p, static_cast<const A*>(ws));
+      const int64_t k_blocks = f.batch * f.kv_heads * cdiv(f.k_len, Tl::kOwn);
+      launch(rel_attention_bwd_dkdv_kernel<T, kDC>,
+             dim3(grid_x(k_blocks, "rel_attention_backward"), 1, 1), dim3(Tl::kThreads, 1, 1),
+             Tl::dkdv_smem() * sizeof(A), stream, p, static_cast<const A*>(ws));
+    });
+  });
+}
+
+}  // namespace relpos::cuda

@@ -1,0 +1,770 @@
+// Fused Shaw attention (Shaw et al. 2018, relative keys and values), forward and backward, in the
+// style of FlashAttention-2 (Dao 2023): tiles of queries and keys, an online softmax, no [Lq, Lk]
+// matrix anywhere. Maths and layouts: RelAttentionParams / RelAttentionBwdParams (common/params.h);
+//   s_ij = (q_i . k_j + q_i . rel_k[b(i, j)]) * scale,  out_i = sum_j p_ij (v_j + rel_v[b(i, j)])
+//
+// Relative terms (as the AVX2 kernel, cpu/rel_attention_avx2.cpp): per query row the keys split into
+// bucket-0 keys, the inner keys (common/relpos_index.h inner_keys, bucket = r + K, one new bucket per
+// key: the skew) and bucket-2K keys. The two clamped buckets are per-row scalars (q_i . rel_k[0],
+// q_i . rel_k[2K] and the probability mass of each, rescaled with the online softmax, applied at the
+// end). The inner buckets of a (query tile, key tile) pair are a contiguous band of at most
+// kOwn + 32 - 1 table rows (tile_inner_buckets); the band is staged in shared memory next to the
+// key tile and each (i, j) reads its row along the skew.
+//
+// Tiling: a block of 4 warps owns 16 rows (8 for float64; query rows in the forward and the dq
+// kernel, key rows in the dk/dv kernel), 4 (2) per warp, held in shared memory at full head dim (up to kD = 32 kDC) and as
+// register accumulators (column d = lane + 32 c of each owned row). The other side streams in tiles
+// of 32, one per lane: lane l computes the dot products of its key (or query) with the warp's 4 rows
+// over chunks of kDK columns staged in shared memory. Head dims up to 256, any value (zero-padded).
+// Backward (all deterministic except the table-gradient partials, which take float atomics):
+//   rows kernel  per query row: D_i = dO_i . O_i and the four clamped-bucket dots -> workspace
+//   dq kernel    per query tile, loops over key tiles: dq, and drel_k/drel_v partials (atomicAdd)
+//   dkdv kernel  per key tile of one kv head, loops over the group's query heads and query tiles
+#pragma once
+
+#include <math.h>
+
+#include <cstdint>
+
+#include "common/params.h"
+#include "common/relpos_index.h"
+#include "cuda/device.cuh"
+#include "cuda/dtype.cuh"
+
+namespace relpos::cuda {
+
+// Per query row of the backward, computed once by the rows kernel: D_i and the clamped dots.
+enum RowTerm : int { kRowDi = 0, kRowQeLo, kRowQeHi, kRowDeLo, kRowDeHi, kRowTerms };
+
+template <typename A, int kDC>
+struct AttnTile {
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kRows = sizeof(A) == 8 ? 2 : 4;  // owned rows per warp (float64: fewer
+                                                        // registers per accumulator row)
+  static constexpr int kOwn = kWarps * kRows;          // owned rows per block
+  static constexpr int kLanes = 32;                    // streamed tile: one row per lane
+  static constexpr int kD = 32 * kDC;                  // largest head dim of this instantiation
+  static constexpr int kDK = (sizeof(A) == 8 || kDC == 1) ? 32 : 64;  // staged columns per chunk
+  static constexpr int kCPC = kDK / 32;                // accumulator column groups per chunk
+  static constexpr int kChunks = kD / kDK;
+  static constexpr int kLd = kDK + 1;                  // chunk row stride: odd, conflict-free
+  static constexpr int kBand = kOwn + kLanes - 1;      // table rows of one tile pair
+  static constexpr int kLdP = kLanes + 1;
+
+  // Dynamic shared memory of each kernel, in elements of A (layouts in the kernels).
+  static constexpr int fwd_smem() { return kOwn * kD + (kLanes + kBand) * kLd + kOwn * kLdP + 2 * kOwn; }
+  static constexpr int dq_smem() {
+    return 2 * kOwn * kD + 2 * (kLanes + kBand) * kLd + 2 * kOwn * kLdP + (4 + 1 + kRowTerms) * kOwn;
+  }
+  static constexpr int dkdv_smem() { return 2 * kOwn * kD + 2 * (kLanes + kBand) * kLd + 2 * kOwn * kLdP; }
+};
+
+RELPOS_DEVICE float exp_acc(float x) { return expf(x); }
+RELPOS_DEVICE double exp_acc(double x) { return exp(x); }
+RELPOS_DEVICE float log_acc(float x) { return logf(x); }
+RELPOS_DEVICE double log_acc(double x) { return log(x); }
+
+// Key j visible from query row i (both in range): causal positions and the padding mask.
+RELPOS_DEVICE bool attn_visible(const RelAttentionParams& p, int64_t b, int64_t i, int64_t j) {
+  if (i >= p.q_len || j >= p.k_len) return false;
+  if (p.causal && p.k_offset + j > p.q_offset + i) return false;
+  return p.key_padding_mask == nullptr || !p.key_padding_mask[b * p.k_len + j];
+}
+
+// Keys a query tile [i0, i0 + nq) can see: [0, end).
+RELPOS_DEVICE int64_t attn_key_end(const RelAttentionParams& p, int64_t i0, int64_t nq) {
+  if (!p.causal) return p.k_len;
+  const int64_t e = p.q_offset + i0 + nq - p.k_offset;  // keys j <= q_offset + i_last - k_offset
+  return e < 0 ? 0 : (e > p.k_len ? p.k_len : e);
+}
+
+// Row of the staged band for (i, j), clamped into the band so that every lane reads valid memory
+// (its value is used only when j is an inner key of row i).
+RELPOS_DEVICE int band_row(const RelAttentionParams& p, int64_t i, int64_t j, const BucketSpan& band) {
+  const int64_t n = band.end - band.begin;
+  int64_t r = shaw_bucket(i, j, p.max_distance, p.q_offset, p.k_offset) - band.begin;
+  r = r < 0 ? 0 : (r >= n ? n - 1 : r);
+  return static_cast<int>(r < 0 ? 0 : r);
+}
+
+// dst[r][c] = src[r][d0 + c] for r < rows, c < kDK (row stride kLd), zero beyond `valid` rows and
+// beyond column `dim`; src rows are `dim` apart.
+template <typename Tl, typename T, typename A>
+RELPOS_DEVICE void stage_chunk(A* dst, const T* src, int rows, int64_t valid, int64_t dim,
+                               int64_t d0) {
+  for (int idx = threadIdx.x; idx < rows * Tl::kDK; idx += Tl::kThreads) {
+    const int r = idx / Tl::kDK, c = idx % Tl::kDK;
+    dst[r * Tl::kLd + c] = (r < valid && d0 + c < dim) ? A(to_float(src[r * dim + d0 + c])) : A(0);
+  }
+}
+
+// dst[r][d] = src[r][d] for the kOwn owned rows at full width kD (row stride kD), zero-padded.
+template <typename Tl, typename T, typename A>
+RELPOS_DEVICE void stage_owned(A* dst, const T* src, int64_t valid, int64_t dim) {
+  for (int idx = threadIdx.x; idx < Tl::kOwn * Tl::kD; idx += Tl::kThreads) {
+    const int r = idx / Tl::kD, d = idx % Tl::kD;
+    dst[idx] = (r < valid && d < dim) ? A(to_float(src[r * dim + d])) : A(0);
+  }
+}
+
+// One staged chunk of the score dots: for each of the warp's rows rr (owned, broadcast reads of
+// `own` at column d0 + dd) and this lane's streamed row (`str`, stride kLd):
+//   s[rr] += own . str,  se[rr] += own . band[erow[rr]]   (the latter only with kBandOn)
+template <typename Tl, bool kBandOn, typename A>
+RELPOS_DEVICE void chunk_dots(const A* own, int64_t d0, int n, const A* str, const A* band,
+                              const int (&erow)[Tl::kRows], A (&s)[Tl::kRows], A (&se)[Tl::kRows]) {
+  RELPOS_UNROLL4
+  for (int dd = 0; dd < n; ++dd) {
+    const A x = str[dd];
+    RELPOS_UNROLL
+    for (int rr = 0; rr < Tl::kRows; ++rr) {
+      const A o = own[rr * Tl::kD + d0 + dd];
+      s[rr] += o * x;
+      if (kBandOn) se[rr] += o * band[erow[rr] * Tl::kLd + dd];
+    }
+  }
+}
+
+// Same with the roles of the operands swapped (dkdv kernel): the owned rows are keys/values, the
+// streamed lane row is a query (or dO) row that also meets the band:
+//   s[rr] += own . str,  se[rr] += str . band[erow[rr]]
+template <typename Tl, bool kBandOn, typename A>
+RELPOS_DEVICE void chunk_dots_t(const A* own, int64_t d0, int n, const A* str, const A* band,
+                                const int (&erow)[Tl::kRows], A (&s)[Tl::kRows],
+                                A (&se)[Tl::kRows]) {
+  RELPOS_UNROLL4
+  for (int dd = 0; dd < n; ++dd) {
+    const A x = str[dd];
+    RELPOS_UNROLL
+    for (int rr = 0; rr < Tl::kRows; ++rr) {
+      s[rr] += own[rr * Tl::kD + d0 + dd] * x;
+      if (kBandOn) se[rr] += x * band[erow[rr] * Tl::kLd + dd];
+    }
+  }
+}
+
+template <typename Tl, typename A>
+RELPOS_DEVICE void score_dots(bool band_on, const A* own, int64_t d0, int n, const A* str,
+                              const A* band,
+                              const int (&erow)[Tl::kRows], A (&s)[Tl::kRows], A (&se)[Tl::kRows]) {
+  if (band_on) {
+    chunk_dots<Tl, true>(own, d0, n, str, band, erow, s, se);
+  } else {
+    chunk_dots<Tl, false>(own, d0, n, str, band, erow, s, se);
+  }
+}
+
+template <typename Tl, typename A>
+RELPOS_DEVICE void score_dots_t(bool band_on, const A* own, int64_t d0, int n, const A* str,
+                              const A* band,
+                                const int (&erow)[Tl::kRows], A (&s)[Tl::kRows],
+                                A (&se)[Tl::kRows]) {
+  if (band_on) {
+    chunk_dots_t<Tl, true>(own, d0, n, str, band, erow, s, se);
+  } else {
+    chunk_dots_t<Tl, false>(own, d0, n, str, band, erow, s, se);
+  }
+}
+
+// acc[rr][ch kCPC + cc] += sum_{jj < n} w[rr][jj] * str[jj][cc 32 + lane]  (one staged chunk ch)
+// and, with a band, += sum over row rr's inner keys of w[rr][jj] * band[bucket(rr, jj)][...].
+// ch is a loop index of a fully unrolled loop at every call, so acc's indices are constants.
+template <typename Tl, typename A>
+RELPOS_DEVICE void chunk_accumulate(A (&acc)[Tl::kRows][Tl::kChunks * Tl::kCPC], int ch, const A* w,
+                                    const A* str, int n, int lane) {
+  for (int jj = 0; jj < n; ++jj) {
+    A x[Tl::kCPC];
+    RELPOS_UNROLL
+    for (int cc = 0; cc < Tl::kCPC; ++cc) x[cc] = str[jj * Tl::kLd + cc * 32 + lane];
+    RELPOS_UNROLL
+    for (int rr = 0; rr < Tl::kRows; ++rr) {
+      const A wj = w[rr * Tl::kLdP + jj];
+      RELPOS_UNROLL
+      for (int cc = 0; cc < Tl::kCPC; ++cc) acc[rr][ch * Tl::kCPC + cc] += wj * x[cc];
+    }
+  }
+}
+
+// The band part for one owned query row: keys [jb, je) of the tile (tile-relative) are inner keys,
+// key jj reads band row first + jj (the skew: one bucket per key).
+template <typename Tl, typename A>
+RELPOS_DEVICE void chunk_accumulate_band(A (&acc_row)[Tl::kChunks * Tl::kCPC], int ch, const A* w_row,
+                                         const A* band, int jb, int je, int first, int lane) {
+  for (int jj = jb; jj < je; ++jj) {
+    const A wj = w_row[jj];
+    const A* e = band + (first + jj) * Tl::kLd + lane;
+    RELPOS_UNROLL
+    for (int cc = 0; cc < Tl::kCPC; ++cc) acc_row[ch * Tl::kCPC + cc] += wj * e[cc * 32];
+  }
+}
+
+// ---- forward ------------------------------------------------------------------------------------
+// Grid: batch * heads * ceil(q_len / kOwn) blocks of kThreads. Shared memory (dynamic, elements of
+// the accumulation type): sQ [kOwn][kD] | sKV [32][kLd] a chunk of K, then of V | sE [kBand][kLd] a
+// chunk of the rel_k band, then of the rel_v band | sP [kOwn][33] the tile's probabilities |
+// sQe [kOwn][2] q_i . rel_k[0] and q_i . rel_k[2K].
+template <typename T, int kDC>
+__global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
+    rel_attention_fwd_kernel(RelAttentionParams p) {
+  using A = acc_t<T>;
+  using Tl = AttnTile<A, kDC>;
+  constexpr int R = Tl::kRows, C = Tl::kChunks * Tl::kCPC;
+  RELPOS_DYNAMIC_SMEM(A, smem);
+  A* sQ = smem;
+  A* sKV = sQ + Tl::kOwn * Tl::kD;
+  A* sE = sKV + Tl::kLanes * Tl::kLd;
+  A* sP = sE + Tl::kBand * Tl::kLd;
+  A* sQe = sP + Tl::kOwn * Tl::kLdP;
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t q_tiles = (p.q_len + Tl::kOwn - 1) / Tl::kOwn;
+  const int64_t bh = blockIdx.x / q_tiles, h = bh % p.heads, b = bh / p.heads;
+  const int64_t i0 = (blockIdx.x % q_tiles) * Tl::kOwn;
+  const int64_t nq = p.q_len - i0 < Tl::kOwn ? p.q_len - i0 : Tl::kOwn;
+  const int64_t D = p.dim, K = p.max_distance, table_rows = num_buckets(K);
+  const int64_t kvh = b * p.kv_heads + h / (p.heads / p.kv_heads);
+  const T* k = static_cast<const T*>(p.k) + kvh * p.k_len * D;
+  const T* v = static_cast<const T*>(p.v) + kvh * p.k_len * D;
+  const T* ek = p.rel_k == nullptr ? nullptr
+                : static_cast<const T*>(p.rel_k) + (p.rel_k_per_head ? h * table_rows * D : 0);
+  const T* ev = p.rel_v == nullptr ? nullptr
+                : static_cast<const T*>(p.rel_v) + (p.rel_v_per_head ? h * table_rows * D : 0);
+  const A scale = static_cast<A>(p.scale);
+  const int n_chunks = static_cast<int>((D + Tl::kDK - 1) / Tl::kDK);
+
+  stage_owned<Tl>(sQ, static_cast<const T*>(p.q) + (bh * p.q_len + i0) * D, nq, D);
+  __syncthreads();
+  const A* my_q = sQ + warp * R * Tl::kD;
+
+  // Row state: m (running max) is warp-uniform; l and the clamped masses w_lo / w_hi are per-lane
+  // partials (of this lane's keys), rescaled with the row and summed over the warp at the end.
+  A m[R], l[R], w_lo[R], w_hi[R], acc[R][C];
+  RELPOS_UNROLL
+  for (int rr = 0; rr < R; ++rr) {
+    A x0 = 0, x1 = 0;
+    if (ek != nullptr) {  // q_i . rel_k[0] and q_i . rel_k[2K]
+      RELPOS_UNROLL
+      for (int c = 0; c < C; ++c) {
+        const int64_t d = c * 32 + lane;
+        if (d < D) {
+          x0 += my_q[rr * Tl::kD + d] * A(to_float(ek[d]));
+          x1 += my_q[rr * Tl::kD + d] * A(to_float(ek[(table_rows - 1) * D + d]));
+        }
+      }
+      x0 = warp_sum(x0);
+      x1 = warp_sum(x1);
+    }
+    if (lane == 0) {  // read after the first key tile's __syncthreads
+      sQe[(warp * R + rr) * 2 + 0] = x0;
+      sQe[(warp * R + rr) * 2 + 1] = x1;
+    }
+    m[rr] = -INFINITY;
+    l[rr] = w_lo[rr] = w_hi[rr] = 0;
+    RELPOS_UNROLL
+    for (int c = 0; c < C; ++c) acc[rr][c] = 0;
+  }
+
+  const int64_t n_ktiles = (attn_key_end(p, i0, nq) + Tl::kLanes - 1) / Tl::kLanes;
+  for (int64_t t = 0; t < n_ktiles; ++t) {
+    const int64_t j0 = t * Tl::kLanes, j = j0 + lane;
+    const int nk = static_cast<int>(p.k_len - j0 < Tl::kLanes ? p.k_len - j0 : Tl::kLanes);
+    const BucketSpan band = tile_inner_buckets(i0, nq, j0, nk, K, p.q_offset, p.k_offset);
+    const int nb = static_cast<int>(band.end - band.begin);
+    const bool k_band = ek != nullptr && nb > 0, v_band = ev != nullptr && nb > 0;
+    int erow[R];
+    RELPOS_UNROLL
+    for (int rr = 0; rr < R; ++rr) erow[rr] = nb > 0 ? band_row(p, i0 + warp * R + rr, j, band) : 0;
+
+    // S = Q K^T (+ Q . rel_k along the skew), chunk by chunk of columns.
+    A s[R], se[R];
+    RELPOS_UNROLL
+    for (int rr = 0; rr < R; ++rr) s[rr] = se[rr] = 0;
+    for (int ch = 0; ch < n_chunks; ++ch) {
+      const int64_t d0 = static_cast<int64_t>(ch) * Tl::kDK;
+      const int dn = static_cast<int>(D - d0 < Tl::kDK ? D - d0 : Tl::kDK);
+      __syncthreads();  // the previous readers of sKV / sE are done
+      stage_chunk<Tl>(sKV, k + j0 * D, Tl::kLanes, nk, D, d0);
+      if (k_band) stage_chunk<Tl>(sE, ek + band.begin * D, nb, nb, D, d0);
+      __syncthreads();
+      score_dots<Tl>(k_band, my_q, d0, dn, sKV + lane * Tl::kLd, sE, erow, s, se);
+    }
+
+    // Online softmax; this lane's probability of each row goes to sP.
+    RELPOS_UNROLL
+    for (int rr = 0; rr < R; ++rr) {
+      const int64_t i = i0 + warp * R + rr;
+      const KeySpan in = inner_keys(i, p.k_len, K, p.q_offset, p.k_offset);
+      A x = -INFINITY;
+      if (attn_visible(p, b, i, j)) {
+        const A* qe = sQe + (warp * R + rr) * 2;
+        const A rel = ek == nullptr ? A(0) : (j < in.begin ? qe[0] : (j >= in.end ? qe[1] : se[rr]));
+        x = (s[rr] + rel) * scale;
+      }
+      const A mt = warp_max(x);
+      const A mn = mt > m[rr] ? mt : m[rr];
+      A pr = 0, alpha = 1;
+      if (mn != A(-INFINITY)) {  // exp(-inf) = 0 covers masked keys and the first visible tile
+        pr = exp_acc(x - mn);
+        alpha = exp_acc(m[rr] - mn);
+      }
+      m[rr] = mn;
+      l[rr] = l[rr] * alpha + pr;
+      w_lo[rr] = w_lo[rr] * alpha + (j < in.begin ? pr : A(0));
+      w_hi[rr] = w_hi[rr] * alpha + (j >= in.end ? pr : A(0));
+      RELPOS_UNROLL
+      for (int c = 0; c < C; ++c) acc[rr][c] *= alpha;
+      sP[(warp * R + rr) * Tl::kLdP + lane] = pr;
+    }
+
+    // acc += P V (+ P . rel_v along the skew), chunk by chunk; unrolled so acc stays in registers.
+    const A* my_p = sP + warp * R * Tl::kLdP;
+    RELPOS_UNROLL
+    for (int ch = 0; ch < Tl::kChunks; ++ch) {
+      if (ch >= n_chunks) break;
+      const int64_t d0 = static_cast<int64_t>(ch) * Tl::kDK;
+      __syncthreads();  // sP is written; the score dots are done with sKV / sE
+      stage_chunk<Tl>(sKV, v + j0 * D, Tl::kLanes, nk, D, d0);
+      if (v_band) stage_chunk<Tl>(sE, ev + band.begin * D, nb, nb, D, d0);
+      __syncthreads();
+      chunk_accumulate<Tl>(acc, ch, my_p, sKV, nk, lane);
+      if (v_band) {
+        RELPOS_UNROLL
+        for (int rr = 0; rr < R; ++rr) {
+          const int64_t i = i0 + warp * R + rr;
+          const KeySpan in = inner_keys(i, p.k_len, K, p.q_offset, p.k_offset);
+          const int64_t jb = in.begin > j0 ? in.begin : j0;
+          const int64_t je = in.end < j0 + nk ? in.end : j0 + nk;
+          if (jb >= je) continue;
+          // band row of key j0 if it were inner (unclamped bucket r + K); inner keys follow it
+          const int first = static_cast<int>(
+              rel_distance(i, j0, p.q_offset, p.k_offset) + K - band.begin);
+          chunk_accumulate_band<Tl>(acc[rr], ch, my_p + rr * Tl::kLdP, sE,
+                                    static_cast<int>(jb - j0), static_cast<int>(je - j0), first,
+                                    lane);
+        }
+      }
+    }
+  }
+
+  // out = (acc + w_lo rel_v[0] + w_hi rel_v[2K]) / l;  rows without a visible key: 0 and lse = +inf.
+  T* out = static_cast<T*>(p.out) + (bh * p.q_len + i0) * D;
+  A* lse = static_cast<A*>(p.lse) + bh * p.q_len + i0;
+  RELPOS_UNROLL
+  for (int rr = 0; rr < R; ++rr) {
+    const int r = warp * R + rr;
+    if (r >= nq) break;  // warp-uniform
+    const A lsum = warp_sum(l[rr]);
+    const A wl = warp_sum(w_lo[rr]), wh = warp_sum(w_hi[rr]);
+    const bool empty = m[rr] == A(-INFINITY) || lsum == A(0);
+    const A inv = empty ? A(0) : A(1) / lsum;
+    RELPOS_UNROLL
+    for (int c = 0; c < C; ++c) {
+      const int64_t d = c * 32 + lane;
+      if (d >= D) continue;
+      A o = acc[rr][c];
+      if (ev != nullptr) {
+        o += wl * A(to_float(ev[d])) + wh * A(to_float(ev[(table_rows - 1) * D + d]));
+      }
+      out[r * D + d] = from_float<T>(empty ? A(0) : o * inv);
+    }
+    if (lane == 0) lse[r] = empty ? A(INFINITY) : m[rr] + log_acc(lsum);
+  }
+}
+
+// ---- backward: per-row terms ----------------------------------------------------------------------
+// One warp per query row, kRowsWarps rows per block: ws[row][kRow*] = D_i = dO_i . O_i,
+// q_i . rel_k[0], q_i . rel_k[2K], dO_i . rel_v[0], dO_i . rel_v[2K] (zero for an absent table).
+constexpr int kRowsWarps = 8;
+
+template <typename T>
+__global__ void rel_attention_bwd_rows_kernel(RelAttentionBwdParams bp, acc_t<T>* ws) {
+  using A = acc_t<T>;
+  const RelAttentionParams& p = bp.fwd;
+  const int lane = threadIdx.x % 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsWarps + threadIdx.x / 32;
+  if (row >= p.batch * p.heads * p.q_len) return;  // the whole warp leaves together
+  const int64_t h = (row / p.q_len) % p.heads, D = p.dim, table_rows = num_buckets(p.max_distance);
+  const T* q = static_cast<const T*>(p.q) + row * D;
+  const T* o = static_cast<const T*>(p.out) + row * D;
+  const T* g = static_cast<const T*>(bp.grad_out) + row * D;
+  const T* ek = p.rel_k == nullptr ? nullptr
+                : static_cast<const T*>(p.rel_k) + (p.rel_k_per_head ? h * table_rows * D : 0);
+  const T* ev = p.rel_v == nullptr ? nullptr
+                : static_cast<const T*>(p.rel_v) + (p.rel_v_per_head ? h * table_rows * D : 0);
+  A t[kRowTerms] = {0, 0, 0, 0, 0};
+  for (int64_t d = lane; d < D; d += 32) {
+    const A qd = to_float(q[d]), gd = to_float(g[d]);
+    t[kRowDi] += gd * A(to_float(o[d]));
+    if (ek != nullptr) {
+      t[kRowQeLo] += qd * A(to_float(ek[d]));
+      t[kRowQeHi] += qd * A(to_float(ek[(table_rows - 1) * D + d]));
+    }
+    if (ev != nullptr) {
+      t[kRowDeLo] += gd * A(to_float(ev[d]));
+      t[kRowDeHi] += gd * A(to_float(ev[(table_rows - 1) * D + d]));
+    }
+  }
+  RELPOS_UNROLL
+  for (int k = 0; k < kRowTerms; ++k) t[k] = warp_sum(t[k]);
+  if (lane == 0) {
+    RELPOS_UNROLL
+    for (int k = 0; k < kRowTerms; ++k) ws[row * kRowTerms + k] = t[k];
+  }
+}
+
+// p_ij and ds_ij = p_ij (dp_ij - D_i) of one (query row, key) pair from the accumulated dots.
+template <typename A>
+struct ProbGrad {
+  A p, ds;
+};
+
+template <typename A>
+RELPOS_DEVICE ProbGrad<A> prob_grad(bool visible, bool has_k, bool has_v, int64_t j,
+                                    int64_t in_begin, int64_t in_end, A s, A se, A dp, A dpe,
+                                    const A* row, A lse, A scale) {
+  ProbGrad<A> r{0, 0};
+  if (!visible) return r;
+  const bool lo = j < in_begin, hi = j >= in_end;
+  const A qe = has_k ? (lo ? row[kRowQeLo] : (hi ? row[kRowQeHi] : se)) : A(0);
+  const A de = has_v ? (lo ? row[kRowDeLo] : (hi ? row[kRowDeHi] : dpe)) : A(0);
+  r.p = exp_acc((s + qe) * scale - lse);  // lse = +inf (no visible key in the row) gives 0
+  r.ds = r.p * (dp + de - row[kRowDi]);
+  return r;
+}
+
+// ---- backward: dq and the table gradients ------------------------------------------------------
+// Grid: batch * heads * ceil(q_len / kOwn) blocks. Shared memory: sQ, sdO [kOwn][kD] |
+// sK, sV [32][kLd] chunks | sEk, sEv [kBand][kLd] band chunks | sP, sDS [kOwn][33] | sLo [kOwn][4]
+// (per row: clamped ds mass lo/hi, clamped p mass lo/hi) | sRow [kOwn][1 + kRowTerms] (lse, ws row). dq accumulates in registers; the table
+// gradients of the band go straight to drel_*_partial with atomicAdd (rows shared by query tiles).
+template <typename T, int kDC>
+__global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
+    rel_attention_bwd_dq_kernel(RelAttentionBwdParams bp, const acc_t<T>* ws) {
+  using A = acc_t<T>;
+  using Tl = AttnTile<A, kDC>;
+  constexpr int R = Tl::kRows, C = Tl::kChunks * Tl::kCPC;
+  const RelAttentionParams& p = bp.fwd;
+  RELPOS_DYNAMIC_SMEM(A, smem);
+  A* sQ = smem;
+  A* sG = sQ + Tl::kOwn * Tl::kD;
+  A* sK = sG + Tl::kOwn * Tl::kD;
+  A* sV = sK + Tl::kLanes * Tl::kLd;
+  A* sEk = sV + Tl::kLanes * Tl::kLd;
+  A* sEv = sEk + Tl::kBand * Tl::kLd;
+  A* sP = sEv + Tl::kBand * Tl::kLd;
+  A* sDS = sP + Tl::kOwn * Tl::kLdP;
+  A* sLo = sDS + Tl::kOwn * Tl::kLdP;
+  A* sRow = sLo + 4 * Tl::kOwn;
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t q_tiles = (p.q_len + Tl::kOwn - 1) / Tl::kOwn;
+  const int64_t bh = blockIdx.x / q_tiles, h = bh % p.heads, b = bh / p.heads;
+  const int64_t i0 = (blockIdx.x % q_tiles) * Tl::kOwn;
+  const int64_t nq = p.q_len - i0 < Tl::kOwn ? p.q_len - i0 : Tl::kOwn;
+  const int64_t D = p.dim, K = p.max_distance, table_rows = num_buckets(K);
+  const int64_t kvh = b * p.kv_heads + h / (p.heads / p.kv_heads);
+  const T* k = static_cast<const T*>(p.k) + kvh * p.k_len * D;
+  const T* v = static_cast<const T*>(p.v) + kvh * p.k_len * D;
+  const T* ek = p.rel_k == nullptr ? nullptr
+                : static_cast<const T*>(p.rel_k) + (p.rel_k_per_head ? h * table_rows * D : 0);
+  const T* ev = p.rel_v == nullptr ? nullptr
+                : static_cast<const T*>(p.rel_v) + (p.rel_v_per_head ? h * table_rows * D : 0);
+  A* pk = bp.drel_k_partial == nullptr ? nullptr
+          : static_cast<A*>(bp.drel_k_partial) + bh * table_rows * D;
+  A* pv = bp.drel_v_partial == nullptr ? nullptr
+          : static_cast<A*>(bp.drel_v_partial) + bh * table_rows * D;
+  const A scale = static_cast<A>(p.scale);
+  const int n_chunks = static_cast<int>((D + Tl::kDK - 1) / Tl::kDK);
+
+  stage_owned<Tl>(sQ, static_cast<const T*>(p.q) + (bh * p.q_len + i0) * D, nq, D);
+  stage_owned<Tl>(sG, static_cast<const T*>(bp.grad_out) + (bh * p.q_len + i0) * D, nq, D);
+  for (int idx = threadIdx.x; idx < Tl::kOwn * (1 + kRowTerms); idx += Tl::kThreads) {
+    const int r = idx / (1 + kRowTerms), t = idx % (1 + kRowTerms);
+    const int64_t row = bh * p.q_len + i0 + r;
+    sRow[idx] = r >= nq ? (t == 0 ? A(INFINITY) : A(0))
+                        : (t == 0 ? static_cast<const A*>(p.lse)[row] : ws[row * kRowTerms + t - 1]);
+  }
+  __syncthreads();
+  const A* my_q = sQ + warp * R * Tl::kD;
+  const A* my_g = sG + warp * R * Tl::kD;
+
+  A acc[R][C], m_lo[R][4];  // m_lo: per-lane clamped ds / p masses
+  RELPOS_UNROLL
+  for (int rr = 0; rr < R; ++rr) {
+    RELPOS_UNROLL
+    for (int c = 0; c < C; ++c) acc[rr][c] = 0;
+    RELPOS_UNROLL
+    for (int t = 0; t < 4; ++t) m_lo[rr][t] = 0;
+  }
+
+  const int64_t n_ktiles = (attn_key_end(p, i0, nq) + Tl::kLanes - 1) / Tl::kLanes;
+  for (int64_t t = 0; t < n_ktiles; ++t) {
+    const int64_t j0 = t * Tl::kLanes, j = j0 + lane;
+    const int nk = static_cast<int>(p.k_len - j0 < Tl::kLanes ? p.k_len - j0 : Tl::kLanes);
+    const BucketSpan band = tile_inner_buckets(i0, nq, j0, nk, K, p.q_offset, p.k_offset);
+    const int nb = static_cast<int>(band.end - band.begin);
+    const bool k_band = ek != nullptr && nb > 0, v_band = ev != nullptr && nb > 0;
+    int erow[R];
+    RELPOS_UNROLL
+    for (int rr = 0; rr < R; ++rr) erow[rr] = nb > 0 ? band_row(p, i0 + warp * R + rr, j, band) : 0;
+
+    A s[R], se[R], dp[R], dpe[R];
+    RELPOS_UNROLL
+    for (int rr = 0; rr < R; ++rr) s[rr] = se[rr] = dp[rr] = dpe[rr] = 0;
+    for (int ch = 0; ch < n_chunks; ++ch) {
+      const int64_t d0 = static_cast<int64_t>(ch) * Tl::kDK;
+      const int dn = static_cast<int>(D - d0 < Tl::kDK ? D - d0 : Tl::kDK);
+      __syncthreads();
+      stage_chunk<Tl>(sK, k + j0 * D, Tl::kLanes, nk, D, d0);
+      stage_chunk<Tl>(sV, v + j0 * D, Tl::kLanes, nk, D, d0);
+      if (k_band) stage_chunk<Tl>(sEk, ek + band.begin * D, nb, nb, D, d0);
+      if (v_band) stage_chunk<Tl>(sEv, ev + band.begin * D, nb, nb, D, d0);
+      __syncthreads();
+      score_dots<Tl>(k_band, my_q, d0, dn, sK + lane * Tl::kLd, sEk, erow, s, se);
+      score_dots<Tl>(v_band, my_g, d0, dn, sV + lane * Tl::kLd, sEv, erow, dp, dpe);
+    }
+    RELPOS_UNROLL
+    for (int rr = 0; rr < R; ++rr) {
+      const int64_t i = i0 + warp * R + rr;
+      const KeySpan in = inner_keys(i, p.k_len, K, p.q_offset, p.k_offset);
+      const A* row = sRow + (warp * R + rr) * (1 + kRowTerms);
+      const ProbGrad<A> g = prob_grad(attn_visible(p, b, i, j), ek != nullptr, ev != nullptr, j,
+                                      in.begin, in.end, s[rr], se[rr], dp[rr], dpe[rr], row + 1,
+                                      row[0], scale);
+      const bool lo = j < in.begin, hi = j >= in.end;
+      m_lo[rr][0] += lo ? g.ds : A(0);
+      m_lo[rr][1] += hi ? g.ds : A(0);
+      m_lo[rr][2] += lo ? g.p : A(0);
+      m_lo[rr][3] += hi ? g.p : A(0);
+      sP[(warp * R + rr) * Tl::kLdP + lane] = g.p;
+      sDS[(warp * R + rr) * Tl::kLdP + lane] = g.ds;
+    }
+    __syncthreads();  // sP / sDS complete; sK / sEk are read again below, not written
+
+    // Table gradients of the band: bucket c of the band meets row r at the key of distance c - K.
+    if (nb > 0 && (pk != nullptr || pv != nullptr)) {
+      for (int64_t idx = threadIdx.x; idx < nb * D; idx += Tl::kThreads) {
+        const int64_t c = idx / D, d = idx % D, bucket = band.begin + c;
+        A gk = 0, gv = 0;
+        for (int r = 0; r < nq; ++r) {
+          const int64_t jj = p.q_offset + i0 + r - p.k_offset + (bucket - K) - j0;
+          if (jj < 0 || jj >= nk) continue;
+          gk += sDS[r * Tl::kLdP + jj] * sQ[r * Tl::kD + d];
+          gv += sP[r * Tl::kLdP + jj] * sG[r * Tl::kD + d];
+        }
+        if (pk != nullptr) atomicAdd(pk + bucket * D + d, gk * scale);
+        if (pv != nullptr) atomicAdd(pv + bucket * D + d, gv);
+      }
+    }
+
+    // dq += dS (K + rel_k along the skew), chunk by chunk.
+    const A* my_ds = sDS + warp * R * Tl::kLdP;
+    RELPOS_UNROLL
+    for (int ch = 0; ch < Tl::kChunks; ++ch) {
+      if (ch >= n_chunks) break;
+      if (n_chunks > 1) {  // one chunk: still staged from the score pass
+        __syncthreads();
+        stage_chunk<Tl>(sK, k + j0 * D, Tl::kLanes, nk, D, static_cast<int64_t>(ch) * Tl::kDK);
+        if (k_band) {
+          stage_chunk<Tl>(sEk, ek + band.begin * D, nb, nb, D, static_cast<int64_t>(ch) * Tl::kDK);
+        }
+        __syncthreads();
+      }
+      chunk_accumulate<Tl>(acc, ch, my_ds, sK, nk, lane);
+      if (k_band) {
+        RELPOS_UNROLL
+        for (int rr = 0; rr < R; ++rr) {
+          const int64_t i = i0 + warp * R + rr;
+          const KeySpan in = inner_keys(i, p.k_len, K, p.q_offset, p.k_offset);
+          const int64_t jb = in.begin > j0 ? in.begin : j0;
+          const int64_t je = in.end < j0 + nk ? in.end : j0 + nk;
+          if (jb >= je) continue;
+          const int first = static_cast<int>(
+              rel_distance(i, j0, p.q_offset, p.k_offset) + K - band.begin);
+          chunk_accumulate_band<Tl>(acc[rr], ch, my_ds + rr * Tl::kLdP, sEk,
+                                    static_cast<int>(jb - j0), static_cast<int>(je - j0), first,
+                                    lane);
+        }
+      }
+    }
+  }
+
+  // dq = scale (acc + ds_lo rel_k[0] + ds_hi rel_k[2K]); the clamped masses feed the table rows.
+  T* dq = static_cast<T*>(bp.dq) + (bh * p.q_len + i0) * D;
+  RELPOS_UNROLL
+  for (int rr = 0; rr < R; ++rr) {
+    const int r = warp * R + rr;
+    A tot[4];
+    RELPOS_UNROLL
+    for (int t = 0; t < 4; ++t) tot[t] = warp_sum(m_lo[rr][t]);
+    if (lane == 0) {
+      RELPOS_UNROLL
+      for (int t = 0; t < 4; ++t) sLo[r * 4 + t] = r < nq ? tot[t] : A(0);
+    }
+    if (r >= nq) continue;
+    RELPOS_UNROLL
+    for (int c = 0; c < C; ++c) {
+      const int64_t d = c * 32 + lane;
+      if (d >= D) continue;
+      A x = acc[rr][c];
+      if (ek != nullptr) {
+        x += tot[0] * A(to_float(ek[d])) + tot[1] * A(to_float(ek[(table_rows - 1) * D + d]));
+      }
+      dq[r * D + d] = from_float<T>(x * scale);
+    }
+  }
+  if (pk == nullptr && pv == nullptr) return;
+  __syncthreads();
+  for (int64_t d = threadIdx.x; d < D; d += Tl::kThreads) {
+    A k_lo = 0, k_hi = 0, v_lo = 0, v_hi = 0;
+    for (int r = 0; r < nq; ++r) {
+      k_lo += sLo[r * 4 + 0] * sQ[r * Tl::kD + d];
+      k_hi += sLo[r * 4 + 1] * sQ[r * Tl::kD + d];
+      v_lo += sLo[r * 4 + 2] * sG[r * Tl::kD + d];
+      v_hi += sLo[r * 4 + 3] * sG[r * Tl::kD + d];
+    }
+    if (pk != nullptr) {
+      atomicAdd(pk + d, k_lo * scale);
+      atomicAdd(pk + (table_rows - 1) * D + d, k_hi * scale);
+    }
+    if (pv != nullptr) {
+      atomicAdd(pv + d, v_lo);
+      atomicAdd(pv + (table_rows - 1) * D + d, v_hi);
+    }
+  }
+}
+
+// ---- backward: dk and dv ------------------------------------------------------------------------
+// Grid: batch * kv_heads * ceil(k_len / kOwn) blocks; each owns kOwn keys of one kv head (the only
+// writer of their dk / dv) and loops over the query heads of the group and their query tiles of 32
+// (one query row per lane). Shared memory: sK, sV [kOwn][kD] | sQ, sdO [32][kLd] chunks |
+// sEk, sEv [kBand][kLd] band chunks | sP, sDS [kOwn][33] (key row x query lane).
+template <typename T, int kDC>
+__global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
+    rel_attention_bwd_dkdv_kernel(RelAttentionBwdParams bp, const acc_t<T>* ws) {
+  using A = acc_t<T>;
+  using Tl = AttnTile<A, kDC>;
+  constexpr int R = Tl::kRows, C = Tl::kChunks * Tl::kCPC;
+  const RelAttentionParams& p = bp.fwd;
+  RELPOS_DYNAMIC_SMEM(A, smem);
+  A* sK = smem;
+  A* sV = sK + Tl::kOwn * Tl::kD;
+  A* sQ = sV + Tl::kOwn * Tl::kD;
+  A* sG = sQ + Tl::kLanes * Tl::kLd;
+  A* sEk = sG + Tl::kLanes * Tl::kLd;
+  A* sEv = sEk + Tl::kBand * Tl::kLd;
+  A* sP = sEv + Tl::kBand * Tl::kLd;
+  A* sDS = sP + Tl::kOwn * Tl::kLdP;
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t k_tiles = (p.k_len + Tl::kOwn - 1) / Tl::kOwn;
+  const int64_t bkv = blockIdx.x / k_tiles, hk = bkv % p.kv_heads, b = bkv / p.kv_heads;
+  const int64_t j0 = (blockIdx.x % k_tiles) * Tl::kOwn;
+  const int64_t nk = p.k_len - j0 < Tl::kOwn ? p.k_len - j0 : Tl::kOwn;
+  const int64_t D = p.dim, K = p.max_distance, table_rows = num_buckets(K);
+  const int64_t group = p.heads / p.kv_heads;
+  const A scale = static_cast<A>(p.scale);
+  const int n_chunks = static_cast<int>((D + Tl::kDK - 1) / Tl::kDK);
+
+  stage_owned<Tl>(sK, static_cast<const T*>(p.k) + (bkv * p.k_len + j0) * D, nk, D);
+  stage_owned<Tl>(sV, static_cast<const T*>(p.v) + (bkv * p.k_len + j0) * D, nk, D);
+  __syncthreads();
+  const A* my_k = sK + warp * R * Tl::kD;
+  const A* my_v = sV + warp * R * Tl::kD;
+
+  A dk[R][C], dv[R][C];
+  RELPOS_UNROLL
+  for (int rr = 0; rr < R; ++rr) {
+    RELPOS_UNROLL
+    for (int c = 0; c < C; ++c) dk[rr][c] = dv[rr][c] = 0;
+  }
+
+  // Query rows that can see a key of this tile: i >= k_offset + j0 - q_offset when causal.
+  int64_t i_first = 0;
+  if (p.causal) i_first = p.k_offset + j0 - p.q_offset;
+  if (i_first < 0) i_first = 0;
+  for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+    const int64_t bh = b * p.heads + h;
+    const T* q = static_cast<const T*>(p.q) + bh * p.q_len * D;
+    const T* g = static_cast<const T*>(bp.grad_out) + bh * p.q_len * D;
+    const T* ek = p.rel_k == nullptr ? nullptr
+                  : static_cast<const T*>(p.rel_k) + (p.rel_k_per_head ? h * table_rows * D : 0);
+    const T* ev = p.rel_v == nullptr ? nullptr
+                  : static_cast<const T*>(p.rel_v) + (p.rel_v_per_head ? h * table_rows * D : 0);
+    for (int64_t i0 = (i_first / Tl::kLanes) * Tl::kLanes; i0 < p.q_len; i0 += Tl::kLanes) {
+      const int64_t i = i0 + lane;
+      const int nq = static_cast<int>(p.q_len - i0 < Tl::kLanes ? p.q_len - i0 : Tl::kLanes);
+      const bool valid = i < p.q_len;
+      const A lse = valid ? static_cast<const A*>(p.lse)[bh * p.q_len + i] : A(INFINITY);
+      A row[kRowTerms];
+      RELPOS_UNROLL
+      for (int t = 0; t < kRowTerms; ++t) row[t] = valid ? ws[(bh * p.q_len + i) * kRowTerms + t] : A(0);
+      const KeySpan in = inner_keys(i, p.k_len, K, p.q_offset, p.k_offset);
+      const BucketSpan band = tile_inner_buckets(i0, nq, j0, nk, K, p.q_offset, p.k_offset);
+      const int nb = static_cast<int>(band.end - band.begin);
+      const bool k_band = ek != nullptr && nb > 0, v_band = ev != nullptr && nb > 0;
+      int erow[R];
+      RELPOS_UNROLL
+      for (int rr = 0; rr < R; ++rr) erow[rr] = nb > 0 ? band_row(p, i, j0 + warp * R + rr, band) : 0;
+
+      A s[R], se[R], dp[R], dpe[R];
+      RELPOS_UNROLL
+      for (int rr = 0; rr < R; ++rr) s[rr] = se[rr] = dp[rr] = dpe[rr] = 0;
+      for (int ch = 0; ch < n_chunks; ++ch) {
+        const int64_t d0 = static_cast<int64_t>(ch) * Tl::kDK;
+        const int dn = static_cast<int>(D - d0 < Tl::kDK ? D - d0 : Tl::kDK);
+        __syncthreads();
+        stage_chunk<Tl>(sQ, q + i0 * D, Tl::kLanes, nq, D, d0);
+        stage_chunk<Tl>(sG, g + i0 * D, Tl::kLanes, nq, D, d0);
+        if (k_band) stage_chunk<Tl>(sEk, ek + band.begin * D, nb, nb, D, d0);
+        if (v_band) stage_chunk<Tl>(sEv, ev + band.begin * D, nb, nb, D, d0);
+        __syncthreads();
+        score_dots_t<Tl>(k_band, my_k, d0, dn, sQ + lane * Tl::kLd, sEk, erow, s, se);
+        score_dots_t<Tl>(v_band, my_v, d0, dn, sG + lane * Tl::kLd, sEv, erow, dp, dpe);
+      }
+      RELPOS_UNROLL
+      for (int rr = 0; rr < R; ++rr) {
+        const int64_t j = j0 + warp * R + rr;
+        const ProbGrad<A> pg = prob_grad(attn_visible(p, b, i, j), ek != nullptr, ev != nullptr, j,
+                                         in.begin, in.end, s[rr], se[rr], dp[rr], dpe[rr], row,
+                                         lse, scale);
+        sP[(warp * R + rr) * Tl::kLdP + lane] = pg.p;
+        sDS[(warp * R + rr) * Tl::kLdP + lane] = pg.ds;
+      }
+
+      // dk += dS^T Q, dv += P^T dO, chunk by chunk.
+      const A* my_p = sP + warp * R * Tl::kLdP;
+      const A* my_ds = sDS + warp * R * Tl::kLdP;
+      RELPOS_UNROLL
+      for (int ch = 0; ch < Tl::kChunks; ++ch) {
+        if (ch >= n_chunks) break;
+        __syncthreads();  // sP / sDS complete (and, below, the previous chunk's readers done)
+        if (n_chunks > 1) {  // one chunk: still staged from the score pass
+          stage_chunk<Tl>(sQ, q + i0 * D, Tl::kLanes, nq, D, static_cast<int64_t>(ch) * Tl::kDK);
+          stage_chunk<Tl>(sG, g + i0 * D, Tl::kLanes, nq, D, static_cast<int64_t>(ch) * Tl::kDK);
+          __syncthreads();
+        }
+        chunk_accumulate<Tl>(dk, ch, my_ds, sQ, nq, lane);
+        chunk_accumulate<Tl>(dv, ch, my_p, sG, nq, lane);
+      }
+    }
+  }
+
+  T* dkp = static_cast<T*>(bp.dk) + (bkv * p.k_len + j0) * D;
+  T* dvp = static_cast<T*>(bp.dv) + (bkv * p.k_len + j0) * D;
+  RELPOS_UNROLL
+  for (int rr = 0; rr < R; ++rr) {
+    const int r = warp * R + rr;
+    if (r >= nk) break;
+    RELPOS_UNROLL
+    for (int c = 0; c < C; ++c) {
+      const int64_t d = c * 32 + lane;
+      if (d >= D) continue;
+      dkp[r * D + d] = from_float<T>(dk[rr][c] * scale);
+      dvp[r * D + d] = from_float<T>(dv[rr][c]);
+    }
+  }
+}
+
+}  // namespace relpos::cuda
