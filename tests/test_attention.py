@@ -40,6 +40,12 @@ CASES = {
     "tiles_causal_padding": (1, 2, 2, 70, 150, 16, 5, 0, 0, False, True, True, True, True),
     "tiles_unclipped": (1, 1, 1, 80, 80, 24, 100, 0, 0, True, False, False, True, True),
     "tiles_decode_gqa": (2, 2, 1, 65, 130, 8, 3, 40, 0, True, True, False, True, True),
+    "D200_gqa4": (2, 4, 1, 19, 23, 200, 3, 0, 0, False, True, True, True, True),
+    "odd_D_offsets": (1, 2, 2, 17, 35, 37, 4, 3, 1, True, True, False, True, True),
+    "D1_negative_offset": (1, 1, 1, 6, 7, 1, 2, -3, 0, False, False, False, True, True),
+    "all_keys_padded": (2, 2, 2, 5, 6, 16, 2, 0, 0, False, False, "all", True, True),
+    "no_keys": (1, 2, 2, 3, 0, 16, 2, 0, 0, False, False, False, True, True),
+    "no_queries": (1, 2, 2, 0, 5, 16, 2, 0, 0, False, True, False, True, True),
 }
 
 
@@ -58,6 +64,8 @@ def make_inputs(case, dtype, requires_grad=False):
         mask = torch.zeros(b, lk, dtype=torch.bool)
         mask[0, -2:] = True
         mask[-1, 0] = True
+        if padding == "all":  # every key of batch 0 padded: all its rows see nothing
+            mask[0, :] = True
     return (q, kk, v, rel_k, rel_v), dict(max_distance=k, causal=causal, q_offset=qo,
                                           k_offset=ko, key_padding_mask=mask)
 
