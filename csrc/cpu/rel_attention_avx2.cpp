@@ -401,6 +401,71 @@ void softmax_grad_row(const float* pr, float* dp, int64_t n, float di, float sca
   for (; j < n; ++j) dp[j] = scale * pr[j] * (dp[j] - di);
 }
 
+// ---- one-pass rows: the common case of a row whose keys in this tile all share one clamped
+// bucket (far from the diagonal: rel = a constant per row) and no padding mask. Lanes from
+// `vis` (the causal limit) to the 8-aligned end of the row are masked; the s / dp buffers are
+// BK wide, so whole 8-lane chunks stay inside them (lanes past nk are written, never read).
+inline bool uniform_row(const RowSplit& sp, int64_t j0, int64_t nk, const Head& hd) {
+  return hd.pad == nullptr && (sp.a == j0 + nk || sp.e == j0);
+}
+
+inline int64_t visible_keys(const RelAttentionParams& p, int64_t i, int64_t j0, int64_t nk) {
+  return p.causal ? iclamp(p.q_offset + i - p.k_offset + 1 - j0, 0, nk) : nk;
+}
+
+// Forward: sr = (sr + c) * scale (masked lanes -inf); returns the row maximum.
+inline float logits_row_uniform(float* sr, int64_t nk, int64_t vis, float c, float scale) {
+  const __m256 vc = _mm256_set1_ps(c), vsc = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(kNegInf);
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 mx = ninf;
+  for (int64_t j = 0; j < nk; j += 8) {
+    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(vis - j)), idx));
+    const __m256 x = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(sr + j), vc), vsc), keep);
+    _mm256_storeu_ps(sr + j, x);
+    mx = _mm256_max_ps(mx, x);
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+// Forward: sr = exp(sr - shift) over whole 8-lane chunks (masked lanes hold -inf: 0); returns
+// the sum of the first nk entries (the lanes past nk are -inf or garbage only where j >= vis,
+// which logits_row_uniform set to -inf, so the sum over whole chunks is the row sum).
+inline float exp_sum_row(float* sr, int64_t nk, float shift) {
+  const __m256 vs = _mm256_set1_ps(shift);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t j = 0; j < nk; j += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + j), vs));
+    _mm256_storeu_ps(sr + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  return hsum(acc);
+}
+
+// Backward: P = exp((s + ck) * scale - lse), dS = scale P (dp + cv - di) in one pass, masked
+// lanes 0; adds the row sums of P and dS to psum / dssum.
+inline void grad_row_uniform(float* sr, float* dpr, int64_t nk, int64_t vis, float ck, float cv,
+                             float scale, float lse, float di, float& psum, float& dssum) {
+  const __m256 vck = _mm256_set1_ps(ck), vsc = _mm256_set1_ps(scale), vl = _mm256_set1_ps(lse);
+  const __m256 vcd = _mm256_set1_ps(cv - di), ninf = _mm256_set1_ps(kNegInf);
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 ps = _mm256_setzero_ps(), ds = _mm256_setzero_ps();
+  for (int64_t j = 0; j < nk; j += 8) {
+    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(vis - j)), idx));
+    const __m256 x = _mm256_fmsub_ps(_mm256_add_ps(_mm256_loadu_ps(sr + j), vck), vsc, vl);
+    const __m256 pj = exp256(_mm256_blendv_ps(ninf, x, keep));
+    const __m256 g = _mm256_and_ps(keep, _mm256_mul_ps(vsc, _mm256_mul_ps(pj, _mm256_add_ps(_mm256_loadu_ps(dpr + j), vcd))));
+    _mm256_storeu_ps(sr + j, pj);
+    _mm256_storeu_ps(dpr + j, g);
+    ps = _mm256_add_ps(ps, pj);
+    ds = _mm256_add_ps(ds, g);
+  }
+  psum += hsum(ps);
+  dssum += hsum(ds);
+}
+
 // Add the key term to a row of logits: s[j - j0] += q_i . rel_k[b(i, j)].
 void add_rel_logits(float* s, int64_t j0, int64_t nk, const RowSplit& sp, float lo, float hi,
                     const float* qe_row) {
@@ -539,21 +604,39 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
         const int64_t i = i0 + r;
         float* sr = s + r * BK;
         const RowSplit sp = split_row(p, i, j0, nk, band);
-        if (hd.rel_k) add_rel_logits(sr, j0, nk, sp, qe_lo[r], qe_hi[r], qe + r * band.n);
-        scale_and_mask(p, hd, i, j0, nk, scale, sr);
-        const float mt = fmax_(m[r], max_row(sr, nk));
+        const bool uni = uniform_row(sp, j0, nk, hd);
+        const bool lo_side = sp.a == j0 + nk;  // uniform: all keys in bucket 0 (else 2K)
+        float mt;
+        if (uni) {
+          const float c = hd.rel_k ? (lo_side ? qe_lo[r] : qe_hi[r]) : 0.f;
+          mt = fmax_(m[r], logits_row_uniform(sr, nk, visible_keys(p, i, j0, nk), c, scale));
+        } else {
+          if (hd.rel_k) add_rel_logits(sr, j0, nk, sp, qe_lo[r], qe_hi[r], qe + r * band.n);
+          scale_and_mask(p, hd, i, j0, nk, scale, sr);
+          mt = fmax_(m[r], max_row(sr, nk));
+        }
         if (mt == kNegInf) {  // nothing visible yet in this row
           fill_f32(sr, 0.f, nk);
           continue;
         }
         const float alpha = m[r] == kNegInf ? 0.f : std::exp(m[r] - mt);
-        exp_row(sr, nk, mt);
-        l[r] = l[r] * alpha + sum_row(sr, nk);
+        float rs;
+        if (uni) {
+          rs = exp_sum_row(sr, nk, mt);
+        } else {
+          exp_row(sr, nk, mt);
+          rs = sum_row(sr, nk);
+        }
+        l[r] = l[r] * alpha + rs;
         if (alpha != 1.f) scale_row(alpha, acc + r * D, D);
         if (hd.rel_v) {
           w_lo[r] *= alpha;
           w_hi[r] *= alpha;
-          add_bucket_mass(sr, j0, nk, sp, w_lo[r], w_hi[r], w + r * band.n);
+          if (uni) {
+            (lo_side ? w_lo[r] : w_hi[r]) += rs;
+          } else {
+            add_bucket_mass(sr, j0, nk, sp, w_lo[r], w_hi[r], w + r * band.n);
+          }
           mref[r * n_ktiles + t] = mt;  // the band entries of this tile are relative to mt
         }
         m[r] = mt;
@@ -737,6 +820,16 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
             float* sr = s + r * BK;
             float* dpr = dp + r * BK;
             const RowSplit sp = split_row(p, i, j0, nk, band);
+            if (uniform_row(sp, j0, nk, hd)) {
+              const bool lo_side = sp.a == j0 + nk;
+              const float ck = hd.rel_k ? (lo_side ? qe_lo[r] : qe_hi[r]) : 0.f;
+              const float cv = hd.rel_v ? (lo_side ? de_lo[r] : de_hi[r]) : 0.f;
+              float ps = 0.f, dss = 0.f;
+              grad_row_uniform(sr, dpr, nk, visible_keys(p, i, j0, nk), ck, cv, scale, lse[r], di[r], ps, dss);
+              if (hd.rel_v) (lo_side ? p_lo[r] : p_hi[r]) += ps;
+              if (hd.rel_k) (lo_side ? ds_lo[r] : ds_hi[r]) += dss;
+              continue;
+            }
             if (hd.rel_k) add_rel_logits(sr, j0, nk, sp, qe_lo[r], qe_hi[r], qe + r * band.n);
             if (hd.rel_v) add_rel_logits(dpr, j0, nk, sp, de_lo[r], de_hi[r], de + r * band.n);
             scale_and_mask(p, hd, i, j0, nk, scale, sr);  // P = exp(S * scale - lse)
