@@ -22,6 +22,22 @@ inline int64_t gather_bwd_items(const RelGatherBwdParams& p) {
   return p.heads * ((p.dim + kGatherBwdDBlock - 1) / kGatherBwdDBlock);
 }
 
+constexpr int64_t kAttentionTileQ = 64;
+constexpr int64_t kAttentionTileK = 64;
+
+// How the AVX2 attention backward splits the keys of a (b, kv head) into chunks, so that a batch
+// with few kv heads still has work for every thread. Chosen from the shapes only (never from the
+// thread count), so results do not depend on the number of threads. With chunks > 1 each chunk
+// writes its dq contribution and table-gradient partials into the float buffers below (zeros on
+// entry), which rel_attention_backward_reduce sums in chunk order.
+struct AttentionBwdSplit {
+  int64_t chunks = 1;
+  int64_t chunk_keys = 0;             // keys per chunk, a multiple of kAttentionTileK
+  float* dq_partial = nullptr;        // [chunks, batch, heads, q_len, dim]
+  float* drel_k_partial = nullptr;    // [chunks, batch, heads, 2K+1, dim], or null
+  float* drel_v_partial = nullptr;    // [chunks, batch, heads, 2K+1, dim], or null
+};
+
 namespace avx2 {
 void rel_gather(const RelGatherParams& p, int64_t begin, int64_t end);
 void rel_gather_backward(const RelGatherBwdParams& p, int64_t begin, int64_t end);
@@ -30,11 +46,14 @@ void skew_backward(const SkewParams& p, int64_t begin, int64_t end);
 void rel_logits(const RelLogitsParams& p, int64_t begin, int64_t end);
 void bucket_sum(const BucketSumParams& p, int64_t begin, int64_t end);
 // Fused attention; work items differ from the scalar kernels (rel_attention_avx2.cpp):
-//   rel_attention: (b, h, tile of kAttentionTileQ query rows); backward: (b, kv head).
+//   rel_attention: (b, h, tile of kAttentionTileQ query rows);
+//   rel_attention_backward: (b, kv head, key chunk) of batch * kv_heads * split.chunks;
+//   rel_attention_backward_reduce (only when split.chunks > 1): (b, h) of batch * heads.
 void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end);
-void rel_attention_backward(const RelAttentionBwdParams& p, int64_t begin, int64_t end);
+void rel_attention_backward(const RelAttentionBwdParams& p, const AttentionBwdSplit& split,
+                            int64_t begin, int64_t end);
+void rel_attention_backward_reduce(const RelAttentionBwdParams& p, const AttentionBwdSplit& split,
+                                   int64_t begin, int64_t end);
 }  // namespace avx2
-
-constexpr int64_t kAttentionTileQ = 64;
 
 }  // namespace relpos::cpu

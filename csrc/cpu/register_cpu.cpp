@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "common/attention_impl.h"
@@ -114,12 +115,69 @@ struct CpuBackend {
         });
   }
   static void rel_attention_backward(const RelAttentionBwdParams& p) {
-    // both paths: work items are (b, kv head)
-    run(p, p.fwd.batch * p.fwd.kv_heads, 1, RELPOS_AVX2_FN(rel_attention_backward),
+#if defined(RELPOS_HAVE_AVX2)
+    if (p.fwd.dtype != DType::Float64 && selected_isa() == Isa::Avx2) {
+      rel_attention_backward_avx2(p);
+      return;
+    }
+#endif
+    // scalar: work items are (b, kv head)
+    run(p, p.fwd.batch * p.fwd.kv_heads, 1, nullptr,
         []<typename T>(const RelAttentionBwdParams& pp, int64_t b, int64_t e) {
           scalar::rel_attention_backward<T>(pp, b, e);
         });
   }
+
+#if defined(RELPOS_HAVE_AVX2)
+  // Work items (b, kv head, key chunk): when batch * kv_heads is small (few kv heads, B = 1),
+  // the keys of each kv head are split into chunks so that up to kBwdTargetItems items exist,
+  // with per-chunk float partials for dq and the table gradients (at most kBwdPartialBytes for
+  // the dq partials) reduced in chunk order. Shapes alone decide the split, so the results are
+  // the same for any thread count.
+  static constexpr int64_t kBwdTargetItems = 8;
+  static constexpr int64_t kBwdPartialBytes = int64_t(32) << 20;
+
+  static void rel_attention_backward_avx2(const RelAttentionBwdParams& p) {
+    const RelAttentionParams& f = p.fwd;
+    const int64_t units = f.batch * f.kv_heads;
+    const int64_t k_tiles = (f.k_len + kAttentionTileK - 1) / kAttentionTileK;
+    const int64_t dq_bytes = f.batch * f.heads * f.q_len * f.dim * int64_t(sizeof(float));
+    int64_t chunks = 1;
+    if (units < kBwdTargetItems && k_tiles > 1) {
+      chunks = std::min((kBwdTargetItems + units - 1) / units, k_tiles);
+      chunks = std::min(chunks, std::max<int64_t>(1, kBwdPartialBytes / std::max<int64_t>(1, dq_bytes)));
+    }
+    AttentionBwdSplit split;
+    at::Tensor dq_partial, rk_partial, rv_partial;
+    if (chunks > 1) {
+      const int64_t tiles_per_chunk = (k_tiles + chunks - 1) / chunks;
+      split.chunk_keys = tiles_per_chunk * kAttentionTileK;
+      split.chunks = (f.k_len + split.chunk_keys - 1) / split.chunk_keys;
+    }
+    if (split.chunks > 1) {
+      const auto opts = at::TensorOptions().dtype(at::kFloat);
+      const int64_t c = split.chunks, rows = num_buckets(f.max_distance);
+      dq_partial = at::zeros({c, f.batch, f.heads, f.q_len, f.dim}, opts);
+      split.dq_partial = dq_partial.data_ptr<float>();
+      if (p.drel_k_partial != nullptr) {
+        rk_partial = at::zeros({c, f.batch, f.heads, rows, f.dim}, opts);
+        split.drel_k_partial = rk_partial.data_ptr<float>();
+      }
+      if (p.drel_v_partial != nullptr) {
+        rv_partial = at::zeros({c, f.batch, f.heads, rows, f.dim}, opts);
+        split.drel_v_partial = rv_partial.data_ptr<float>();
+      }
+    }
+    at::parallel_for(0, units * split.chunks, 1, [&](int64_t b, int64_t e) {
+      avx2::rel_attention_backward(p, split, b, e);
+    });
+    if (split.chunks > 1) {
+      at::parallel_for(0, f.batch * f.heads, 1, [&](int64_t b, int64_t e) {
+        avx2::rel_attention_backward_reduce(p, split, b, e);
+      });
+    }
+  }
+#endif
 };
 
 using Impl = OpsImpl<CpuBackend>;

@@ -26,7 +26,7 @@ namespace relpos::cpu::avx2 {
 namespace {
 
 constexpr int64_t BQ = kAttentionTileQ;  // query rows per tile
-constexpr int64_t BK = 64;  // keys per tile
+constexpr int64_t BK = kAttentionTileK;  // keys per tile
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // ------------------------------------------------------------------------------ conversions
@@ -169,17 +169,22 @@ float sum_row(const float* x, int64_t n) {
 }
 
 // ------------------------------------------------------------------------------ matmul
-// C[M, N] += A[M, K] @ B[K, N], all float row-major. Register block: MR rows x 16 columns, an
-// outer product per k (2 loads of B, MR broadcasts of A, 2*MR FMAs). The accumulators are named
-// variables, not an array: GCC kept an array of __m256 on the stack inside the k loop (a store
-// per FMA), which halved the speed.
-template <int MR, bool FULL>
-inline void gemm_block(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
-                       float* C, int64_t ldc, int64_t n) {
+// C[M, N] (+)= A[M, K] @ B[K, N], float. B and C are row-major (ldb, ldc); A is read by broadcasts
+// at A + m * lda + k * ka, so a transposed operand (ka = its row stride, lda = 1) costs nothing
+// extra: P^T dO reads P in place. Register block: MR rows x 16 columns, an outer product per k
+// (2 loads of B, MR broadcasts of A, 2*MR FMAs). ACC = false overwrites C (no fill, no load).
+// The accumulators are named variables, not an array: GCC kept an array of __m256 on the stack
+// inside the k loop (a store per FMA), which halved the speed.
+template <int MR, bool FULL, bool ACC>
+inline void gemm_block(int64_t K, const float* A, int64_t lda, int64_t ka, const float* B,
+                       int64_t ldb, float* C, int64_t ldc, int64_t n) {
   const __m256i m0 = tail_mask(imin(n, 8));
   const __m256i m1 = tail_mask(imax(n - 8, 0));
   auto load = [&](const float* ptr, const __m256i& mk) {
     return FULL ? _mm256_loadu_ps(ptr) : _mm256_maskload_ps(ptr, mk);
+  };
+  auto loadc = [&](const float* ptr, const __m256i& mk) {
+    return ACC ? load(ptr, mk) : _mm256_setzero_ps();
   };
   auto store = [&](float* ptr, const __m256i& mk, __m256 v) {
     if (FULL) {
@@ -189,15 +194,15 @@ inline void gemm_block(int64_t K, const float* A, int64_t lda, const float* B, i
     }
   };
   const __m256 z = _mm256_setzero_ps();
-  __m256 c00 = load(C, m0), c01 = load(C + 8, m1);
-  __m256 c10 = MR > 1 ? load(C + ldc, m0) : z, c11 = MR > 1 ? load(C + ldc + 8, m1) : z;
-  __m256 c20 = MR > 2 ? load(C + 2 * ldc, m0) : z, c21 = MR > 2 ? load(C + 2 * ldc + 8, m1) : z;
-  __m256 c30 = MR > 3 ? load(C + 3 * ldc, m0) : z, c31 = MR > 3 ? load(C + 3 * ldc + 8, m1) : z;
-  __m256 c40 = MR > 4 ? load(C + 4 * ldc, m0) : z, c41 = MR > 4 ? load(C + 4 * ldc + 8, m1) : z;
-  __m256 c50 = MR > 5 ? load(C + 5 * ldc, m0) : z, c51 = MR > 5 ? load(C + 5 * ldc + 8, m1) : z;
-  for (int64_t k = 0; k < K; ++k) {
-    const float* b = B + k * ldb;
-    const float* a = A + k;
+  __m256 c00 = loadc(C, m0), c01 = loadc(C + 8, m1);
+  __m256 c10 = MR > 1 ? loadc(C + ldc, m0) : z, c11 = MR > 1 ? loadc(C + ldc + 8, m1) : z;
+  __m256 c20 = MR > 2 ? loadc(C + 2 * ldc, m0) : z, c21 = MR > 2 ? loadc(C + 2 * ldc + 8, m1) : z;
+  __m256 c30 = MR > 3 ? loadc(C + 3 * ldc, m0) : z, c31 = MR > 3 ? loadc(C + 3 * ldc + 8, m1) : z;
+  __m256 c40 = MR > 4 ? loadc(C + 4 * ldc, m0) : z, c41 = MR > 4 ? loadc(C + 4 * ldc + 8, m1) : z;
+  __m256 c50 = MR > 5 ? loadc(C + 5 * ldc, m0) : z, c51 = MR > 5 ? loadc(C + 5 * ldc + 8, m1) : z;
+  const float* a = A;
+  const float* b = B;
+  for (int64_t k = 0; k < K; ++k, a += ka, b += ldb) {
     const __m256 b0 = load(b, m0), b1 = load(b + 8, m1);
     __m256 x = _mm256_broadcast_ss(a);
     c00 = _mm256_fmadd_ps(x, b0, c00);
@@ -237,27 +242,52 @@ inline void gemm_block(int64_t K, const float* A, int64_t lda, const float* B, i
   if constexpr (MR > 5) { store(C + 5 * ldc, m0, c50); store(C + 5 * ldc + 8, m1, c51); }
 }
 
-template <int MR>
-inline void gemm_rows(int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-                      int64_t ldb, float* C, int64_t ldc) {
+template <int MR, bool ACC>
+inline void gemm_rows(int64_t N, int64_t K, const float* A, int64_t lda, int64_t ka,
+                      const float* B, int64_t ldb, float* C, int64_t ldc) {
   int64_t j = 0;
-  for (; j + 16 <= N; j += 16) gemm_block<MR, true>(K, A, lda, B + j, ldb, C + j, ldc, 16);
-  if (j < N) gemm_block<MR, false>(K, A, lda, B + j, ldb, C + j, ldc, N - j);
+  for (; j + 16 <= N; j += 16) gemm_block<MR, true, ACC>(K, A, lda, ka, B + j, ldb, C + j, ldc, 16);
+  if (j < N) gemm_block<MR, false, ACC>(K, A, lda, ka, B + j, ldb, C + j, ldc, N - j);
 }
 
-void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-          int64_t ldb, float* C, int64_t ldc) {
-  if (M <= 0 || N <= 0 || K <= 0) return;
+template <bool ACC>
+void gemm_t(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, int64_t ka,
+            const float* B, int64_t ldb, float* C, int64_t ldc) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    if (!ACC) {
+      for (int64_t i = 0; i < M; ++i) fill_f32(C + i * ldc, 0.f, N);
+    }
+    return;
+  }
   int64_t i = 0;
-  for (; i + 6 <= M; i += 6) gemm_rows<6>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+  for (; i + 6 <= M; i += 6) gemm_rows<6, ACC>(N, K, A + i * lda, lda, ka, B, ldb, C + i * ldc, ldc);
+  const float* a = A + i * lda;
+  float* c = C + i * ldc;
   switch (M - i) {
-    case 5: gemm_rows<5>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc); break;
-    case 4: gemm_rows<4>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc); break;
-    case 3: gemm_rows<3>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc); break;
-    case 2: gemm_rows<2>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc); break;
-    case 1: gemm_rows<1>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc); break;
+    case 5: gemm_rows<5, ACC>(N, K, a, lda, ka, B, ldb, c, ldc); break;
+    case 4: gemm_rows<4, ACC>(N, K, a, lda, ka, B, ldb, c, ldc); break;
+    case 3: gemm_rows<3, ACC>(N, K, a, lda, ka, B, ldb, c, ldc); break;
+    case 2: gemm_rows<2, ACC>(N, K, a, lda, ka, B, ldb, c, ldc); break;
+    case 1: gemm_rows<1, ACC>(N, K, a, lda, ka, B, ldb, c, ldc); break;
     default: break;
   }
+}
+
+// C += A @ B with A row-major [M, K] (lda)
+void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+          int64_t ldb, float* C, int64_t ldc) {
+  gemm_t<true>(M, N, K, A, lda, 1, B, ldb, C, ldc);
+}
+// C = A @ B (overwrite)
+void gemm0(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+           int64_t ldb, float* C, int64_t ldc) {
+  gemm_t<false>(M, N, K, A, lda, 1, B, ldb, C, ldc);
+}
+// C += A^T @ B where A is stored row-major as [K, M] (lda): C[m, n] += sum_k A[k, m] B[k, n]
+void gemm_at(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+             int64_t ldb, float* C, int64_t ldc) {
+  gemm_t<true>(M, N, K, A, 1, lda, B, ldb, C, ldc);
 }
 
 // ------------------------------------------------------------------------------ shared setup
@@ -288,17 +318,22 @@ struct Band {
   int64_t lo = 0, n = 0;
 };
 
-Band band_of(const RelAttentionParams& p, int64_t i0, int64_t mq) {
+// ... and from keys [kb, ke) only (the backward's key chunks).
+Band band_of(const RelAttentionParams& p, int64_t i0, int64_t mq, int64_t kb, int64_t ke) {
   Band band;
-  if (p.max_distance == 0 || p.k_len == 0) return band;
-  const int64_t lo = imax(1, shaw_bucket(i0 + mq - 1, 0, p.max_distance, p.q_offset, p.k_offset));
+  if (p.max_distance == 0 || ke <= kb) return band;
+  const int64_t lo = imax(1, shaw_bucket(i0 + mq - 1, kb, p.max_distance, p.q_offset, p.k_offset));
   const int64_t hi = imin(2 * p.max_distance - 1,
-                                       shaw_bucket(i0, p.k_len - 1, p.max_distance, p.q_offset, p.k_offset));
+                          shaw_bucket(i0, ke - 1, p.max_distance, p.q_offset, p.k_offset));
   if (hi >= lo) {
     band.lo = lo;
     band.n = hi - lo + 1;
   }
   return band;
+}
+
+Band band_of(const RelAttentionParams& p, int64_t i0, int64_t mq) {
+  return band_of(p, i0, mq, 0, p.k_len);
 }
 
 // Per query row, the split of a key tile [j0, j0 + nk) into bucket-0 keys [j0, a), inside keys
@@ -366,6 +401,71 @@ void softmax_grad_row(const float* pr, float* dp, int64_t n, float di, float sca
   for (; j < n; ++j) dp[j] = scale * pr[j] * (dp[j] - di);
 }
 
+// ---- one-pass rows: the common case of a row whose keys in this tile all share one clamped
+// bucket (far from the diagonal: rel = a constant per row) and no padding mask. Lanes from
+// `vis` (the causal limit) to the 8-aligned end of the row are masked; the s / dp buffers are
+// BK wide, so whole 8-lane chunks stay inside them (lanes past nk are written, never read).
+inline bool uniform_row(const RowSplit& sp, int64_t j0, int64_t nk, const Head& hd) {
+  return hd.pad == nullptr && (sp.a == j0 + nk || sp.e == j0);
+}
+
+inline int64_t visible_keys(const RelAttentionParams& p, int64_t i, int64_t j0, int64_t nk) {
+  return p.causal ? iclamp(p.q_offset + i - p.k_offset + 1 - j0, 0, nk) : nk;
+}
+
+// Forward: sr = (sr + c) * scale (masked lanes -inf); returns the row maximum.
+inline float logits_row_uniform(float* sr, int64_t nk, int64_t vis, float c, float scale) {
+  const __m256 vc = _mm256_set1_ps(c), vsc = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(kNegInf);
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 mx = ninf;
+  for (int64_t j = 0; j < nk; j += 8) {
+    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(vis - j)), idx));
+    const __m256 x = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(sr + j), vc), vsc), keep);
+    _mm256_storeu_ps(sr + j, x);
+    mx = _mm256_max_ps(mx, x);
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+// Forward: sr = exp(sr - shift) over whole 8-lane chunks (masked lanes hold -inf: 0); returns
+// the sum of the first nk entries (the lanes past nk are -inf or garbage only where j >= vis,
+// which logits_row_uniform set to -inf, so the sum over whole chunks is the row sum).
+inline float exp_sum_row(float* sr, int64_t nk, float shift) {
+  const __m256 vs = _mm256_set1_ps(shift);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t j = 0; j < nk; j += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + j), vs));
+    _mm256_storeu_ps(sr + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  return hsum(acc);
+}
+
+// Backward: P = exp((s + ck) * scale - lse), dS = scale P (dp + cv - di) in one pass, masked
+// lanes 0; adds the row sums of P and dS to psum / dssum.
+inline void grad_row_uniform(float* sr, float* dpr, int64_t nk, int64_t vis, float ck, float cv,
+                             float scale, float lse, float di, float& psum, float& dssum) {
+  const __m256 vck = _mm256_set1_ps(ck), vsc = _mm256_set1_ps(scale), vl = _mm256_set1_ps(lse);
+  const __m256 vcd = _mm256_set1_ps(cv - di), ninf = _mm256_set1_ps(kNegInf);
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 ps = _mm256_setzero_ps(), ds = _mm256_setzero_ps();
+  for (int64_t j = 0; j < nk; j += 8) {
+    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(vis - j)), idx));
+    const __m256 x = _mm256_fmsub_ps(_mm256_add_ps(_mm256_loadu_ps(sr + j), vck), vsc, vl);
+    const __m256 pj = exp256(_mm256_blendv_ps(ninf, x, keep));
+    const __m256 g = _mm256_and_ps(keep, _mm256_mul_ps(vsc, _mm256_mul_ps(pj, _mm256_add_ps(_mm256_loadu_ps(dpr + j), vcd))));
+    _mm256_storeu_ps(sr + j, pj);
+    _mm256_storeu_ps(dpr + j, g);
+    ps = _mm256_add_ps(ps, pj);
+    ds = _mm256_add_ps(ds, g);
+  }
+  psum += hsum(ps);
+  dssum += hsum(ds);
+}
+
 // Add the key term to a row of logits: s[j - j0] += q_i . rel_k[b(i, j)].
 void add_rel_logits(float* s, int64_t j0, int64_t nk, const RowSplit& sp, float lo, float hi,
                     const float* qe_row) {
@@ -389,11 +489,32 @@ void load_band(DType d, const char* table, int64_t dim, const Band& band, float*
   if (rows_t != nullptr) transpose(rows, dim, band.n, dim, rows_t, band.n);
 }
 
-// Key tile [j0, j0 + nk) as float, row-major [nk, D] and/or transposed [D, BK].
-void load_keys(DType d, const char* base, int64_t dim, int64_t j0, int64_t nk, float* rows,
-               float* rows_t) {
-  load_block(d, base + j0 * dim * elem_bytes(d), dim, nk, dim, rows, dim);
-  if (rows_t != nullptr) transpose(rows, dim, nk, dim, rows_t, BK);
+// Keys [j_begin, j_end) of a kv head (dtype d, rows of D) as float for the matmuls: tiles
+// [t_from, t_to) of BK keys, each transposed into kt + t * D * BK as [D, BK] (the B operand of
+// S = Q K^T), and for float16/bfloat16 also row-major into rows + t * BK * D when rows is not
+// null (float32 rows are read in place). tmp: BK * D floats.
+void build_key_tiles(DType d, const char* base, int64_t D, int64_t j_begin, int64_t j_end,
+                     int64_t t_from, int64_t t_to, float* kt, float* rows, float* tmp) {
+  const int64_t es = elem_bytes(d);
+  for (int64_t t = t_from; t < t_to; ++t) {
+    const int64_t j0 = j_begin + t * BK, nk = imin(BK, j_end - j0);
+    const float* src;
+    if (d == DType::Float32) {
+      src = reinterpret_cast<const float*>(base + j0 * D * es);
+    } else {
+      float* dst = rows != nullptr ? rows + t * BK * D : tmp;
+      load_block(d, base + j0 * D * es, D, nk, D, dst, D);
+      src = dst;
+    }
+    if (kt != nullptr) transpose(src, D, nk, D, kt + t * D * BK, BK);
+  }
+}
+
+// rows x D block at src (dtype d) as float: in place for float32, else converted into buf.
+const float* float_rows(DType d, const char* src, int64_t rows, int64_t D, float* buf) {
+  if (d == DType::Float32) return reinterpret_cast<const float*>(src);
+  load_block(d, src, D, rows, D, buf, D);
+  return buf;
 }
 
 int64_t last_key_tile(const RelAttentionParams& p, int64_t i_last) {
@@ -405,18 +526,21 @@ int64_t last_key_tile(const RelAttentionParams& p, int64_t i_last) {
 }  // namespace
 
 // ------------------------------------------------------------------------------ forward
-// Work items: (b, h, query tile of BQ rows) of batch * heads * ceil(q_len / BQ).
+// Work items: (b, h, query tile of BQ rows) of batch * heads * ceil(q_len / BQ). The keys of the
+// current kv head are transposed (and converted) once per call and thread, tile by tile as
+// needed, and reused by every query tile and query head of that kv head the thread visits.
 void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
   const int64_t D = p.dim, K = p.max_distance, rows_tab = num_buckets(K);
   const int64_t q_tiles = (p.q_len + BQ - 1) / BQ, es = elem_bytes(p.dtype);
   const int64_t max_band = imin(imax(2 * K - 1, 0), BQ + p.k_len);
   const int64_t n_ktiles = (p.k_len + BK - 1) / BK;
+  const bool f32 = p.dtype == DType::Float32;
   const float scale = static_cast<float>(p.scale);
   Buffers buf;
   float* qf = buf.take(BQ * D);
-  float* kf = buf.take(BK * D);
-  float* kt = buf.take(D * BK);
-  float* vf = buf.take(BK * D);
+  float* kt_all = buf.take(n_ktiles * D * BK);
+  float* v_all = f32 ? nullptr : buf.take(n_ktiles * BK * D);
+  float* tmp = buf.take(BK * D);
   float* s = buf.take(BQ * BK);
   float* acc = buf.take(BQ * D);
   float* m = buf.take(BQ);
@@ -434,23 +558,24 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
   float* mref = buf.take(BQ * n_ktiles);
   float* ek0 = buf.take(D);
   float* ek1 = buf.take(D);
+  const char* cached = nullptr;  // kv head whose tiles [0, built) are in kt_all / v_all
+  int64_t built = 0;
   for (int64_t item = begin; item < end; ++item) {
     const int64_t qt = item % q_tiles, h = (item / q_tiles) % p.heads, b = item / (q_tiles * p.heads);
     const int64_t i0 = qt * BQ, mq = imin(BQ, p.q_len - i0);
     const Head hd = head_of(p, b, h);
-    load_block(p.dtype, hd.q + i0 * D * es, D, mq, D, qf, D);
+    const float* qp = float_rows(p.dtype, hd.q + i0 * D * es, mq, D, qf);
     const Band band = band_of(p, i0, mq);
     if (hd.rel_k) {  // QE = Q @ rel_k[band]^T, and the two clamped buckets per row
       load_row(p.dtype, hd.rel_k, ek0, D);
       load_row(p.dtype, hd.rel_k + (rows_tab - 1) * D * es, ek1, D);
       for (int64_t r = 0; r < mq; ++r) {
-        qe_lo[r] = dot(qf + r * D, ek0, D);
-        qe_hi[r] = dot(qf + r * D, ek1, D);
+        qe_lo[r] = dot(qp + r * D, ek0, D);
+        qe_hi[r] = dot(qp + r * D, ek1, D);
       }
       if (band.n > 0) {
         load_band(p.dtype, hd.rel_k, D, band, band_k, band_kt);
-        fill_f32(qe, 0.f, mq * band.n);
-        gemm(mq, band.n, D, qf, D, band_kt, band.n, qe, band.n);
+        gemm0(mq, band.n, D, qp, D, band_kt, band.n, qe, band.n);
       }
     }
     fill_f32(m, kNegInf, BQ);
@@ -463,36 +588,61 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
       fill_f32(mref, kNegInf, mq * n_ktiles);
     }
     const int64_t kt_end = last_key_tile(p, i0 + mq - 1);
+    if (hd.k != cached) {
+      cached = hd.k;
+      built = 0;
+    }
+    if (built < kt_end) {
+      build_key_tiles(p.dtype, hd.k, D, 0, p.k_len, built, kt_end, kt_all, nullptr, tmp);
+      if (!f32) build_key_tiles(p.dtype, hd.v, D, 0, p.k_len, built, kt_end, nullptr, v_all, tmp);
+      built = kt_end;
+    }
     for (int64_t t = 0; t < kt_end; ++t) {
       const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0);
-      load_keys(p.dtype, hd.k, D, j0, nk, kf, kt);
-      fill_f32(s, 0.f, mq * BK);
-      gemm(mq, nk, D, qf, D, kt, BK, s, BK);  // S = Q K^T
+      gemm0(mq, nk, D, qp, D, kt_all + t * D * BK, BK, s, BK);  // S = Q K^T
       for (int64_t r = 0; r < mq; ++r) {
         const int64_t i = i0 + r;
         float* sr = s + r * BK;
         const RowSplit sp = split_row(p, i, j0, nk, band);
-        if (hd.rel_k) add_rel_logits(sr, j0, nk, sp, qe_lo[r], qe_hi[r], qe + r * band.n);
-        scale_and_mask(p, hd, i, j0, nk, scale, sr);
-        const float mt = fmax_(m[r], max_row(sr, nk));
+        const bool uni = uniform_row(sp, j0, nk, hd);
+        const bool lo_side = sp.a == j0 + nk;  // uniform: all keys in bucket 0 (else 2K)
+        float mt;
+        if (uni) {
+          const float c = hd.rel_k ? (lo_side ? qe_lo[r] : qe_hi[r]) : 0.f;
+          mt = fmax_(m[r], logits_row_uniform(sr, nk, visible_keys(p, i, j0, nk), c, scale));
+        } else {
+          if (hd.rel_k) add_rel_logits(sr, j0, nk, sp, qe_lo[r], qe_hi[r], qe + r * band.n);
+          scale_and_mask(p, hd, i, j0, nk, scale, sr);
+          mt = fmax_(m[r], max_row(sr, nk));
+        }
         if (mt == kNegInf) {  // nothing visible yet in this row
           fill_f32(sr, 0.f, nk);
           continue;
         }
         const float alpha = m[r] == kNegInf ? 0.f : std::exp(m[r] - mt);
-        exp_row(sr, nk, mt);
-        l[r] = l[r] * alpha + sum_row(sr, nk);
+        float rs;
+        if (uni) {
+          rs = exp_sum_row(sr, nk, mt);
+        } else {
+          exp_row(sr, nk, mt);
+          rs = sum_row(sr, nk);
+        }
+        l[r] = l[r] * alpha + rs;
         if (alpha != 1.f) scale_row(alpha, acc + r * D, D);
         if (hd.rel_v) {
           w_lo[r] *= alpha;
           w_hi[r] *= alpha;
-          add_bucket_mass(sr, j0, nk, sp, w_lo[r], w_hi[r], w + r * band.n);
+          if (uni) {
+            (lo_side ? w_lo[r] : w_hi[r]) += rs;
+          } else {
+            add_bucket_mass(sr, j0, nk, sp, w_lo[r], w_hi[r], w + r * band.n);
+          }
           mref[r * n_ktiles + t] = mt;  // the band entries of this tile are relative to mt
         }
         m[r] = mt;
       }
-      load_block(p.dtype, hd.v + j0 * D * es, D, nk, D, vf, D);
-      gemm(mq, D, nk, s, BK, vf, D, acc, D);  // acc += P V
+      const float* vp = f32 ? reinterpret_cast<const float*>(hd.v) + j0 * D : v_all + j0 * D;
+      gemm(mq, D, nk, s, BK, vp, D, acc, D);  // acc += P V
     }
     if (hd.rel_v) {  // value term: acc += W @ rel_v[band] + the clamped buckets
       for (int64_t r = 0; r < mq; ++r) {
@@ -538,31 +688,36 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
 }
 
 // ------------------------------------------------------------------------------ backward
-// Work items: (b, kv head) of batch * kv_heads. dk/dv of the kv head accumulate in float here;
-// each query head of the group adds its table gradients into its own (b, h) partial.
-void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int64_t end) {
+// Work items: (b, kv head, key chunk) of batch * kv_heads * split.chunks (kernels.h). An item
+// owns dk/dv of its keys (accumulated in float here over the query heads of the group); it
+// adds its table gradients into the (b, h) partials and writes dq of its keys' contribution:
+// with one chunk straight into dq and bp's partials, with several into the split's per-chunk
+// float partials, which rel_attention_backward_reduce then sums in chunk order.
+void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdSplit& split,
+                            int64_t begin, int64_t end) {
   const RelAttentionParams& p = bp.fwd;
   const int64_t D = p.dim, K = p.max_distance, rows_tab = num_buckets(K), es = elem_bytes(p.dtype);
-  const int64_t group = p.heads / p.kv_heads;
-  const int64_t max_band = imin(imax(2 * K - 1, 0), BQ + p.k_len);
+  const int64_t group = p.heads / p.kv_heads, chunks = split.chunks;
+  const int64_t chunk_keys = chunks == 1 ? p.k_len : split.chunk_keys;
+  const int64_t chunk_tiles = (chunk_keys + BK - 1) / BK;
+  const int64_t max_band = imin(imax(2 * K - 1, 0), BQ + chunk_keys);
+  const bool f32 = p.dtype == DType::Float32;
   const float scale = static_cast<float>(p.scale);
   Buffers buf;
-  float* dk_acc = buf.take(p.k_len * D);
-  float* dv_acc = buf.take(p.k_len * D);
+  float* dk_acc = buf.take(chunk_keys * D);
+  float* dv_acc = buf.take(chunk_keys * D);
+  float* kt_all = buf.take(chunk_tiles * D * BK);
+  float* vt_all = buf.take(chunk_tiles * D * BK);
+  float* k_rows = f32 ? nullptr : buf.take(chunk_tiles * BK * D);
+  float* tmp = buf.take(BK * D);
   float* qf = buf.take(BQ * D);
   float* dof = buf.take(BQ * D);
   float* of = buf.take(BQ * D);
   float* dq = buf.take(BQ * D);
-  float* kf = buf.take(BK * D);
-  float* kt = buf.take(D * BK);
-  float* vf = buf.take(BK * D);
-  float* vt = buf.take(D * BK);
   float* s = buf.take(BQ * BK);
   float* dp = buf.take(BQ * BK);
-  float* tt = buf.take(BK * BQ);
   float* lse = buf.take(BQ);
   float* di = buf.take(BQ);
-  float* row = buf.take(D);
   float* qe_lo = buf.take(BQ);
   float* qe_hi = buf.take(BQ);
   float* de_lo = buf.take(BQ);
@@ -579,20 +734,34 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
   float* de = buf.take(BQ * max_band);
   float* wds = buf.take(BQ * max_band);
   float* wp = buf.take(BQ * max_band);
-  float* wt = buf.take(max_band * BQ);
   float* ek0 = buf.take(D);
   float* ek1 = buf.take(D);
   float* ev0 = buf.take(D);
   float* ev1 = buf.take(D);
   for (int64_t item = begin; item < end; ++item) {
-    const int64_t b = item / p.kv_heads, hk = item % p.kv_heads;
-    fill_f32(dk_acc, 0.f, p.k_len * D);
-    fill_f32(dv_acc, 0.f, p.k_len * D);
+    const int64_t c = item % chunks, hk = (item / chunks) % p.kv_heads;
+    const int64_t b = item / (chunks * p.kv_heads);
+    const int64_t kb = c * chunk_keys, ke = imin(p.k_len, kb + chunk_keys), nkeys = ke - kb;
+    const int64_t tiles = (nkeys + BK - 1) / BK, tile0 = kb / BK;  // kb is a multiple of BK
+    const Head hd0 = head_of(p, b, hk * group);
+    build_key_tiles(p.dtype, hd0.k, D, kb, ke, 0, tiles, kt_all, k_rows, tmp);
+    build_key_tiles(p.dtype, hd0.v, D, kb, ke, 0, tiles, vt_all, nullptr, tmp);
+    const float* kp = f32 ? reinterpret_cast<const float*>(hd0.k) + kb * D : k_rows;
+    fill_f32(dk_acc, 0.f, nkeys * D);
+    fill_f32(dv_acc, 0.f, nkeys * D);
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       const Head hd = head_of(p, b, h);
       const int64_t bh = b * p.heads + h;
-      float* pk = bp.drel_k_partial ? static_cast<float*>(bp.drel_k_partial) + bh * rows_tab * D : nullptr;
-      float* pv = bp.drel_v_partial ? static_cast<float*>(bp.drel_v_partial) + bh * rows_tab * D : nullptr;
+      float* pk = nullptr;
+      float* pv = nullptr;
+      if (chunks == 1) {
+        if (bp.drel_k_partial) pk = static_cast<float*>(bp.drel_k_partial) + bh * rows_tab * D;
+        if (bp.drel_v_partial) pv = static_cast<float*>(bp.drel_v_partial) + bh * rows_tab * D;
+      } else {
+        const int64_t off = (c * p.batch * p.heads + bh) * rows_tab * D;
+        if (split.drel_k_partial) pk = split.drel_k_partial + off;
+        if (split.drel_v_partial) pv = split.drel_v_partial + off;
+      }
       if (hd.rel_k) {
         load_row(p.dtype, hd.rel_k, ek0, D);
         load_row(p.dtype, hd.rel_k + (rows_tab - 1) * D * es, ek1, D);
@@ -604,23 +773,25 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
       for (int64_t i0 = 0; i0 < p.q_len; i0 += BQ) {
         const int64_t mq = imin(BQ, p.q_len - i0);
         const int64_t row0 = bh * p.q_len + i0;
-        load_block(p.dtype, hd.q + i0 * D * es, D, mq, D, qf, D);
-        load_block(p.dtype, static_cast<const char*>(bp.grad_out) + row0 * D * es, D, mq, D, dof, D);
-        load_block(p.dtype, static_cast<const char*>(p.out) + row0 * D * es, D, mq, D, of, D);
+        // key tiles of this chunk visible from the query tile: [tile0, t_end)
+        const int64_t t_end = imin(last_key_tile(p, i0 + mq - 1), tile0 + tiles);
+        if (t_end <= tile0) continue;  // dq and the partials keep their zeros
+        const float* qp = float_rows(p.dtype, hd.q + i0 * D * es, mq, D, qf);
+        const float* dop = float_rows(p.dtype, static_cast<const char*>(bp.grad_out) + row0 * D * es, mq, D, dof);
+        const float* op = float_rows(p.dtype, static_cast<const char*>(p.out) + row0 * D * es, mq, D, of);
         for (int64_t r = 0; r < mq; ++r) {
           lse[r] = static_cast<const float*>(p.lse)[row0 + r];
-          di[r] = dot(dof + r * D, of + r * D, D);
+          di[r] = dot(dop + r * D, op + r * D, D);
         }
-        const Band band = band_of(p, i0, mq);
+        const Band band = band_of(p, i0, mq, kb, ke);
         if (hd.rel_k) {
           for (int64_t r = 0; r < mq; ++r) {
-            qe_lo[r] = dot(qf + r * D, ek0, D);
-            qe_hi[r] = dot(qf + r * D, ek1, D);
+            qe_lo[r] = dot(qp + r * D, ek0, D);
+            qe_hi[r] = dot(qp + r * D, ek1, D);
           }
           if (band.n > 0) {
             load_band(p.dtype, hd.rel_k, D, band, band_k, band_kt);
-            fill_f32(qe, 0.f, mq * band.n);
-            gemm(mq, band.n, D, qf, D, band_kt, band.n, qe, band.n);
+            gemm0(mq, band.n, D, qp, D, band_kt, band.n, qe, band.n);
           }
           fill_f32(wds, 0.f, mq * band.n);
           fill_f32(ds_lo, 0.f, BQ);
@@ -628,33 +799,37 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
         }
         if (hd.rel_v) {
           for (int64_t r = 0; r < mq; ++r) {
-            de_lo[r] = dot(dof + r * D, ev0, D);
-            de_hi[r] = dot(dof + r * D, ev1, D);
+            de_lo[r] = dot(dop + r * D, ev0, D);
+            de_hi[r] = dot(dop + r * D, ev1, D);
           }
           if (band.n > 0) {
             load_band(p.dtype, hd.rel_v, D, band, band_v, band_vt);
-            fill_f32(de, 0.f, mq * band.n);
-            gemm(mq, band.n, D, dof, D, band_vt, band.n, de, band.n);
+            gemm0(mq, band.n, D, dop, D, band_vt, band.n, de, band.n);
           }
           fill_f32(wp, 0.f, mq * band.n);
           fill_f32(p_lo, 0.f, BQ);
           fill_f32(p_hi, 0.f, BQ);
         }
         fill_f32(dq, 0.f, mq * D);
-        const int64_t kt_end = last_key_tile(p, i0 + mq - 1);
-        for (int64_t t = 0; t < kt_end; ++t) {
-          const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0);
-          load_keys(p.dtype, hd.k, D, j0, nk, kf, kt);
-          load_keys(p.dtype, hd.v, D, j0, nk, vf, vt);
-          fill_f32(s, 0.f, mq * BK);
-          fill_f32(dp, 0.f, mq * BK);
-          gemm(mq, nk, D, qf, D, kt, BK, s, BK);     // S = Q K^T
-          gemm(mq, nk, D, dof, D, vt, BK, dp, BK);   // dP = dO V^T
+        for (int64_t t = tile0; t < t_end; ++t) {
+          const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0), tl = t - tile0;
+          gemm0(mq, nk, D, qp, D, kt_all + tl * D * BK, BK, s, BK);    // S = Q K^T
+          gemm0(mq, nk, D, dop, D, vt_all + tl * D * BK, BK, dp, BK);  // dP = dO V^T
           for (int64_t r = 0; r < mq; ++r) {
             const int64_t i = i0 + r;
             float* sr = s + r * BK;
             float* dpr = dp + r * BK;
             const RowSplit sp = split_row(p, i, j0, nk, band);
+            if (uniform_row(sp, j0, nk, hd)) {
+              const bool lo_side = sp.a == j0 + nk;
+              const float ck = hd.rel_k ? (lo_side ? qe_lo[r] : qe_hi[r]) : 0.f;
+              const float cv = hd.rel_v ? (lo_side ? de_lo[r] : de_hi[r]) : 0.f;
+              float ps = 0.f, dss = 0.f;
+              grad_row_uniform(sr, dpr, nk, visible_keys(p, i, j0, nk), ck, cv, scale, lse[r], di[r], ps, dss);
+              if (hd.rel_v) (lo_side ? p_lo[r] : p_hi[r]) += ps;
+              if (hd.rel_k) (lo_side ? ds_lo[r] : ds_hi[r]) += dss;
+              continue;
+            }
             if (hd.rel_k) add_rel_logits(sr, j0, nk, sp, qe_lo[r], qe_hi[r], qe + r * band.n);
             if (hd.rel_v) add_rel_logits(dpr, j0, nk, sp, de_lo[r], de_hi[r], de + r * band.n);
             scale_and_mask(p, hd, i, j0, nk, scale, sr);  // P = exp(S * scale - lse)
@@ -663,44 +838,71 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
             if (hd.rel_v) add_bucket_mass(sr, j0, nk, sp, p_lo[r], p_hi[r], wp + r * band.n);
             if (hd.rel_k) add_bucket_mass(dpr, j0, nk, sp, ds_lo[r], ds_hi[r], wds + r * band.n);
           }
-          transpose(s, BK, mq, nk, tt, BQ);  // P^T [nk, mq]
-          gemm(nk, D, mq, tt, BQ, dof, D, dv_acc + j0 * D, D);  // dV += P^T dO
-          transpose(dp, BK, mq, nk, tt, BQ);  // dS^T
-          gemm(nk, D, mq, tt, BQ, qf, D, dk_acc + j0 * D, D);  // dK += dS^T Q
-          gemm(mq, D, nk, dp, BK, kf, D, dq, D);               // dQ += dS K
+          float* dv_t = dv_acc + (j0 - kb) * D;
+          float* dk_t = dk_acc + (j0 - kb) * D;
+          gemm_at(nk, D, mq, s, BK, dop, D, dv_t, D);          // dV += P^T dO
+          gemm_at(nk, D, mq, dp, BK, qp, D, dk_t, D);          // dK += dS^T Q
+          gemm(mq, D, nk, dp, BK, kp + (j0 - kb) * D, D, dq, D);  // dQ += dS K
         }
         if (hd.rel_k) {  // dQ += W_ds @ rel_k; drel_k += W_ds^T Q (band and clamped buckets)
           if (band.n > 0) {
             gemm(mq, D, band.n, wds, band.n, band_k, D, dq, D);
-            transpose(wds, band.n, mq, band.n, wt, BQ);
-            gemm(band.n, D, mq, wt, BQ, qf, D, pk + band.lo * D, D);
+            gemm_at(band.n, D, mq, wds, band.n, qp, D, pk + band.lo * D, D);
           }
           for (int64_t r = 0; r < mq; ++r) {
             axpy(ds_lo[r], ek0, dq + r * D, D);
             axpy(ds_hi[r], ek1, dq + r * D, D);
-            axpy(ds_lo[r], qf + r * D, pk, D);
-            axpy(ds_hi[r], qf + r * D, pk + (rows_tab - 1) * D, D);
+            axpy(ds_lo[r], qp + r * D, pk, D);
+            axpy(ds_hi[r], qp + r * D, pk + (rows_tab - 1) * D, D);
           }
         }
         if (hd.rel_v) {  // drel_v += W_p^T dO
-          if (band.n > 0) {
-            transpose(wp, band.n, mq, band.n, wt, BQ);
-            gemm(band.n, D, mq, wt, BQ, dof, D, pv + band.lo * D, D);
-          }
+          if (band.n > 0) gemm_at(band.n, D, mq, wp, band.n, dop, D, pv + band.lo * D, D);
           for (int64_t r = 0; r < mq; ++r) {
-            axpy(p_lo[r], dof + r * D, pv, D);
-            axpy(p_hi[r], dof + r * D, pv + (rows_tab - 1) * D, D);
+            axpy(p_lo[r], dop + r * D, pv, D);
+            axpy(p_hi[r], dop + r * D, pv + (rows_tab - 1) * D, D);
           }
         }
-        char* dq_out = static_cast<char*>(bp.dq) + row0 * D * es;
-        for (int64_t r = 0; r < mq; ++r) store_row(p.dtype, dq + r * D, dq_out + r * D * es, D);
+        if (chunks == 1) {
+          char* dq_out = static_cast<char*>(bp.dq) + row0 * D * es;
+          for (int64_t r = 0; r < mq; ++r) store_row(p.dtype, dq + r * D, dq_out + r * D * es, D);
+        } else {
+          float* dq_out = split.dq_partial + (c * p.batch * p.heads * p.q_len + row0) * D;
+          std::memcpy(dq_out, dq, sizeof(float) * mq * D);
+        }
       }
     }
-    const int64_t kv_off = item * p.k_len * D * es;
-    for (int64_t j = 0; j < p.k_len; ++j) {
+    const int64_t kv_off = ((b * p.kv_heads + hk) * p.k_len + kb) * D * es;
+    for (int64_t j = 0; j < nkeys; ++j) {
       store_row(p.dtype, dk_acc + j * D, static_cast<char*>(bp.dk) + kv_off + j * D * es, D);
       store_row(p.dtype, dv_acc + j * D, static_cast<char*>(bp.dv) + kv_off + j * D * es, D);
     }
+  }
+}
+
+// Work items: (b, h) of batch * heads; only for split.chunks > 1. dq = the chunks' partials
+// summed in chunk order; the (b, h) table partials likewise.
+void rel_attention_backward_reduce(const RelAttentionBwdParams& bp, const AttentionBwdSplit& split,
+                                   int64_t begin, int64_t end) {
+  const RelAttentionParams& p = bp.fwd;
+  const int64_t D = p.dim, rows_tab = num_buckets(p.max_distance), es = elem_bytes(p.dtype);
+  const int64_t bh_total = p.batch * p.heads;
+  Buffers buf;
+  float* row = buf.take(D);
+  for (int64_t bh = begin; bh < end; ++bh) {
+    for (int64_t i = 0; i < p.q_len; ++i) {
+      const int64_t r = bh * p.q_len + i;
+      std::memcpy(row, split.dq_partial + r * D, sizeof(float) * D);
+      for (int64_t c = 1; c < split.chunks; ++c) add_row(split.dq_partial + (c * bh_total * p.q_len + r) * D, row, D);
+      store_row(p.dtype, row, static_cast<char*>(bp.dq) + r * D * es, D);
+    }
+    auto reduce = [&](float* partials, void* out) {
+      if (partials == nullptr || out == nullptr) return;
+      float* o = static_cast<float*>(out) + bh * rows_tab * D;
+      for (int64_t c = 0; c < split.chunks; ++c) add_row(partials + (c * bh_total + bh) * rows_tab * D, o, rows_tab * D);
+    };
+    reduce(split.drel_k_partial, bp.drel_k_partial);
+    reduce(split.drel_v_partial, bp.drel_v_partial);
   }
 }
 
