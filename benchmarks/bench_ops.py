@@ -14,11 +14,11 @@ Each measurement runs in its own process, forked from this one after ``torch`` i
 parent never runs a kernel, so no thread pool is inherited), so that one measurement's freed
 memory cannot hide another's peak. Peak extra memory is the growth of the resident set: the child
 allocates its inputs (and the upstream gradient), resets the kernel's peak-RSS counter
-(``echo 5 > /proc/self/clear_refs``, Linux >= 4.0), runs the method once and reads ``VmHWM``. That
-counts every page touched (torch tensors and a kernel's private scratch alike), including the
-``[B, H, Lq, Lk]`` output and the gradients. Where ``clear_refs`` is not writable it falls back
-to the ``ru_maxrss`` delta, a lower bound (the JSON records which). The analytic size of each
-method's largest intermediate is printed beside it.
+(``echo 5 > /proc/self/clear_refs``, Linux >= 4.0), runs the method once and reads ``VmHWM``
+(``_common.measure_call``). That counts every page touched (torch tensors and a kernel's private
+scratch alike), including the ``[B, H, Lq, Lk]`` output and the gradients. Where ``clear_refs`` is
+not writable it falls back to the ``ru_maxrss`` delta, a lower bound (the JSON records which). The
+analytic size of each method's largest intermediate is printed beside it.
 
 Usage::
 
@@ -30,16 +30,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
-import logging
-import os
-import platform
-import resource
-import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,12 +39,13 @@ from typing import Any
 
 import torch
 
-# torch.utils.benchmark imports cpp_extension, which warns about CUDA_HOME on CPU-only machines.
-logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-import torch.utils.benchmark as tbench  # noqa: E402
-
 import relpos_ext
 from relpos_ext import reference as ref
+
+from _common import (  # benchmarks/_common.py, beside this script
+    RESULTS, GiB, MiB, add_common_args, check_platform, error_cell, in_child, loglog_axes,
+    measure_call, print_environment, timestamp, write_json,
+)
 
 BATCH, HEADS, DIM = 1, 8, 64
 METHODS = ("ours", "gather_einsum", "matmul_gather")
@@ -64,8 +57,6 @@ LABELS = {
 SHORT = {"ours": "ours", "gather_einsum": "(a) gather+einsum", "matmul_gather": "(b) q@E^T+gather"}
 MODES = ("fwd", "fwd+bwd")
 TARGET_L, TARGET_SPEEDUP = 2048, 2.0
-RESULTS = Path(__file__).resolve().parent / "results"
-MiB, GiB = 2.0**20, 2.0**30
 
 
 # --------------------------------------------------------------------------- the methods
@@ -113,30 +104,6 @@ def analytic_intermediate(method: str, mode: str, length: int, k: int, itemsize:
 
 
 # --------------------------------------------------------------------------- measuring
-def _proc_status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
-def _reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS; False where the kernel does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_rss_bytes(resettable: bool) -> int:
-    if resettable:
-        return _proc_status_kib("VmHWM") * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
 def _make_inputs(length: int, k: int, dtype: torch.dtype, grad: bool, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(BATCH, HEADS, length, DIM, generator=g, dtype=dtype)
@@ -158,62 +125,7 @@ def measure(method: str, mode: str, length: int, k: int, args: argparse.Namespac
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     _runner(method, mode, 32, min(k, 31), dtype)()  # load lazy state: thread pool, dispatch
-    run = _runner(method, mode, length, k, dtype)
-    resettable = _reset_peak_rss()
-    base = _peak_rss_bytes(resettable)
-    t0 = time.perf_counter()
-    out = run()
-    first_s = time.perf_counter() - t0
-    peak = _peak_rss_bytes(resettable)
-    del out
-
-    if first_s >= args.slow_s:
-        # A few single calls, timed directly: the call above was the warm-up, and Timer.timeit
-        # adds two warm-up calls per sample and blocked_autorange a block-size probe.
-        times = []
-        for _ in range(args.slow_reps):
-            t0 = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t0)
-    else:
-        timer = tbench.Timer(stmt="run()", globals={"run": run}, num_threads=args.threads)
-        times = list(timer.blocked_autorange(min_run_time=args.min_run_time).times)
-    return {
-        "time_ms": statistics.median(times) * 1e3,
-        "min_ms": min(times) * 1e3,
-        "times_ms": [t * 1e3 for t in times],
-        "first_call_ms": first_s * 1e3,
-        "peak_extra_bytes": max(peak - base, 0),
-        "memory_method": "VmHWM after clear_refs" if resettable else "ru_maxrss delta (lower bound)",
-    }
-
-
-def in_child(fn: Callable[..., dict], *fn_args: Any) -> dict:
-    """Run ``fn(*fn_args)`` in a forked child and return its (JSON) result or an error record.
-
-    The parent only imports torch and never runs a kernel, so the child starts with no thread
-    pool to inherit and with nothing freed in its heap that could hide its peak.
-    """
-    rfd, wfd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        os.close(rfd)
-        try:
-            res = fn(*fn_args)
-        except BaseException as e:  # report, never fall back into the parent's code
-            res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-        with os.fdopen(wfd, "w") as w:
-            json.dump(res, w)
-        os._exit(0)
-    os.close(wfd)
-    with os.fdopen(rfd) as r:
-        data = r.read()
-    _, status = os.waitpid(pid, 0)
-    if data:
-        return json.loads(data)
-    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
-    why = f"killed by signal {sig}" + (" (out of memory?)" if sig == 9 else "") if sig else "no result"
-    return {"error": why}
+    return measure_call(_runner(method, mode, length, k, dtype), args)
 
 
 # --------------------------------------------------------------------------- the run
@@ -240,36 +152,6 @@ def sanity_check(dtype_name: str, length: int = 96, k: int = 7) -> dict:
     return {"max_abs_err": (got - want).abs().max().item()}
 
 
-def machine_info(args: argparse.Namespace) -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    try:
-        mem_gib = _proc_meminfo_kib("MemTotal") / 2**20
-    except (OSError, KeyError):
-        mem_gib = None
-    return {
-        "cpu": cpu,
-        "load_average_at_start": os.getloadavg(),
-        "logical_cpus": os.cpu_count(),
-        "threads": args.threads,
-        "mem_total_gib": mem_gib,
-        "platform": platform.platform(),
-        "python": sys.version.split()[0],
-    }
-
-
-def _proc_meminfo_kib(key: str) -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
 def run_all(args: argparse.Namespace) -> list[Row]:
     itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     rows: list[Row] = []
@@ -289,7 +171,7 @@ def run_all(args: argparse.Namespace) -> list[Row]:
                         res = in_child(measure, method, mode, length, k, args)
                         row.raw = res
                         if "error" in res:
-                            row.skipped = "error: " + res["error"].splitlines()[0][:60]
+                            row.skipped = error_cell(res)
                         else:
                             row.time_ms = res["time_ms"]
                             row.peak_extra_mib = res["peak_extra_bytes"] / MiB
@@ -368,15 +250,7 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[kind], marker="o",
                     color=colors[method], label=f"{SHORT[method]}, {kind}")
-        ax.set_xscale("log", base=2)
-        lengths = sorted({r.length for r in rows})
-        ax.set_xticks(lengths, [str(n) for n in lengths])
-        ax.minorticks_off()
-        ax.set_yscale("log")
-        ax.set_xlabel("L (= Lq = Lk)")
-        ax.set_title(mode)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        loglog_axes(ax, sorted({r.length for r in rows}), mode)
     axes[0].set_ylabel("time (ms)")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -395,18 +269,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     p.add_argument("--quick", action="store_true",
                    help="tiny smoke run (~30 s): small L, short timings")
-    p.add_argument("--out", type=Path, default=RESULTS / "bench_ops.json",
-                   help="JSON path; the PNG goes beside it with a .png suffix")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     p.add_argument("--mem-cap-gib", type=float, default=4.0,
                    help="skip (a) where its live [Lq,Lk,D] tensors exceed this (default 4)")
-    p.add_argument("--min-run-time", type=float, default=1.0,
-                   help="blocked_autorange min_run_time in seconds for fast cases")
-    p.add_argument("--slow-s", type=float, default=0.5,
-                   help="a first call slower than this is timed by --slow-reps single calls")
-    p.add_argument("--slow-reps", type=int, default=2)
-    p.add_argument("-v", "--verbose", action="store_true", help="print each measurement as it ends")
+    add_common_args(p, RESULTS / "bench_ops.json")
     args = p.parse_args(argv)
     if args.quick:
         args.min_run_time, args.slow_reps = 0.1, 1
@@ -417,18 +282,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not hasattr(os, "fork") or not os.path.exists("/proc/self/status"):
-        sys.exit("bench_ops.py measures memory through /proc and fork(): run it on Linux")
-    info = relpos_ext.build_info()
+    check_platform("bench_ops.py")
     itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
-    print(f"relpos_ext {info['version']}  torch {torch.__version__}  build_info={info}")
-    mach = machine_info(args)
-    print(f"machine: {mach['cpu']}, {mach['logical_cpus']} logical CPUs, "
-          f"torch threads={args.threads}, {mach['mem_total_gib'] or 0:.0f} GiB RAM")
-    load1 = mach["load_average_at_start"][0]
-    if load1 > 0.5 * (os.cpu_count() or 1):
-        print(f"warning: load average {load1:.1f} on {os.cpu_count()} CPUs: other work is running, "
-              "timings will be noisy and slow")
+    info, mach = print_environment(args.threads)
     print(f"shape: B={BATCH} H={HEADS} D={DIM} Lq=Lk=L, dtype={args.dtype}, shared table [2K+1, D]")
     sanity = in_child(sanity_check, args.dtype)
     err = sanity.get("max_abs_err")
@@ -460,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     mem_methods = {r.raw.get("memory_method") for r in rows if r.raw.get("memory_method")}
     doc = {
         "benchmark": "bench_ops",
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": timestamp(),
         "torch_version": torch.__version__,
         "build_info": info,
         "machine": mach,
@@ -483,9 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in rows
         ],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_json(doc, args.out)
     if not args.no_plot:
         png = args.out.with_suffix(".png")
         plot(rows, png, f"rel_logits, B={BATCH} H={HEADS} D={DIM} {args.dtype}, "

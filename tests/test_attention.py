@@ -237,3 +237,14 @@ BAD = [
 def test_rel_attention_bad_input(desc, fn, pattern):
     with pytest.raises((RuntimeError, ValueError), match=pattern):
         fn()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_efficient_eager_reference_agrees(causal, per_head):
+    """reference.shaw_attention_gather (the benchmarks' eager baseline) equals the oracle."""
+    q, k, v = (torch.randn(2, 3, 9, 8, dtype=torch.float64) for _ in range(3))
+    shape = ((3,) if per_head else ()) + (5, 8)
+    rk, rv = torch.randn(shape, dtype=torch.float64), torch.randn(shape, dtype=torch.float64)
+    got = ref.shaw_attention_gather(q, k, v, rk, rv, 2, causal)
+    torch.testing.assert_close(got, ref.shaw_attention(q, k, v, rk, rv, 2, causal))

@@ -11,28 +11,36 @@ Run it with ``python -m relpos_ext.demo`` (``--help`` for options). It
    materialised ``[L, L, D]`` gathers of the relative tables (tensor2tensor style) and (b) with
    ``q @ EK^T`` + ``torch.gather`` for the keys and a ``scatter_add`` of the probabilities into
    buckets + ``@ EV`` for the values (the lean eager form);
-4. times :func:`relpos_ext.rel_logits` alone against (b)'s key term at a few sizes.
+4. times :func:`relpos_ext.rel_logits` alone against (b)'s key term at a few sizes;
+5. checks the fused layer :class:`relpos_ext.nn.RelativeMultiheadAttention` (core:
+   :func:`relpos_ext.rel_attention`) against
+   :class:`relpos_ext.reference.RelativeMultiheadAttentionReference` holding the same state dict,
+   output and every gradient, PASS/FAIL, and times it against the reference and against the same
+   projections around ``F.scaled_dot_product_attention`` with no relative terms (the floor).
+
+(b) is :func:`relpos_ext.reference.shaw_attention_gather`, the efficient eager form.
 
 The timings use ``torch.utils.benchmark`` with short runs: they show orders of magnitude, not
-careful numbers (``benchmarks/bench_ops.py`` is the careful benchmark).
+careful numbers (``benchmarks/bench_ops.py`` and ``benchmarks/bench_attention.py`` are the
+careful benchmarks).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 import relpos_ext
 from relpos_ext import reference as ref
-from relpos_ext.nn import ShawRelativeAttention
+from relpos_ext.nn import RelativeMultiheadAttention, ShawRelativeAttention
 
 # Layer shape checked and timed (batch, length, embed_dim, heads, max_distance).
 BATCH, LENGTH, EMBED, HEADS, MAX_DISTANCE = 2, 256, 256, 8, 16
@@ -66,25 +74,9 @@ def eager_materialised(layer: ShawRelativeAttention, x: Tensor) -> Tensor:
 
 
 def eager_gather(layer: ShawRelativeAttention, x: Tensor) -> Tensor:
-    """(b) The layer in lean eager PyTorch: nothing of size ``[L, L, D]``.
-
-    Keys: ``q @ EK^T`` then ``torch.gather`` by bucket. Values: the transpose, probabilities
-    summed into their ``2K+1`` buckets with ``scatter_add`` then ``@ EV`` (DESIGN.md §1).
-    """
+    """(b) The layer in lean eager PyTorch (:func:`relpos_ext.reference.shaw_attention_gather`): no ``[L, L, D]``."""
     q, k, v = project(layer, x)
-    length, kmax = q.shape[2], layer.max_distance
-    logits = torch.matmul(q, k.transpose(-1, -2))
-    logits = logits + ref.rel_logits_gather(q, layer.rel_k, kmax, length)
-    logits = logits * (1.0 / math.sqrt(layer.head_dim))
-    if layer.causal:
-        mask = torch.ones(length, length, dtype=torch.bool, device=x.device).triu(1)
-        logits = logits.masked_fill(mask, float("-inf"))
-    p = torch.softmax(logits, dim=-1)
-    z = torch.matmul(p, v)
-    if layer.rel_v is not None:
-        buckets = ref.shaw_buckets(length, length, kmax, device=x.device).expand_as(p)
-        w = p.new_zeros((*p.shape[:-1], 2 * kmax + 1)).scatter_add(-1, buckets, p)
-        z = z + torch.matmul(w, layer.rel_v)  # [B,H,L,2K+1] @ [(H,) 2K+1, D]
+    z = ref.shaw_attention_gather(q, k, v, layer.rel_k, layer.rel_v, layer.max_distance, layer.causal)
     return merge(layer, z)
 
 
@@ -103,20 +95,41 @@ class Check:
 
 
 def compare(
-    layer: ShawRelativeAttention, x: Tensor, other: Callable[[ShawRelativeAttention, Tensor], Tensor]
+    got_fn: Callable[[Tensor], Tensor],
+    got_module: nn.Module,
+    want_fn: Callable[[Tensor], Tensor],
+    want_module: nn.Module,
+    x: Tensor,
 ) -> list[Check]:
-    """Output and gradients (w.r.t. x and every parameter) of ``layer(x)`` vs ``other(layer, x)``."""
+    """Output and gradients (w.r.t. x and every parameter) of ``got_fn(x)`` vs ``want_fn(x)``.
+
+    Parameters are paired by name: ``got_fn`` differentiates through ``got_module``'s,
+    ``want_fn`` through ``want_module``'s (the same module for the Shaw layer's eager forms).
+    """
     x = x.detach().requires_grad_()
-    names, params = zip(*[(n, p) for n, p in layer.named_parameters()])
-    inputs = (x, *params)
-    got, want = layer(x), other(layer, x)
+    got_params = dict(got_module.named_parameters())
+    want_params = dict(want_module.named_parameters())
+    names = list(got_params)
+    got, want = got_fn(x), want_fn(x)
     g_out = torch.randn_like(want)
-    got_grads = torch.autograd.grad(got, inputs, g_out)
-    want_grads = torch.autograd.grad(want, inputs, g_out)
+    got_grads = torch.autograd.grad(got, (x, *got_params.values()), g_out)
+    want_grads = torch.autograd.grad(want, (x, *(want_params[n] for n in names)), g_out)
     checks = [Check("output", (got - want).abs().max().item(), want.abs().max().item())]
     for name, g, w in zip(("x", *names), got_grads, want_grads):
         checks.append(Check(f"d{name}", (g - w).abs().max().item(), w.abs().max().item()))
     return checks
+
+
+def report_checks(label: str, checks: list[Check], width: int) -> bool:
+    """Print one result row (output error, worst gradient error, PASS/FAIL) and any failures."""
+    worst = max(checks[1:], key=lambda c: c.err / max(1.0, c.scale))
+    ok = all(c.ok for c in checks)
+    worst_txt = f"{worst.err:.2e} ({worst.name})"
+    print(f"  {label:<{width}}{checks[0].err:>11.2e}{worst_txt:>28}  {'PASS' if ok else 'FAIL'}")
+    for c in checks:
+        if not c.ok:
+            print(f"      {c.name}: max|err| {c.err:.3e} > {TOL:g} * {max(1.0, c.scale):.3g}")
+    return ok
 
 
 def run_checks(device: torch.device) -> bool:
@@ -124,7 +137,7 @@ def run_checks(device: torch.device) -> bool:
     print(f"Correctness: ShawRelativeAttention(E={EMBED}, H={HEADS}, K={MAX_DISTANCE}) on "
           f"x [B={BATCH}, L={LENGTH}, E={EMBED}], float32, {device}")
     print(f"  PASS when max|err| <= {TOL:g} * max(1, max|reference|) for the output and every gradient\n")
-    print(f"  {'layer vs':<30}{'causal':<8}{'output err':>11}{'worst grad err':>24}  result")
+    print(f"  {'layer vs':<30}{'causal':<8}{'output err':>11}{'worst grad err':>28}  result")
     all_ok = True
     for causal in (False, True):
         torch.manual_seed(0)
@@ -132,16 +145,48 @@ def run_checks(device: torch.device) -> bool:
         x = torch.randn(BATCH, LENGTH, EMBED, device=device)
         for label, other in (("(a) reference.shaw_attention", eager_materialised),
                              ("(b) eager q@E^T + gather", eager_gather)):
-            checks = compare(layer, x, other)
-            worst = max(checks[1:], key=lambda c: c.err / max(1.0, c.scale))
-            ok = all(c.ok for c in checks)
-            all_ok &= ok
-            worst_txt = f"{worst.err:.2e} ({worst.name})"
-            print(f"  {label:<30}{str(causal):<8}{checks[0].err:>11.2e}{worst_txt:>24}  "
-                  f"{'PASS' if ok else 'FAIL'}")
-            for c in checks:
-                if not c.ok:
-                    print(f"      {c.name}: max|err| {c.err:.3e} > {TOL:g} * {max(1.0, c.scale):.3g}")
+            checks = compare(layer, layer, lambda x: other(layer, x), layer, x)
+            all_ok &= report_checks(f"{label:<30}{causal!s:<8}", checks, 38)
+    print()
+    return all_ok
+
+
+# Cases for the fused layer: (label, RelativeMultiheadAttention kwargs, forward kwargs).
+MHA_CASES = (
+    ("self-attention, shared tables", {}, {}),
+    ("causal, GQA 8q/2kv, per-head tables, key padding mask",
+     {"num_kv_heads": 2, "per_head_tables": True}, {"is_causal": True, "padding": 40}),
+)
+
+
+def mha_pair(device: torch.device, **kwargs) -> tuple[RelativeMultiheadAttention, nn.Module]:
+    """The fused layer and the reference layer holding the same state dict."""
+    torch.manual_seed(0)
+    fused = RelativeMultiheadAttention(EMBED, HEADS, MAX_DISTANCE, **kwargs).to(device)
+    reference = ref.RelativeMultiheadAttentionReference(EMBED, HEADS, MAX_DISTANCE, **kwargs)
+    reference.load_state_dict(fused.state_dict())
+    return fused, reference.to(device)
+
+
+def run_mha_checks(device: torch.device) -> bool:
+    """The fused layer vs RelativeMultiheadAttentionReference (same state dict); True if all pass."""
+    print(f"Correctness: nn.RelativeMultiheadAttention(E={EMBED}, H={HEADS}, K={MAX_DISTANCE}) "
+          "vs reference.RelativeMultiheadAttentionReference\n  with the same state dict, "
+          f"x [B={BATCH}, L={LENGTH}, E={EMBED}], float32, {device}; same PASS rule\n")
+    width = max(len(c[0]) for c in MHA_CASES) + 2
+    print(f"  {'case':<{width}}{'output err':>11}{'worst grad err':>28}  result")
+    all_ok = True
+    for label, layer_kw, call_kw in MHA_CASES:
+        fused, reference = mha_pair(device, **layer_kw)
+        x = torch.randn(BATCH, LENGTH, EMBED, device=device)
+        kw = {"is_causal": call_kw.get("is_causal", False)}
+        if call_kw.get("padding"):  # the last keys of the last batch entry are padding
+            mask = torch.zeros(BATCH, LENGTH, dtype=torch.bool, device=device)
+            mask[-1, -call_kw["padding"]:] = True
+            kw["key_padding_mask"] = mask
+        checks = compare(lambda x: fused(x, **kw)[0], fused,
+                         lambda x: reference(x, **kw)[0], reference, x)
+        all_ok &= report_checks(label, checks, width)
     print()
     return all_ok
 
@@ -211,6 +256,40 @@ def time_layer(device: torch.device, min_run_time: float) -> None:
     )
 
 
+class SdpaMultiheadAttention(RelativeMultiheadAttention):
+    """The fused layer's projections around ``F.scaled_dot_product_attention``, no relative terms.
+
+    The floor for :func:`time_mha`: what the layer would cost without relative positions.
+    """
+
+    def attend(self, q, k, v, key_padding_mask, causal, q_offset, k_offset):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+
+
+def time_mha(device: torch.device, min_run_time: float) -> None:
+    """RelativeMultiheadAttention vs its reference and vs SDPA without relative terms."""
+    fused, reference = mha_pair(device)
+    floor = SdpaMultiheadAttention(EMBED, HEADS, MAX_DISTANCE, rel_keys=False, rel_values=False)
+    floor.load_state_dict(fused.state_dict(), strict=False)  # drops rel_k, rel_v
+    floor.to(device)
+    x = torch.randn(BATCH, LENGTH, EMBED, device=device, requires_grad=True)
+    rows, base = [], None
+    for label, layer in (("nn.RelativeMultiheadAttention", fused),
+                         ("RelativeMultiheadAttentionReference", reference),
+                         ("SDPA, no relative terms (floor)", floor)):
+        fwd, both = fwd_and_bwd(lambda: layer(x)[0], (x, *layer.parameters()), min_run_time)
+        base = base or (fwd, both)
+        rows.append((label, f"{fwd:.2f}", f"{fwd / base[0]:.2f}x", f"{both:.2f}",
+                     f"{both / base[1]:.2f}x"))
+    print_table(
+        f"Timing: RelativeMultiheadAttention, B={BATCH} L={LENGTH} E={EMBED} H={HEADS} "
+        f"K={MAX_DISTANCE}, non-causal (ms, median; 'x' = time / fused layer's time)",
+        ("", "fwd ms", "x", "fwd+bwd ms", "x"),
+        rows,
+    )
+
+
 def time_rel_logits(device: torch.device, min_run_time: float) -> None:
     """``rel_logits`` alone vs eager ``q @ E^T`` + ``torch.gather`` (backward w.r.t. q, table)."""
     rows = []
@@ -259,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
 
     ok = run_checks(device)
+    ok &= run_mha_checks(device)
     if not args.no_timing:
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
         if load > 0.5 * (os.cpu_count() or 1):
@@ -266,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                   "so the timings below are noisy.\n")
         time_layer(device, args.min_run_time)
         time_rel_logits(device, args.min_run_time)
+        time_mha(device, args.min_run_time)
         if info.get("cpu_kernel_in_use") == "scalar" and device.type == "cpu":
             print("note: this build runs the portable scalar CPU kernels (no AVX2 path compiled in "
                   "or selected; see cpu_kernels above).\n")

@@ -20,6 +20,7 @@ __all__ = [
     "rel_logits",
     "rel_logits_gather",
     "shaw_attention",
+    "shaw_attention_gather",
     "RelativeMultiheadAttentionReference",
 ]
 
@@ -182,6 +183,47 @@ def shaw_attention(
     if return_lse:
         return out, lse.masked_fill(~any_visible[..., 0], float("inf"))
     return out
+
+
+def shaw_attention_gather(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    rel_k: Tensor | None,
+    rel_v: Tensor | None,
+    max_distance: int,
+    causal: bool = False,
+) -> Tensor:
+    """Shaw et al. (2018) attention in lean eager PyTorch: ``[L, L]`` tensors, never ``[L, L, D]``.
+
+    q, k, v: ``[B, H, L, D]`` (self-attention, ``Lq = Lk``); rel_k, rel_v: ``[2K+1, D]`` or
+    ``[H, 2K+1, D]``, or None to drop that term. Returns ``[B, H, L, D]``, equal to
+    :func:`shaw_attention`. The "efficient eager" baseline of the benchmarks.
+
+    Keys: ``q @ rel_k^T`` (``[B, H, L, 2K+1]``) then ``torch.gather`` by bucket. Values: the
+    transpose, ``out_i += sum_b W[i, b] rel_v[b]`` where ``W[i, b]`` is the probability mass of
+    row i in bucket b, summed with ``scatter_add`` (DESIGN.md §1). The softmax still holds the
+    ``[B, H, L, L]`` logits and probabilities, plus the ``[L, L]`` int64 bucket index.
+    """
+    length = q.shape[2]
+    q = q * q.shape[-1] ** -0.5  # scale q, not the [L, L] logits: one [L, L] temporary fewer
+    buckets = shaw_buckets(length, length, max_distance, device=q.device)  # [L, L] int64
+    logits = torch.matmul(q, k.transpose(-1, -2))
+    if rel_k is not None:
+        qe = torch.matmul(q, rel_k.transpose(-1, -2))  # [B, H, L, 2K+1]
+        # In place: the matmul's backward needs q and k, not its output; one [L, L] fewer.
+        logits += torch.gather(qe, -1, buckets.expand_as(logits))
+    if causal:
+        after = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
+        logits = logits.masked_fill(after, float("-inf"))
+    p = torch.softmax(logits, dim=-1)
+    out = torch.matmul(p, v)
+    if rel_v is not None:
+        w = p.new_zeros((*p.shape[:-1], rel_v.shape[-2]))  # [B, H, L, 2K+1]
+        w = w.scatter_add(-1, buckets.expand_as(p), p)
+        out = out + torch.matmul(w, rel_v)
+    return out
+
 
 
 def _reference_module_base():

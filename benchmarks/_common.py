@@ -1,0 +1,238 @@
+"""Pieces shared by the benchmark scripts: fresh-process measurement, timing, machine info, I/O.
+
+Every measurement runs in its own process forked from the (idle) parent, which imports torch but
+never runs a kernel: the child inherits no thread pool and no freed heap that could hide its peak.
+Peak extra memory is the growth of the resident set over one call: the child allocates its inputs,
+resets the kernel's peak-RSS counter (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0), makes
+the call and reads ``VmHWM``. That counts every page the call touched, torch tensors and a
+kernel's private scratch alike, outputs and gradients included. Where ``clear_refs`` is not
+writable it falls back to the ``ru_maxrss`` delta, a lower bound (results say which). Linux only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import datetime as _dt
+import json
+import logging
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# torch.utils.benchmark imports cpp_extension, which warns about CUDA_HOME on CPU-only machines.
+logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+import torch.utils.benchmark as tbench  # noqa: E402
+
+import relpos_ext  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MiB, GiB = 2.0**20, 2.0**30
+
+
+# --------------------------------------------------------------------------- /proc and the heap
+def _proc_kib(path: str, key: str) -> int:
+    with open(path) as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS; False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes(resettable: bool) -> int:
+    """Peak RSS since the last :func:`reset_peak_rss` (or since start when not resettable)."""
+    if resettable:
+        return _proc_kib("/proc/self/status", "VmHWM") * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def trim_heap() -> None:
+    """Give freed heap pages back to the OS (glibc ``malloc_trim``), so a warm-up call's freed
+    memory cannot be reused unseen by the measured call. A no-op where glibc is absent."""
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
+
+
+def check_platform(script: str) -> None:
+    if not hasattr(os, "fork") or not os.path.exists("/proc/self/status"):
+        sys.exit(f"{script} measures memory through /proc and fork(): run it on Linux")
+
+
+# --------------------------------------------------------------------------- measuring
+def measure_call(run: Callable[[], Any], args: argparse.Namespace, trim: bool = False) -> dict:
+    """Peak extra memory of one ``run()``, then its median time; call in a fresh child.
+
+    ``run`` must already be warmed up (lazy state loaded). With ``trim`` the freed heap is given
+    back first (needed when the warm-up ran at the measured size, e.g. to compile). A first call
+    slower than ``args.slow_s`` is timed by at most ``args.slow_reps`` further single calls, fewer
+    where they would take more than ``args.rep_budget_s`` (at least one); faster calls by
+    ``blocked_autorange(min_run_time=args.min_run_time)``.
+    """
+    if trim:
+        trim_heap()
+    resettable = reset_peak_rss()
+    base = peak_rss_bytes(resettable)
+    t0 = time.perf_counter()
+    out = run()
+    first_s = time.perf_counter() - t0
+    peak = peak_rss_bytes(resettable)
+    del out
+
+    if first_s >= args.slow_s:
+        # A few single calls, timed directly: the call above was the warm-up, and Timer.timeit
+        # adds two warm-up calls per sample and blocked_autorange a block-size probe.
+        reps = args.slow_reps
+        if reps * first_s > args.rep_budget_s:
+            reps = max(1, int(args.rep_budget_s // first_s))
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+    else:
+        timer = tbench.Timer(stmt="run()", globals={"run": run}, num_threads=args.threads)
+        times = list(timer.blocked_autorange(min_run_time=args.min_run_time).times)
+    return {
+        "time_ms": statistics.median(times) * 1e3,
+        "min_ms": min(times) * 1e3,
+        "times_ms": [t * 1e3 for t in times],
+        "first_call_ms": first_s * 1e3,
+        "peak_extra_bytes": max(peak - base, 0),
+        "memory_method": "VmHWM after clear_refs" if resettable else "ru_maxrss delta (lower bound)",
+    }
+
+
+def in_child(fn: Callable[..., dict], *fn_args: Any) -> dict:
+    """Run ``fn(*fn_args)`` in a forked child and return its (JSON) result or an error record.
+
+    The parent only imports torch and never runs a kernel, so the child starts with no thread
+    pool to inherit and with nothing freed in its heap that could hide its peak.
+    """
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(rfd)
+        try:
+            res = fn(*fn_args)
+        except BaseException as e:  # report, never fall back into the parent's code
+            res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        with os.fdopen(wfd, "w") as w:
+            json.dump(res, w)
+        os._exit(0)
+    os.close(wfd)
+    with os.fdopen(rfd) as r:
+        data = r.read()
+    _, status = os.waitpid(pid, 0)
+    if data:
+        return json.loads(data)
+    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+    why = f"killed by signal {sig}" + (" (out of memory?)" if sig == 9 else "") if sig else "no result"
+    return {"error": why}
+
+
+def error_cell(res: dict, width: int = 60) -> str:
+    """The first line of a child's error, for a table cell."""
+    return "error: " + res["error"].splitlines()[0][:width]
+
+
+# --------------------------------------------------------------------------- the machine
+def machine_info(threads: int) -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        mem_gib = _proc_kib("/proc/meminfo", "MemTotal") / 2**20
+    except (OSError, KeyError):
+        mem_gib = None
+    return {
+        "cpu": cpu,
+        "load_average_at_start": os.getloadavg(),
+        "logical_cpus": os.cpu_count(),
+        "threads": threads,
+        "mem_total_gib": mem_gib,
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+    }
+
+
+def print_environment(threads: int) -> tuple[dict, dict]:
+    """Print the build, the machine and a load warning; returns ``(build_info, machine_info)``."""
+    info = relpos_ext.build_info()
+    print(f"relpos_ext {info['version']}  torch {torch.__version__}  build_info={info}")
+    mach = machine_info(threads)
+    print(f"machine: {mach['cpu']}, {mach['logical_cpus']} logical CPUs, "
+          f"torch threads={threads}, {mach['mem_total_gib'] or 0:.0f} GiB RAM")
+    load1 = mach["load_average_at_start"][0]
+    if load1 > 0.5 * (os.cpu_count() or 1):
+        print(f"warning: load average {load1:.1f} on {os.cpu_count()} CPUs: other work is running, "
+              "timings will be noisy and slow")
+    return info, mach
+
+
+# --------------------------------------------------------------------------- CLI and output
+def add_common_args(
+    p: argparse.ArgumentParser, default_out: Path, rep_budget_s: float = float("inf")
+) -> None:
+    """The options every benchmark takes: output, plotting, threads, timing, verbosity."""
+    p.add_argument("--out", type=Path, default=default_out,
+                   help="JSON path; the PNG goes beside it with a .png suffix")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    p.add_argument("--min-run-time", type=float, default=1.0,
+                   help="blocked_autorange min_run_time in seconds for fast cases")
+    p.add_argument("--slow-s", type=float, default=0.5,
+                   help="a first call slower than this is timed by --slow-reps single calls")
+    p.add_argument("--slow-reps", type=int, default=2)
+    p.add_argument("--rep-budget-s", type=float, default=rep_budget_s,
+                   help="time at most this many seconds of --slow-reps after the first call "
+                        f"(at least one rep; default {rep_budget_s:g})")
+    p.add_argument("-v", "--verbose", action="store_true", help="print each measurement as it ends")
+
+
+def timestamp() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def write_json(doc: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+def loglog_axes(ax: Any, lengths: list[int], title: str) -> None:
+    """Time-vs-L axes: log2 x with the measured lengths as ticks, log y, grid, legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.minorticks_off()
+    ax.set_yscale("log")
+    ax.set_xlabel("L (= Lq = Lk)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
