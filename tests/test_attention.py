@@ -87,8 +87,6 @@ def _call(backend, tensors, kw):
 @pytest.mark.parametrize("name", list(CASES))
 def test_rel_attention_forward(backend, dtype, name):
     _attention_backend(backend)
-    if dtype == torch.float64 and backend.name == "cpu-avx2":
-        pytest.skip("float64 always takes the scalar path")
     tensors, kw = make_inputs(CASES[name], dtype)
     out, lse = _call(backend, tensors, kw)
     exp_out, exp_lse = ref.shaw_attention(*(_f64(x) for x in tensors), **kw, return_lse=True)
@@ -103,8 +101,6 @@ def test_rel_attention_forward(backend, dtype, name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_rel_attention_backward(backend, dtype, name):
     _attention_backend(backend)
-    if dtype == torch.float64 and backend.name == "cpu-avx2":
-        pytest.skip("float64 always takes the scalar path")
     tensors, kw = make_inputs(CASES[name], dtype)
     t64 = [_f64(x) for x in tensors]
     exp_out = ref.shaw_attention(*t64, **kw)

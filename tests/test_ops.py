@@ -11,12 +11,6 @@ from conftest import assert_close
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
-def dtype_for(backend, dtype):
-    if dtype == torch.float64 and backend.name == "cpu-avx2":
-        pytest.skip("float64 always takes the scalar path")
-    return dtype
-
-
 def randn(*shape, dtype, noncontig=False):
     """Random tensor; with noncontig, a transposed view of the same values (not contiguous)."""
     if not noncontig or len(shape) < 2:
@@ -43,7 +37,6 @@ GATHER_CASES = [
 @pytest.mark.parametrize("case", GATHER_CASES)
 @pytest.mark.parametrize("noncontig", [False, True])
 def test_rel_gather(backend, dtype, case, noncontig):
-    dtype = dtype_for(backend, dtype)
     heads, lq, lk, d, k, qo, ko = case
     shape = (2 * k + 1, d) if heads is None else (heads, 2 * k + 1, d)
     table = randn(*shape, dtype=dtype, noncontig=noncontig)
@@ -56,7 +49,6 @@ def test_rel_gather(backend, dtype, case, noncontig):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", GATHER_CASES)
 def test_rel_gather_backward(backend, dtype, case):
-    dtype = dtype_for(backend, dtype)
     heads, lq, lk, d, k, qo, ko = case
     shape = (2 * k + 1, d) if heads is None else (heads, 2 * k + 1, d)
     table = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
@@ -88,7 +80,6 @@ CAUSAL_CASES = [((2,), 5), ((), 1), ((2, 2), 8), ((1,), 0)]
 @pytest.mark.parametrize("case", SKEW_CASES)
 @pytest.mark.parametrize("noncontig", [False, True])
 def test_skew_matches_tensor2tensor_bitwise(backend, dtype, case, noncontig):
-    dtype = dtype_for(backend, dtype)
     lead, lq, lk = case
     x = randn(*lead, lq, lq + lk - 1, dtype=dtype, noncontig=noncontig)
     out = backend.op("skew")(backend.tensor(x), False)
@@ -100,7 +91,6 @@ def test_skew_matches_tensor2tensor_bitwise(backend, dtype, case, noncontig):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CAUSAL_CASES)
 def test_skew_causal(backend, dtype, case):
-    dtype = dtype_for(backend, dtype)
     lead, length = case
     x = randn(*lead, length, length, dtype=dtype)
     out = backend.op("skew")(backend.tensor(x), True).cpu()
@@ -114,7 +104,6 @@ def test_skew_causal(backend, dtype, case):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_skew_backward_is_the_adjoint(backend, dtype, causal):
-    dtype = dtype_for(backend, dtype)
     lq, lk = (6, 6) if causal else (5, 8)
     width = lk if causal else lq + lk - 1
     x = torch.randn(2, 3, lq, width, dtype=torch.float64, requires_grad=True)
@@ -153,7 +142,6 @@ def _logits_inputs(case, dtype, noncontig=False):
 @pytest.mark.parametrize("case", LOGITS_CASES)
 @pytest.mark.parametrize("noncontig", [False, True])
 def test_rel_logits(backend, dtype, case, noncontig):
-    dtype = dtype_for(backend, dtype)
     q, table, k, lk, qo, ko = _logits_inputs(case, dtype, noncontig)
     out = backend.op("rel_logits")(backend.tensor(q), backend.tensor(table), k, lk, qo, ko)
     expected = ref.rel_logits(q.double(), table.double(), k, lk, qo, ko)
@@ -164,7 +152,6 @@ def test_rel_logits(backend, dtype, case, noncontig):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", LOGITS_CASES)
 def test_rel_logits_backward(backend, dtype, case):
-    dtype = dtype_for(backend, dtype)
     q, table, k, lk, qo, ko = _logits_inputs(case, dtype)
     q64 = q.double().requires_grad_()
     t64 = table.double().requires_grad_()
