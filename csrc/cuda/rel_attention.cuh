@@ -199,6 +199,29 @@ RELPOS_DEVICE void chunk_accumulate_band(A (&acc_row)[Tl::kChunks * Tl::kCPC], i
   }
 }
 
+// The band part for all owned rows of a warp (rows i_first .. i_first + kRows - 1): each row's
+// inner keys within the key tile [j0, j0 + nk) read the staged band along the skew. Shared by the
+// forward (probabilities x rel_v band) and the dq kernel (dS x rel_k band).
+template <typename Tl, typename A>
+RELPOS_DEVICE void accumulate_inner_band(A (&acc)[Tl::kRows][Tl::kChunks * Tl::kCPC], int ch,
+                                         const A* w, const A* band_smem,
+                                         const RelAttentionParams& p, int64_t i_first, int64_t j0,
+                                         int64_t nk, const BucketSpan& band, int lane) {
+  const int64_t K = p.max_distance;
+  RELPOS_UNROLL
+  for (int rr = 0; rr < Tl::kRows; ++rr) {
+    const int64_t i = i_first + rr;
+    const KeySpan in = inner_keys(i, p.k_len, K, p.q_offset, p.k_offset);
+    const int64_t jb = in.begin > j0 ? in.begin : j0;
+    const int64_t je = in.end < j0 + nk ? in.end : j0 + nk;
+    if (jb >= je) continue;
+    // band row of key j0 if it were inner (unclamped bucket r + K); inner keys follow it
+    const int first = static_cast<int>(rel_distance(i, j0, p.q_offset, p.k_offset) + K - band.begin);
+    chunk_accumulate_band<Tl>(acc[rr], ch, w + rr * Tl::kLdP, band_smem,
+                              static_cast<int>(jb - j0), static_cast<int>(je - j0), first, lane);
+  }
+}
+
 // ---- forward ------------------------------------------------------------------------------------
 // Grid: batch * heads * ceil(q_len / kOwn) blocks of kThreads. Shared memory (dynamic, elements of
 // the accumulation type): sQ [kOwn][kD] | sKV [32][kLd] a chunk of K, then of V | sE [kBand][kLd] a
@@ -329,20 +352,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
       __syncthreads();
       chunk_accumulate<Tl>(acc, ch, my_p, sKV, nk, lane);
       if (v_band) {
-        RELPOS_UNROLL
-        for (int rr = 0; rr < R; ++rr) {
-          const int64_t i = i0 + warp * R + rr;
-          const KeySpan in = inner_keys(i, p.k_len, K, p.q_offset, p.k_offset);
-          const int64_t jb = in.begin > j0 ? in.begin : j0;
-          const int64_t je = in.end < j0 + nk ? in.end : j0 + nk;
-          if (jb >= je) continue;
-          // band row of key j0 if it were inner (unclamped bucket r + K); inner keys follow it
-          const int first = static_cast<int>(
-              rel_distance(i, j0, p.q_offset, p.k_offset) + K - band.begin);
-          chunk_accumulate_band<Tl>(acc[rr], ch, my_p + rr * Tl::kLdP, sE,
-                                    static_cast<int>(jb - j0), static_cast<int>(je - j0), first,
-                                    lane);
-        }
+        accumulate_inner_band<Tl>(acc, ch, my_p, sE, p, i0 + warp * R, j0, nk, band, lane);
       }
     }
   }
@@ -573,19 +583,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
       }
       chunk_accumulate<Tl>(acc, ch, my_ds, sK, nk, lane);
       if (k_band) {
-        RELPOS_UNROLL
-        for (int rr = 0; rr < R; ++rr) {
-          const int64_t i = i0 + warp * R + rr;
-          const KeySpan in = inner_keys(i, p.k_len, K, p.q_offset, p.k_offset);
-          const int64_t jb = in.begin > j0 ? in.begin : j0;
-          const int64_t je = in.end < j0 + nk ? in.end : j0 + nk;
-          if (jb >= je) continue;
-          const int first = static_cast<int>(
-              rel_distance(i, j0, p.q_offset, p.k_offset) + K - band.begin);
-          chunk_accumulate_band<Tl>(acc[rr], ch, my_ds + rr * Tl::kLdP, sEk,
-                                    static_cast<int>(jb - j0), static_cast<int>(je - j0), first,
-                                    lane);
-        }
+        accumulate_inner_band<Tl>(acc, ch, my_ds, sEk, p, i0 + warp * R, j0, nk, band, lane);
       }
     }
   }
