@@ -368,20 +368,18 @@ def _rel_attention_backward_fake(grad_out, q, k, v, rel_k, rel_v, out, lse, max_
 def _rel_attention_setup(ctx, inputs, output) -> None:
     q, k, v, rel_k, rel_v, ctx.max_distance, ctx.causal, ctx.scale, ctx.q_offset, ctx.k_offset, mask = inputs
     out, lse = output
-    ctx.has_rel = (rel_k is not None, rel_v is not None, mask is not None)
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, rel_k, rel_v, out, lse, mask)
 
 
 def _rel_attention_bwd(ctx, grad_out: Tensor, _grad_lse: Tensor | None):
+    # saved_tensors gives back None for the absent tables / mask
     q, k, v, rel_k, rel_v, out, lse, mask = ctx.saved_tensors
-    has_k, has_v, has_mask = ctx.has_rel
     dq, dk, dv, drk, drv = torch.ops.relpos.rel_attention_backward.default(
-        grad_out.contiguous(), q, k, v, rel_k if has_k else None, rel_v if has_v else None,
-        out, lse, ctx.max_distance, ctx.causal, ctx.scale, ctx.q_offset, ctx.k_offset,
-        mask if has_mask else None,
+        grad_out.contiguous(), q, k, v, rel_k, rel_v, out, lse, ctx.max_distance, ctx.causal,
+        ctx.scale, ctx.q_offset, ctx.k_offset, mask,
     )
-    return (dq, dk, dv, drk if has_k else None, drv if has_v else None,
+    return (dq, dk, dv, drk if rel_k is not None else None, drv if rel_v is not None else None,
             None, None, None, None, None, None)
 
 
