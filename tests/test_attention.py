@@ -122,6 +122,37 @@ def test_rel_attention_backward(backend, dtype, name):
         assert_close(got, next(expected), dtype, scale=8 * (x.shape[-2] ** 0.5))
 
 
+# (bfloat16 stops at 30: at 1000 its rounding of `out`, which the backward reads, times q's size
+# swamps the gradients of the reference too)
+@pytest.mark.parametrize("dtype, sharpness", [(torch.float32, 30.0), (torch.float32, 1000.0),
+                                              (torch.bfloat16, 30.0)])
+def test_rel_attention_sharp_logits(backend, dtype, sharpness):
+    """Logits of magnitude ~sharpness (peaked softmax, far-underflowing exponentials, running
+    maxima that jump between key tiles) over several query and key tiles, forward and backward."""
+    _attention_backend(backend)
+    tensors, kw = make_inputs(CASES["tiles_causal_padding"], torch.float64)
+    q = tensors[0] * (sharpness / tensors[0].shape[-1] ** 0.5)
+    tensors = (q.to(dtype), *(None if x is None else x.to(dtype) for x in tensors[1:]))
+    t64 = [_f64(x) for x in tensors]
+    exp_out, exp_lse = ref.shaw_attention(*t64, **kw, return_lse=True)
+    out, lse = _call(backend, tensors, kw)
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    assert_close(out, exp_out, dtype, scale=4)
+    assert_close(lse, exp_lse.float(), torch.float32, scale=4 * sharpness)
+    grad = torch.randn(exp_out.shape, dtype=torch.float64).to(dtype)
+    expected = torch.autograd.grad(exp_out, [x for x in t64 if x is not None], grad.double())
+    q, k, v, rk, rv = (backend.tensor(x.detach()) for x in tensors)
+    mask = backend.tensor(kw["key_padding_mask"])
+    grads = backend.op("rel_attention_backward")(
+        backend.tensor(grad), q, k, v, rk, rv, out, lse, kw["max_distance"],
+        kw["causal"], None, kw["q_offset"], kw["k_offset"], mask,
+    )
+    for got, want in zip(grads, expected):
+        assert torch.isfinite(got).all()
+        # rounding errors of the logits grow with their magnitude
+        assert_close(got, want, dtype, scale=8 * sharpness**0.5)
+
+
 def test_gradcheck_rel_attention():
     for name in ("basic", "causal", "padding", "gqa", "fully_masked_rows", "only_rel_v"):
         tensors, kw = make_inputs(CASES[name], torch.float64, requires_grad=True)

@@ -9,6 +9,9 @@
 // parts are running sums per row; the inside is a band of at most BQ + Lk - 1 buckets per query
 // tile, handled with small matmuls: QE = Q @ rel_k[band]^T (key term, added along the skew) and
 // W = the probability mass per bucket (value term, W @ rel_v[band] at the end).
+// Logits are kept in base 2: the query tile is multiplied by scale * log2(e) before S = Q K^T and
+// QE = Q rel_k^T, so the softmax needs no per-logit scaling and its exponential is exp2, whose
+// range reduction is one rounding (exp2_256). The log-sum-exp the op returns is in base e.
 // This file is compiled with -mavx2 -mfma -mf16c and includes no torch headers (kernels.h).
 #include <immintrin.h>
 
@@ -28,6 +31,8 @@ namespace {
 constexpr int64_t BQ = kAttentionTileQ;  // query rows per tile
 constexpr int64_t BK = kAttentionTileK;  // keys per tile
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2 = 0.693147180559945309f;
 
 // ------------------------------------------------------------------------------ conversions
 int64_t elem_bytes(DType d) { return d == DType::Float32 ? 4 : 2; }
@@ -95,27 +100,23 @@ void transpose(const float* src, int64_t lds, int64_t rows, int64_t cols, float*
 }
 
 // ------------------------------------------------------------------------------ math
-// exp for float32 lanes (Cephes expf range reduction and polynomial, ~1 ulp on [-87, 88]);
-// inputs below -87.3 (including -inf, the masked logits) give exactly 0.
-inline __m256 exp256(__m256 x) {
-  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
-  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
-  x = _mm256_max_ps(x, _mm256_set1_ps(-88.0f));
-  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  const __m256 z = _mm256_mul_ps(x, x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, z, x);
-  y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
-  const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(n)));
+// 2^x for float32 lanes: x = n + f with n = round(x), |f| <= 1/2; 2^f by a degree-5 polynomial
+// (coefficients fitted for relative error on [-1/2, 1/2]: at most 2.4e-7, about 2 ulp, in float32
+// arithmetic), 2^n added to its exponent bits. Inputs below -125 (including -inf, the masked
+// logits) give exactly 0; inputs are capped at 127.
+inline __m256 exp2_256(__m256 x) {
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-125.f), _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-125.f)), _mm256_set1_ps(127.f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);
+  __m256 y = _mm256_set1_ps(1.327647129073739e-3f);
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(9.675541892647743e-3f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(5.550713092088699e-2f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(2.4022120237350464e-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(6.931469440460205e-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.0000001192092896f));
+  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);  // y in [0.70, 1.42]: no wrap
+  return _mm256_andnot_ps(underflow, _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y), e)));
 }
 
 inline __m256i tail_mask(int64_t n) {  // lanes [0, n) of 8 enabled
@@ -157,6 +158,13 @@ void scale_row(float alpha, float* y, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(a, _mm256_loadu_ps(y + i)));
   for (; i < n; ++i) y[i] *= alpha;
+}
+
+void scale_copy(const float* x, float alpha, float* y, int64_t n) {  // y = alpha x
+  const __m256 a = _mm256_set1_ps(alpha);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(a, _mm256_loadu_ps(x + i)));
+  for (; i < n; ++i) y[i] = alpha * x[i];
 }
 
 float sum_row(const float* x, int64_t n) {
@@ -352,13 +360,12 @@ RowSplit split_row(const RelAttentionParams& p, int64_t i, int64_t j0, int64_t n
   return s;
 }
 
-// Scale a row of logits for query i over keys [j0, j0 + nk) and mask it: keys after the causal
-// limit (k_offset + j > q_offset + i) and padded keys become -inf.
-void scale_and_mask(const RelAttentionParams& p, const Head& hd, int64_t i, int64_t j0, int64_t nk,
-                    float scale, float* sr) {
+// Mask a row of logits for query i over keys [j0, j0 + nk): keys after the causal limit
+// (k_offset + j > q_offset + i) and padded keys become -inf.
+void mask_logits(const RelAttentionParams& p, const Head& hd, int64_t i, int64_t j0, int64_t nk,
+                 float* sr) {
   int64_t vis = nk;
   if (p.causal) vis = iclamp(p.q_offset + i - p.k_offset + 1 - j0, 0, nk);
-  scale_row(scale, sr, vis);
   fill_f32(sr + vis, kNegInf, nk - vis);
   if (hd.pad != nullptr) {
     for (int64_t j = 0; j < vis; ++j) {
@@ -379,14 +386,14 @@ float max_row(const float* x, int64_t n) {
   return m;
 }
 
-// x[j] = exp(x[j] - shift) over a row (masked -inf entries give 0).
+// x[j] = 2^(x[j] - shift) over a row (masked -inf entries give 0).
 void exp_row(float* x, int64_t n, float shift) {
   const __m256 vs = _mm256_set1_ps(shift);
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(x + j), vs)));
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, exp2_256(_mm256_sub_ps(_mm256_loadu_ps(x + j), vs)));
   if (j < n) {
     const __m256i mk = tail_mask(n - j);
-    _mm256_maskstore_ps(x + j, mk, exp256(_mm256_sub_ps(_mm256_maskload_ps(x + j, mk), vs)));
+    _mm256_maskstore_ps(x + j, mk, exp2_256(_mm256_sub_ps(_mm256_maskload_ps(x + j, mk), vs)));
   }
 }
 
@@ -413,14 +420,14 @@ inline int64_t visible_keys(const RelAttentionParams& p, int64_t i, int64_t j0, 
   return p.causal ? iclamp(p.q_offset + i - p.k_offset + 1 - j0, 0, nk) : nk;
 }
 
-// Forward: sr = (sr + c) * scale (masked lanes -inf); returns the row maximum.
-inline float logits_row_uniform(float* sr, int64_t nk, int64_t vis, float c, float scale) {
-  const __m256 vc = _mm256_set1_ps(c), vsc = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(kNegInf);
+// Forward: sr = sr + c (masked lanes -inf); returns the row maximum.
+inline float logits_row_uniform(float* sr, int64_t nk, int64_t vis, float c) {
+  const __m256 vc = _mm256_set1_ps(c), ninf = _mm256_set1_ps(kNegInf);
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 mx = ninf;
   for (int64_t j = 0; j < nk; j += 8) {
     const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(vis - j)), idx));
-    const __m256 x = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(sr + j), vc), vsc), keep);
+    const __m256 x = _mm256_blendv_ps(ninf, _mm256_add_ps(_mm256_loadu_ps(sr + j), vc), keep);
     _mm256_storeu_ps(sr + j, x);
     mx = _mm256_max_ps(mx, x);
   }
@@ -430,32 +437,32 @@ inline float logits_row_uniform(float* sr, int64_t nk, int64_t vis, float c, flo
   return _mm_cvtss_f32(h);
 }
 
-// Forward: sr = exp(sr - shift) over whole 8-lane chunks (masked lanes hold -inf: 0); returns
+// Forward: sr = 2^(sr - shift) over whole 8-lane chunks (masked lanes hold -inf: 0); returns
 // the sum of the first nk entries (the lanes past nk are -inf or garbage only where j >= vis,
 // which logits_row_uniform set to -inf, so the sum over whole chunks is the row sum).
 inline float exp_sum_row(float* sr, int64_t nk, float shift) {
   const __m256 vs = _mm256_set1_ps(shift);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t j = 0; j < nk; j += 8) {
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + j), vs));
+    const __m256 e = exp2_256(_mm256_sub_ps(_mm256_loadu_ps(sr + j), vs));
     _mm256_storeu_ps(sr + j, e);
     acc = _mm256_add_ps(acc, e);
   }
   return hsum(acc);
 }
 
-// Backward: P = exp((s + ck) * scale - lse), dS = scale P (dp + cv - di) in one pass, masked
-// lanes 0; adds the row sums of P and dS to psum / dssum.
+// Backward (base-2 logits s, ck and lse2): P = 2^(s + ck - lse2), dS = scale P (dp + cv - di) in
+// one pass, masked lanes 0; adds the row sums of P and dS to psum / dssum.
 inline void grad_row_uniform(float* sr, float* dpr, int64_t nk, int64_t vis, float ck, float cv,
-                             float scale, float lse, float di, float& psum, float& dssum) {
-  const __m256 vck = _mm256_set1_ps(ck), vsc = _mm256_set1_ps(scale), vl = _mm256_set1_ps(lse);
+                             float scale, float lse2, float di, float& psum, float& dssum) {
+  const __m256 vck = _mm256_set1_ps(ck - lse2), vsc = _mm256_set1_ps(scale);
   const __m256 vcd = _mm256_set1_ps(cv - di), ninf = _mm256_set1_ps(kNegInf);
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 ps = _mm256_setzero_ps(), ds = _mm256_setzero_ps();
   for (int64_t j = 0; j < nk; j += 8) {
     const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(vis - j)), idx));
-    const __m256 x = _mm256_fmsub_ps(_mm256_add_ps(_mm256_loadu_ps(sr + j), vck), vsc, vl);
-    const __m256 pj = exp256(_mm256_blendv_ps(ninf, x, keep));
+    const __m256 x = _mm256_add_ps(_mm256_loadu_ps(sr + j), vck);
+    const __m256 pj = exp2_256(_mm256_blendv_ps(ninf, x, keep));
     const __m256 g = _mm256_and_ps(keep, _mm256_mul_ps(vsc, _mm256_mul_ps(pj, _mm256_add_ps(_mm256_loadu_ps(dpr + j), vcd))));
     _mm256_storeu_ps(sr + j, pj);
     _mm256_storeu_ps(dpr + j, g);
@@ -535,9 +542,10 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
   const int64_t max_band = imin(imax(2 * K - 1, 0), BQ + p.k_len);
   const int64_t n_ktiles = (p.k_len + BK - 1) / BK;
   const bool f32 = p.dtype == DType::Float32;
-  const float scale = static_cast<float>(p.scale);
+  const float scale2 = static_cast<float>(p.scale) * kLog2e;  // logits in base 2
   Buffers buf;
   float* qf = buf.take(BQ * D);
+  float* qs = buf.take(BQ * D);
   float* kt_all = buf.take(n_ktiles * D * BK);
   float* v_all = f32 ? nullptr : buf.take(n_ktiles * BK * D);
   float* tmp = buf.take(BK * D);
@@ -564,18 +572,19 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
     const int64_t qt = item % q_tiles, h = (item / q_tiles) % p.heads, b = item / (q_tiles * p.heads);
     const int64_t i0 = qt * BQ, mq = imin(BQ, p.q_len - i0);
     const Head hd = head_of(p, b, h);
-    const float* qp = float_rows(p.dtype, hd.q + i0 * D * es, mq, D, qf);
+    // qs = Q * scale * log2(e): S, QE and so the logits come out scaled, in base 2
+    scale_copy(float_rows(p.dtype, hd.q + i0 * D * es, mq, D, qf), scale2, qs, mq * D);
     const Band band = band_of(p, i0, mq);
     if (hd.rel_k) {  // QE = Q @ rel_k[band]^T, and the two clamped buckets per row
       load_row(p.dtype, hd.rel_k, ek0, D);
       load_row(p.dtype, hd.rel_k + (rows_tab - 1) * D * es, ek1, D);
       for (int64_t r = 0; r < mq; ++r) {
-        qe_lo[r] = dot(qp + r * D, ek0, D);
-        qe_hi[r] = dot(qp + r * D, ek1, D);
+        qe_lo[r] = dot(qs + r * D, ek0, D);
+        qe_hi[r] = dot(qs + r * D, ek1, D);
       }
       if (band.n > 0) {
         load_band(p.dtype, hd.rel_k, D, band, band_k, band_kt);
-        gemm0(mq, band.n, D, qp, D, band_kt, band.n, qe, band.n);
+        gemm0(mq, band.n, D, qs, D, band_kt, band.n, qe, band.n);
       }
     }
     fill_f32(m, kNegInf, BQ);
@@ -599,7 +608,7 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
     }
     for (int64_t t = 0; t < kt_end; ++t) {
       const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0);
-      gemm0(mq, nk, D, qp, D, kt_all + t * D * BK, BK, s, BK);  // S = Q K^T
+      gemm0(mq, nk, D, qs, D, kt_all + t * D * BK, BK, s, BK);  // S = Q K^T (scaled, base 2)
       for (int64_t r = 0; r < mq; ++r) {
         const int64_t i = i0 + r;
         float* sr = s + r * BK;
@@ -609,17 +618,18 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
         float mt;
         if (uni) {
           const float c = hd.rel_k ? (lo_side ? qe_lo[r] : qe_hi[r]) : 0.f;
-          mt = fmax_(m[r], logits_row_uniform(sr, nk, visible_keys(p, i, j0, nk), c, scale));
+          mt = fmax_(m[r], logits_row_uniform(sr, nk, visible_keys(p, i, j0, nk), c));
         } else {
           if (hd.rel_k) add_rel_logits(sr, j0, nk, sp, qe_lo[r], qe_hi[r], qe + r * band.n);
-          scale_and_mask(p, hd, i, j0, nk, scale, sr);
+          mask_logits(p, hd, i, j0, nk, sr);
           mt = fmax_(m[r], max_row(sr, nk));
         }
         if (mt == kNegInf) {  // nothing visible yet in this row
           fill_f32(sr, 0.f, nk);
           continue;
         }
-        const float alpha = m[r] == kNegInf ? 0.f : std::exp(m[r] - mt);
+        // the running max of a row changes in few of its key tiles: skip exp2(0) in the others
+        const float alpha = m[r] == mt ? 1.f : (m[r] == kNegInf ? 0.f : std::exp2(m[r] - mt));
         float rs;
         if (uni) {
           rs = exp_sum_row(sr, nk, mt);
@@ -657,7 +667,7 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
           const int64_t c0 = imax(t * BK - base, 0);
           const int64_t c1 = imin((t + 1) * BK - base, band.n);
           const float mt = mref[r * n_ktiles + t];
-          scale_row(mt == kNegInf ? 0.f : std::exp(mt - m[r]), wr + c0, c1 - c0);
+          scale_row(mt == kNegInf ? 0.f : std::exp2(mt - m[r]), wr + c0, c1 - c0);
         }
       }
       if (band.n > 0) {
@@ -680,7 +690,7 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
       } else {
         const float inv = 1.f / l[r];
         for (int64_t d = 0; d < D; ++d) row[d] = acc[r * D + d] * inv;
-        lse[r] = m[r] + std::log(l[r]);
+        lse[r] = m[r] * kLn2 + std::log(l[r]);  // m is in base 2
       }
       store_row(p.dtype, row, out + r * D * es, D);
     }
@@ -702,7 +712,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
   const int64_t chunk_tiles = (chunk_keys + BK - 1) / BK;
   const int64_t max_band = imin(imax(2 * K - 1, 0), BQ + chunk_keys);
   const bool f32 = p.dtype == DType::Float32;
-  const float scale = static_cast<float>(p.scale);
+  const float scale = static_cast<float>(p.scale), scale2 = scale * kLog2e;
   Buffers buf;
   float* dk_acc = buf.take(chunk_keys * D);
   float* dv_acc = buf.take(chunk_keys * D);
@@ -711,6 +721,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
   float* k_rows = f32 ? nullptr : buf.take(chunk_tiles * BK * D);
   float* tmp = buf.take(BK * D);
   float* qf = buf.take(BQ * D);
+  float* qs = buf.take(BQ * D);
   float* dof = buf.take(BQ * D);
   float* of = buf.take(BQ * D);
   float* dq = buf.take(BQ * D);
@@ -779,19 +790,21 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
         const float* qp = float_rows(p.dtype, hd.q + i0 * D * es, mq, D, qf);
         const float* dop = float_rows(p.dtype, static_cast<const char*>(bp.grad_out) + row0 * D * es, mq, D, dof);
         const float* op = float_rows(p.dtype, static_cast<const char*>(p.out) + row0 * D * es, mq, D, of);
+        // as in the forward, S and QE come from qs = Q * scale * log2(e): logits in base 2
+        scale_copy(qp, scale2, qs, mq * D);
         for (int64_t r = 0; r < mq; ++r) {
-          lse[r] = static_cast<const float*>(p.lse)[row0 + r];
+          lse[r] = static_cast<const float*>(p.lse)[row0 + r] * kLog2e;  // base 2
           di[r] = dot(dop + r * D, op + r * D, D);
         }
         const Band band = band_of(p, i0, mq, kb, ke);
         if (hd.rel_k) {
           for (int64_t r = 0; r < mq; ++r) {
-            qe_lo[r] = dot(qp + r * D, ek0, D);
-            qe_hi[r] = dot(qp + r * D, ek1, D);
+            qe_lo[r] = dot(qs + r * D, ek0, D);
+            qe_hi[r] = dot(qs + r * D, ek1, D);
           }
           if (band.n > 0) {
             load_band(p.dtype, hd.rel_k, D, band, band_k, band_kt);
-            gemm0(mq, band.n, D, qp, D, band_kt, band.n, qe, band.n);
+            gemm0(mq, band.n, D, qs, D, band_kt, band.n, qe, band.n);
           }
           fill_f32(wds, 0.f, mq * band.n);
           fill_f32(ds_lo, 0.f, BQ);
@@ -813,7 +826,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
         fill_f32(dq, 0.f, mq * D);
         for (int64_t t = tile0; t < t_end; ++t) {
           const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0), tl = t - tile0;
-          gemm0(mq, nk, D, qp, D, kt_all + tl * D * BK, BK, s, BK);    // S = Q K^T
+          gemm0(mq, nk, D, qs, D, kt_all + tl * D * BK, BK, s, BK);    // S = Q K^T (base 2)
           gemm0(mq, nk, D, dop, D, vt_all + tl * D * BK, BK, dp, BK);  // dP = dO V^T
           for (int64_t r = 0; r < mq; ++r) {
             const int64_t i = i0 + r;
@@ -832,7 +845,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
             }
             if (hd.rel_k) add_rel_logits(sr, j0, nk, sp, qe_lo[r], qe_hi[r], qe + r * band.n);
             if (hd.rel_v) add_rel_logits(dpr, j0, nk, sp, de_lo[r], de_hi[r], de + r * band.n);
-            scale_and_mask(p, hd, i, j0, nk, scale, sr);  // P = exp(S * scale - lse)
+            mask_logits(p, hd, i, j0, nk, sr);  // P = 2^(S - lse), all in base 2
             exp_row(sr, nk, lse[r]);
             softmax_grad_row(sr, dpr, nk, di[r], scale);  // dS = scale P (dP - D_i)
             if (hd.rel_v) add_bucket_mass(sr, j0, nk, sp, p_lo[r], p_hi[r], wp + r * band.n);
