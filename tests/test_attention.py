@@ -153,6 +153,30 @@ def test_rel_attention_sharp_logits(backend, dtype, sharpness):
         assert_close(got, want, dtype, scale=8 * sharpness**0.5)
 
 
+def test_rel_attention_cpu_results_do_not_depend_on_threads():
+    """The CPU kernels hand work chunks to whichever thread is free: the outputs and gradients
+    must still be bitwise the same for any thread count (each item writes its own rows)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 300, 32, generator=g)
+    k, v = (torch.randn(2, 2, 260, 32, generator=g) for _ in range(2))
+    rk, rv = (torch.randn(4, 2 * 6 + 1, 32, generator=g) for _ in range(2))
+    go = torch.randn(2, 4, 300, 32, generator=g)
+    args = (q, k, v, rk, rv, 6, True, None, 40, 0, None)
+    results = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            out, lse = torch.ops.relpos.rel_attention(*args)
+            grads = torch.ops.relpos.rel_attention_backward(go, *args[:5], out, lse, *args[5:])
+            results.append((out, lse, *grads))
+    finally:
+        torch.set_num_threads(before)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
 def test_gradcheck_rel_attention():
     for name in ("basic", "causal", "padding", "gqa", "fully_masked_rows", "only_rel_v"):
         tensors, kw = make_inputs(CASES[name], torch.float64, requires_grad=True)

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 
 #include "common/attention_impl.h"
@@ -57,6 +58,31 @@ void run(const Params& p, int64_t items, int64_t grain,
                                   });
 }
 
+// Runs fn(begin, end) over [0, items) in chunks of `chunk` items that the threads take one at
+// a time from a shared counter, instead of at::parallel_for's equal share per thread: when a
+// core is slowed (another process, a busy hyperthread sibling, a shared VM host), the others
+// take over its remaining chunks rather than waiting at the end. For kernels whose items write
+// disjoint outputs (the attention kernels), so the results do not depend on the schedule.
+template <typename Fn>
+void parallel_chunks(int64_t items, int64_t chunk, const Fn& fn) {
+  if (items <= 0) return;
+  chunk = std::max<int64_t>(1, chunk);
+  const int64_t n_chunks = (items + chunk - 1) / chunk;
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n_chunks);
+  if (workers <= 1 || at::in_parallel_region()) {
+    fn(0, items);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t wb, int64_t we) {
+    for (int64_t w = wb; w < we; ++w) {
+      for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) {
+        fn(c * chunk, std::min(items, (c + 1) * chunk));
+      }
+    }
+  });
+}
+
 // Roughly 32k elements of output per task, at least one item.
 int64_t grain_for(int64_t elems_per_item) {
   return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, elems_per_item));
@@ -105,7 +131,10 @@ struct CpuBackend {
 #if defined(RELPOS_HAVE_AVX2)
     if (p.dtype != DType::Float64 && selected_isa() == Isa::Avx2) {
       const int64_t tiles = p.batch * p.heads * ((p.q_len + kAttentionTileQ - 1) / kAttentionTileQ);
-      at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) { avx2::rel_attention(p, b, e); });
+      // about 8 chunks per thread: small enough to balance, large enough that the per-call
+      // setup (buffers, the transposed key tiles of a kv head) stays negligible
+      const int64_t chunk = std::max<int64_t>(1, tiles / (8 * at::get_num_threads()));
+      parallel_chunks(tiles, chunk, [&](int64_t b, int64_t e) { avx2::rel_attention(p, b, e); });
       return;
     }
 #endif
@@ -168,7 +197,7 @@ struct CpuBackend {
         split.drel_v_partial = rv_partial.data_ptr<float>();
       }
     }
-    at::parallel_for(0, units * split.chunks, 1, [&](int64_t b, int64_t e) {
+    parallel_chunks(units * split.chunks, 1, [&](int64_t b, int64_t e) {
       avx2::rel_attention_backward(p, split, b, e);
     });
     if (split.chunks > 1) {
