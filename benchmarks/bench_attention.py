@@ -253,6 +253,53 @@ def sanity_check(threads: int, length: int = 160, k: int = 16) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------- the roofline
+# Matmuls of L x L x D per (b, h) that an attention without an [L, L] buffer cannot avoid:
+# forward S = Q K^T and O = P V; backward the recomputed S, dP = dO V^T, dV = P^T dO, dQ = dS K
+# and dK = dS^T Q. The relative terms add O(L (2K+1) D) per (b, h): left out (under 2% here).
+MATMULS = {"fwd": 2, "fwd+bwd": 7}
+PEAK_SHAPES = ((1024, 1024, 1024), (2048, 64, 2048), (2048, 2048, 64))  # (m, k, n) of m x k @ k x n
+
+
+def attention_flop(mode: str, length: int) -> float:
+    """Floating-point operations of the unavoidable ``L x L x D`` matmuls of one call."""
+    return MATMULS[mode] * 2.0 * BATCH * HEADS * length * length * DIM
+
+
+def _mm_rates(threads: int) -> dict:
+    torch.set_num_threads(threads)
+    rates = {}
+    for m, k, n in PEAK_SHAPES:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        reps = max(1, int(1e9 / (2 * m * k * n)))  # ~1 GFLOP per timed block
+        for _ in range(2):
+            torch.mm(a, b)
+        best = float("inf")
+        for _ in range(10):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                torch.mm(a, b)
+            best = min(best, (time.perf_counter() - t0) / reps)
+        rates[f"{m}x{k}@{k}x{n}"] = 2 * m * k * n / best / 1e9
+    return rates
+
+
+def gemm_peak(threads: int) -> dict:
+    """Runs in a forked child: the float32 GEMM peak of this machine, in GFLOP/s: the best
+    ``torch.mm`` rate over a square and the two attention-shaped products (best of 10 timed
+    blocks each), at ``threads`` threads and, scaled by ``threads``, at one thread; the higher
+    counts (on these shared machines a second core is sometimes partly busy elsewhere, which
+    only lowers the multi-thread figure). No kernel computes faster than the vendor GEMM, so
+    FLOP / peak is a floor on the time of any float32 method that does those matmuls. The run
+    measures it before and after the methods and keeps the higher."""
+    multi = _mm_rates(threads)
+    single = _mm_rates(1) if threads > 1 else multi
+    best_multi, best_single = max(multi.values()), max(single.values())
+    return {"gflops": max(best_multi, threads * best_single), "threads": threads,
+            "multi_thread_gflops": best_multi, "single_thread_gflops": best_single,
+            "by_shape": multi}
+
+
 # --------------------------------------------------------------------------- the run
 @dataclass
 class Row:
@@ -333,6 +380,19 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def format_rates(rows: list[Row], peak_gflops: float | None) -> str:
+    """Rate of the unavoidable matmuls (:data:`MATMULS`) for (1) and (6), both flash-style
+    (SDPA's backward recomputes the probabilities too), as GFLOP/s and share of the GEMM peak."""
+    lines = [f"matmul rate, GFLOP/s (share of the GEMM peak): {MATMULS['fwd']} L x L x D matmuls "
+             f"forward, {MATMULS['fwd+bwd']} forward+backward"]
+    for r in rows:
+        if r.method in ("ours", "sdpa") and r.time_ms:
+            rate = attention_flop(r.mode, r.length) / (r.time_ms * 1e-3) / 1e9
+            share = f" ({100 * rate / peak_gflops:.0f}%)" if peak_gflops else ""
+            lines.append(f"  L={r.length:<5} {r.mode:<8}{SHORT[r.method]:<17}{rate:6.0f}{share}")
+    return "\n".join(lines)
+
+
 def _get(rows: list[Row], length: int, mode: str, method: str) -> Row | None:
     return next((r for r in rows if (r.length, r.mode, r.method) == (length, mode, method)), None)
 
@@ -342,13 +402,33 @@ def _time(rows: list[Row], length: int, mode: str, method: str) -> float | None:
     return r.time_ms if r is not None else None
 
 
-def target_verdicts(rows: list[Row]) -> list[dict]:
-    """The four targets, each PASS, FAIL or N/A (not measured in this run)."""
+def roofline_note(mode: str, baseline_ms: float | None, ours_ms: float | None,
+                  peak_gflops: float | None) -> tuple[float | None, str]:
+    """For a "baseline / ours >= x" target: the largest ratio any float32 kernel that does the
+    unavoidable matmuls (:data:`MATMULS`) could reach on this machine, ``baseline / floor``
+    with ``floor = FLOP / measured GEMM peak``, and a sentence saying so."""
+    if not (baseline_ms and ours_ms and peak_gflops):
+        return None, ""
+    flop = attention_flop(mode, TARGET_L)
+    floor_ms = flop / (peak_gflops * 1e9) * 1e3
+    ours_rate = flop / (ours_ms * 1e-3) / 1e9
+    bound = baseline_ms / floor_ms
+    return bound, (f"roofline: {MATMULS[mode]} matmuls of L x L x D = {flop / 1e9:.1f} GFLOP take "
+                   f">= {floor_ms:.1f} ms at the measured GEMM peak {peak_gflops:.0f} GFLOP/s, so "
+                   f"no float32 kernel gets beyond {bound:.2f}x here; ours runs at "
+                   f"{ours_rate:.0f} GFLOP/s ({100 * ours_rate / peak_gflops:.0f}% of that peak)")
+
+
+def target_verdicts(rows: list[Row], peak_gflops: float | None = None) -> list[dict]:
+    """The four targets, each PASS, FAIL or N/A (not measured in this run). The speed-up targets
+    also carry ``bound``: the ratio the GEMM roofline allows on this machine (see
+    :func:`roofline_note`), None where the peak was not measured."""
     out = []
 
     def verdict(name: str, value: float | None, ok: Callable[[float], bool], need: str,
-                detail: str = "") -> None:
+                detail: str = "", bound: float | None = None) -> None:
         out.append({"target": name, "value": value, "need": need, "detail": detail,
+                    "bound": bound,
                     "verdict": "N/A" if value is None else ("PASS" if ok(value) else "FAIL")})
 
     ours_f, sdpa_f = _time(rows, TARGET_L, "fwd", "ours"), _time(rows, TARGET_L, "fwd", "sdpa")
@@ -358,14 +438,17 @@ def target_verdicts(rows: list[Row]) -> list[dict]:
     best = {m: _time(rows, TARGET_L, "fwd", m) for m in ("eager", "compiled", "flex")}
     best = {m: t for m, t in best.items() if t is not None}
     b = min(best, key=best.get) if best else None
+    bound, note = roofline_note("fwd", best[b] if b else None, ours_f, peak_gflops)
     verdict(f"fwd L={TARGET_L}: best of (3)/(4)/(5) / ours",
             best[b] / ours_f if b and ours_f else None, lambda x: x >= MIN_SPEEDUP,
-            f">= {MIN_SPEEDUP}x", f"best is {SHORT[b]}" if b else "")
+            f">= {MIN_SPEEDUP}x", "; ".join(x for x in (f"best is {SHORT[b]}" if b else "", note) if x),
+            bound)
     ours_b = _time(rows, TARGET_L, "fwd+bwd", "ours")
     eager_b = _time(rows, TARGET_L, "fwd+bwd", "eager")
+    bound, note = roofline_note("fwd+bwd", eager_b, ours_b, peak_gflops)
     verdict(f"fwd+bwd L={TARGET_L}: (3) eager / ours",
             eager_b / ours_b if ours_b and eager_b else None, lambda x: x >= MIN_SPEEDUP,
-            f">= {MIN_SPEEDUP}x")
+            f">= {MIN_SPEEDUP}x", note, bound)
     mem = _get(rows, MEMORY_L, "fwd+bwd", "ours")
     others = []
     for m in ("eager", "compiled", "sdpa"):
@@ -468,11 +551,27 @@ def main(argv: list[str] | None = None) -> int:
     print(flush=True)
 
     t0 = time.perf_counter()
+    peak_before = in_child(gemm_peak, args.threads)
     rows = run_all(args)
+    peak_after = in_child(gemm_peak, args.threads)
     elapsed = time.perf_counter() - t0
+    peaks = [p for p in (peak_before, peak_after) if "error" not in p]
+    peak = max(peaks, key=lambda p: p["gflops"]) if peaks else peak_before
+    peak = peak | {"before_gflops": peak_before.get("gflops"), "after_gflops": peak_after.get("gflops")}
+    if "error" in peak:
+        print("GEMM peak: not measured:", peak["error"].splitlines()[0])
+    else:
+        print(f"GEMM peak (torch.mm float32, best shape; the higher of {args.threads} threads and "
+              f"{args.threads} x 1 thread, before and after the run): {peak['gflops']:.0f} GFLOP/s\n"
+              f"    {args.threads} threads: {peak['multi_thread_gflops']:.0f} ("
+              + ", ".join(f"{k} {v:.0f}" for k, v in peak["by_shape"].items())
+              + f"); 1 thread: {peak['single_thread_gflops']:.0f}; before "
+              f"{peak_before.get('gflops') or 0:.0f}, after {peak_after.get('gflops') or 0:.0f}")
     print(format_table(rows))
     print()
-    verdicts = target_verdicts(rows)
+    print(format_rates(rows, peak.get("gflops")))
+    print()
+    verdicts = target_verdicts(rows, peak.get("gflops"))
     for v in verdicts:
         val = "not measured" if v["value"] is None else f"{v['value']:.2f}"
         print(f"target {v['target']} = {val} (need {v['need']}): {v['verdict']}"
@@ -500,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
                        "output and grads included; working: peak_extra - io (output + grads)",
         "methods": LABELS,
         "sanity": sanity,
+        "gemm_peak": peak,
+        "matmuls": MATMULS,
         "verdicts": verdicts,
         "elapsed_s": elapsed,
         "rows": [
