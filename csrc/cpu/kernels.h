@@ -1,5 +1,6 @@
 // CPU kernels: one function per op and ISA, each computing a range [begin, end) of independent
-// work items so the caller can split them with at::parallel_for. The work items:
+// work items so the caller can split them with at::parallel_for (the AVX2 attention kernels take
+// theirs from a WorkQueue). The work items:
 //   rel_gather            rows (h, i)            of heads * q_len
 //   rel_gather_backward   (h, 16-wide d block)   of heads * ceil(dim / 16)   (deterministic)
 //   skew, skew_backward   rows (n, i)            of batch * q_len
@@ -10,6 +11,7 @@
 // which therefore include no torch headers.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 
 #include "common/params.h"
@@ -38,6 +40,24 @@ struct AttentionBwdSplit {
   float* drel_v_partial = nullptr;    // [chunks, batch, heads, 2K+1, dim], or null
 };
 
+// Chunks of `chunk` work items of [0, items), handed out one at a time to whichever thread asks
+// (the AVX2 attention kernels): a thread slowed by other load does less of the work instead of
+// holding up the call, and each thread keeps its buffers for all the chunks it takes. pop() is
+// defined in register_cpu.cpp, outside the AVX2 sources (no inline code of this header is
+// compiled with AVX2 flags, see cmake/check_no_weak_symbols.cmake).
+class WorkQueue {
+ public:
+  WorkQueue(int64_t items, int64_t chunk)
+      : items_(items), chunk_(chunk > 0 ? chunk : 1), chunks_((items + chunk_ - 1) / chunk_) {}
+  int64_t chunks() const { return chunks_; }
+  // The next chunk [begin, end); false when none is left.
+  bool pop(int64_t& begin, int64_t& end);
+
+ private:
+  const int64_t items_, chunk_, chunks_;
+  std::atomic<int64_t> next_{0};
+};
+
 namespace avx2 {
 void rel_gather(const RelGatherParams& p, int64_t begin, int64_t end);
 void rel_gather_backward(const RelGatherBwdParams& p, int64_t begin, int64_t end);
@@ -45,13 +65,14 @@ void skew(const SkewParams& p, int64_t begin, int64_t end);
 void skew_backward(const SkewParams& p, int64_t begin, int64_t end);
 void rel_logits(const RelLogitsParams& p, int64_t begin, int64_t end);
 void bucket_sum(const BucketSumParams& p, int64_t begin, int64_t end);
-// Fused attention; work items differ from the scalar kernels (rel_attention_avx2.cpp):
+// Fused attention; work items differ from the scalar kernels (rel_attention_avx2.cpp), and the
+// first two take them from a WorkQueue until it is empty:
 //   rel_attention: (b, h, tile of kAttentionTileQ query rows);
 //   rel_attention_backward: (b, kv head, key chunk) of batch * kv_heads * split.chunks;
 //   rel_attention_backward_reduce (only when split.chunks > 1): (b, h) of batch * heads.
-void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end);
+void rel_attention(const RelAttentionParams& p, WorkQueue& work);
 void rel_attention_backward(const RelAttentionBwdParams& p, const AttentionBwdSplit& split,
-                            int64_t begin, int64_t end);
+                            WorkQueue& work);
 void rel_attention_backward_reduce(const RelAttentionBwdParams& p, const AttentionBwdSplit& split,
                                    int64_t begin, int64_t end);
 }  // namespace avx2

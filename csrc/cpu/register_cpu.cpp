@@ -5,7 +5,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <type_traits>
 
 #include "common/attention_impl.h"
@@ -58,29 +57,19 @@ void run(const Params& p, int64_t items, int64_t grain,
                                   });
 }
 
-// Runs fn(begin, end) over [0, items) in chunks of `chunk` items that the threads take one at
-// a time from a shared counter, instead of at::parallel_for's equal share per thread: when a
-// core is slowed (another process, a busy hyperthread sibling, a shared VM host), the others
-// take over its remaining chunks rather than waiting at the end. For kernels whose items write
-// disjoint outputs (the attention kernels), so the results do not depend on the schedule.
+// Runs fn(work) on up to get_num_threads() threads that all take their items from one
+// WorkQueue of `items` in chunks of `chunk` (kernels.h): for kernels whose items write disjoint
+// outputs, so the results do not depend on which thread takes what.
 template <typename Fn>
-void parallel_chunks(int64_t items, int64_t chunk, const Fn& fn) {
+void run_queue(int64_t items, int64_t chunk, const Fn& fn) {
   if (items <= 0) return;
-  chunk = std::max<int64_t>(1, chunk);
-  const int64_t n_chunks = (items + chunk - 1) / chunk;
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n_chunks);
+  WorkQueue work(items, chunk);
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), work.chunks());
   if (workers <= 1 || at::in_parallel_region()) {
-    fn(0, items);
+    fn(work);
     return;
   }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, workers, 1, [&](int64_t wb, int64_t we) {
-    for (int64_t w = wb; w < we; ++w) {
-      for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) {
-        fn(c * chunk, std::min(items, (c + 1) * chunk));
-      }
-    }
-  });
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { fn(work); });  // each drains the queue
 }
 
 // Roughly 32k elements of output per task, at least one item.
@@ -131,10 +120,10 @@ struct CpuBackend {
 #if defined(RELPOS_HAVE_AVX2)
     if (p.dtype != DType::Float64 && selected_isa() == Isa::Avx2) {
       const int64_t tiles = p.batch * p.heads * ((p.q_len + kAttentionTileQ - 1) / kAttentionTileQ);
-      // about 8 chunks per thread: small enough to balance, large enough that the per-call
-      // setup (buffers, the transposed key tiles of a kv head) stays negligible
+      // about 8 chunks per thread: small enough to balance, large enough that a thread seldom
+      // moves to another kv head (whose keys it then transposes again)
       const int64_t chunk = std::max<int64_t>(1, tiles / (8 * at::get_num_threads()));
-      parallel_chunks(tiles, chunk, [&](int64_t b, int64_t e) { avx2::rel_attention(p, b, e); });
+      run_queue(tiles, chunk, [&](WorkQueue& work) { avx2::rel_attention(p, work); });
       return;
     }
 #endif
@@ -197,8 +186,8 @@ struct CpuBackend {
         split.drel_v_partial = rv_partial.data_ptr<float>();
       }
     }
-    parallel_chunks(units * split.chunks, 1, [&](int64_t b, int64_t e) {
-      avx2::rel_attention_backward(p, split, b, e);
+    run_queue(units * split.chunks, 1, [&](WorkQueue& work) {
+      avx2::rel_attention_backward(p, split, work);
     });
     if (split.chunks > 1) {
       at::parallel_for(0, f.batch * f.heads, 1, [&](int64_t b, int64_t e) {
@@ -213,6 +202,15 @@ using Impl = OpsImpl<CpuBackend>;
 using Attention = AttentionImpl<CpuBackend>;
 
 }  // namespace
+
+bool WorkQueue::pop(int64_t& begin, int64_t& end) {
+  const int64_t c = next_.fetch_add(1, std::memory_order_relaxed);
+  if (c >= chunks_) return false;
+  begin = c * chunk_;
+  end = std::min(items_, begin + chunk_);
+  return true;
+}
+
 }  // namespace relpos::cpu
 
 TORCH_LIBRARY_IMPL(relpos, CPU, m) {

@@ -524,6 +524,21 @@ const float* float_rows(DType d, const char* src, int64_t rows, int64_t D, float
   return buf;
 }
 
+// Work items one at a time from the chunks a WorkQueue hands this thread.
+class ItemCursor {
+ public:
+  explicit ItemCursor(WorkQueue& q) : q_(q) {}
+  bool next(int64_t& item) {
+    if (i_ == e_ && !q_.pop(i_, e_)) return false;
+    item = i_++;
+    return true;
+  }
+
+ private:
+  WorkQueue& q_;
+  int64_t i_ = 0, e_ = 0;
+};
+
 int64_t last_key_tile(const RelAttentionParams& p, int64_t i_last) {
   int64_t k_end = p.k_len;
   if (p.causal) k_end = iclamp(p.q_offset + i_last - p.k_offset + 1, 0, p.k_len);
@@ -536,7 +551,7 @@ int64_t last_key_tile(const RelAttentionParams& p, int64_t i_last) {
 // Work items: (b, h, query tile of BQ rows) of batch * heads * ceil(q_len / BQ). The keys of the
 // current kv head are transposed (and converted) once per call and thread, tile by tile as
 // needed, and reused by every query tile and query head of that kv head the thread visits.
-void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
+void rel_attention(const RelAttentionParams& p, WorkQueue& work) {
   const int64_t D = p.dim, K = p.max_distance, rows_tab = num_buckets(K);
   const int64_t q_tiles = (p.q_len + BQ - 1) / BQ, es = elem_bytes(p.dtype);
   const int64_t max_band = imin(imax(2 * K - 1, 0), BQ + p.k_len);
@@ -568,7 +583,8 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
   float* ek1 = buf.take(D);
   const char* cached = nullptr;  // kv head whose tiles [0, built) are in kt_all / v_all
   int64_t built = 0;
-  for (int64_t item = begin; item < end; ++item) {
+  ItemCursor cursor(work);
+  for (int64_t item; cursor.next(item);) {
     const int64_t qt = item % q_tiles, h = (item / q_tiles) % p.heads, b = item / (q_tiles * p.heads);
     const int64_t i0 = qt * BQ, mq = imin(BQ, p.q_len - i0);
     const Head hd = head_of(p, b, h);
@@ -704,7 +720,7 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
 // with one chunk straight into dq and bp's partials, with several into the split's per-chunk
 // float partials, which rel_attention_backward_reduce then sums in chunk order.
 void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdSplit& split,
-                            int64_t begin, int64_t end) {
+                            WorkQueue& work) {
   const RelAttentionParams& p = bp.fwd;
   const int64_t D = p.dim, K = p.max_distance, rows_tab = num_buckets(K), es = elem_bytes(p.dtype);
   const int64_t group = p.heads / p.kv_heads, chunks = split.chunks;
@@ -749,7 +765,8 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
   float* ek1 = buf.take(D);
   float* ev0 = buf.take(D);
   float* ev1 = buf.take(D);
-  for (int64_t item = begin; item < end; ++item) {
+  ItemCursor cursor(work);
+  for (int64_t item; cursor.next(item);) {
     const int64_t c = item % chunks, hk = (item / chunks) % p.kv_heads;
     const int64_t b = item / (chunks * p.kv_heads);
     const int64_t kb = c * chunk_keys, ke = imin(p.k_len, kb + chunk_keys), nkeys = ke - kb;
