@@ -43,6 +43,10 @@ CASES = {
     "D200_gqa4": (2, 4, 1, 19, 23, 200, 3, 0, 0, False, True, True, True, True),
     "odd_D_offsets": (1, 2, 2, 17, 35, 37, 4, 3, 1, True, True, False, True, True),
     "D1_negative_offset": (1, 1, 1, 6, 7, 1, 2, -3, 0, False, False, False, True, True),
+    # a few query rows against a long cache (the AVX2 forward scores them from the key rows),
+    # and more than 32 rows with an odd D (from transposed key tiles)
+    "decode_gqa_odd_D": (2, 4, 2, 2, 75, 37, 4, 73, 0, True, True, True, True, True),
+    "prefill_odd_D": (1, 2, 1, 40, 45, 13, 3, 0, 0, False, True, True, True, True),
     "all_keys_padded": (2, 2, 2, 5, 6, 16, 2, 0, 0, False, False, "all", True, True),
     "no_keys": (1, 2, 2, 3, 0, 16, 2, 0, 0, False, False, False, True, True),
     "no_queries": (1, 2, 2, 0, 5, 16, 2, 0, 0, False, True, False, True, True),

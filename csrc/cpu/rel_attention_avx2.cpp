@@ -33,6 +33,9 @@ constexpr int64_t BK = kAttentionTileK;  // keys per tile
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2 = 0.693147180559945309f;
+// Forward: up to this many query rows use scores_rows (at L = 4096 it was faster than the
+// transposed key tiles up to 32 rows and even at 64).
+constexpr int64_t kFewQueries = 32;
 
 // ------------------------------------------------------------------------------ conversions
 int64_t elem_bytes(DType d) { return d == DType::Float32 ? 4 : 2; }
@@ -298,6 +301,39 @@ void gemm_at(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const
   gemm_t<true>(M, N, K, A, 1, lda, B, ldb, C, ldc);
 }
 
+// s[r * lds + j] = q_r . k_j for r < mq, j < nk, with K row-major [nk, D]: the scores of a few
+// query rows (decoding) without the transposed key tiles, whose building would cost as much as
+// the scores. Eight keys at a time, their eight accumulators reduced to one vector at the end.
+void scores_rows(int64_t mq, int64_t nk, int64_t D, const float* q, const float* k, float* s,
+                 int64_t lds) {
+  const int64_t d8 = D / 8 * 8;
+  const __m256i tm = tail_mask(D - d8);
+  for (int64_t r = 0; r < mq; ++r) {
+    const float* qr = q + r * D;
+    int64_t j = 0;
+    for (; j + 8 <= nk; j += 8) {
+      const float* kj = k + j * D;
+      __m256 a[8];
+      for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < d8; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(qr + d);
+        for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(_mm256_loadu_ps(kj + u * D + d), qv, a[u]);
+      }
+      if (d8 < D) {
+        const __m256 qv = _mm256_maskload_ps(qr + d8, tm);
+        for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(_mm256_maskload_ps(kj + u * D + d8, tm), qv, a[u]);
+      }
+      // lanes of a[u] summed into lane u: pairwise horizontal adds, then the two 128-bit halves
+      const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+      const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+      const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+      _mm256_storeu_ps(s + r * lds + j, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                                      _mm256_permute2f128_ps(u0, u1, 0x31)));
+    }
+    for (; j < nk; ++j) s[r * lds + j] = dot(qr, k + j * D, D);
+  }
+}
+
 // ------------------------------------------------------------------------------ shared setup
 struct Head {
   const char* q;       // this (b, h)'s query rows
@@ -558,10 +594,14 @@ void rel_attention(const RelAttentionParams& p, WorkQueue& work) {
   const int64_t n_ktiles = (p.k_len + BK - 1) / BK;
   const bool f32 = p.dtype == DType::Float32;
   const float scale2 = static_cast<float>(p.scale) * kLog2e;  // logits in base 2
+  // Few query rows (decoding): scores from the key rows (scores_rows) instead of transposed key
+  // tiles, which would be built for a single tile of at most kFewQueries rows.
+  const bool few_q = p.q_len <= kFewQueries;
   Buffers buf;
   float* qf = buf.take(BQ * D);
   float* qs = buf.take(BQ * D);
-  float* kt_all = buf.take(n_ktiles * D * BK);
+  float* kt_all = few_q ? nullptr : buf.take(n_ktiles * D * BK);
+  float* k_all = few_q && !f32 ? buf.take(n_ktiles * BK * D) : nullptr;  // key rows as float
   float* v_all = f32 ? nullptr : buf.take(n_ktiles * BK * D);
   float* tmp = buf.take(BK * D);
   float* s = buf.take(BQ * BK);
@@ -581,7 +621,7 @@ void rel_attention(const RelAttentionParams& p, WorkQueue& work) {
   float* mref = buf.take(BQ * n_ktiles);
   float* ek0 = buf.take(D);
   float* ek1 = buf.take(D);
-  const char* cached = nullptr;  // kv head whose tiles [0, built) are in kt_all / v_all
+  const char* cached = nullptr;  // kv head whose tiles [0, built) are in kt_all / k_all / v_all
   int64_t built = 0;
   ItemCursor cursor(work);
   for (int64_t item; cursor.next(item);) {
@@ -618,13 +658,18 @@ void rel_attention(const RelAttentionParams& p, WorkQueue& work) {
       built = 0;
     }
     if (built < kt_end) {
-      build_key_tiles(p.dtype, hd.k, D, 0, p.k_len, built, kt_end, kt_all, nullptr, tmp);
+      if (!few_q || !f32) build_key_tiles(p.dtype, hd.k, D, 0, p.k_len, built, kt_end, kt_all, k_all, tmp);
       if (!f32) build_key_tiles(p.dtype, hd.v, D, 0, p.k_len, built, kt_end, nullptr, v_all, tmp);
       built = kt_end;
     }
     for (int64_t t = 0; t < kt_end; ++t) {
       const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0);
-      gemm0(mq, nk, D, qs, D, kt_all + t * D * BK, BK, s, BK);  // S = Q K^T (scaled, base 2)
+      if (few_q) {  // S = Q K^T (scaled, base 2)
+        const float* kp = f32 ? reinterpret_cast<const float*>(hd.k) : k_all;
+        scores_rows(mq, nk, D, qs, kp + j0 * D, s, BK);
+      } else {
+        gemm0(mq, nk, D, qs, D, kt_all + t * D * BK, BK, s, BK);
+      }
       for (int64_t r = 0; r < mq; ++r) {
         const int64_t i = i0 + r;
         float* sr = s + r * BK;
