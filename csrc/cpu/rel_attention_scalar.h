@@ -1,12 +1,17 @@
 // Scalar fused Shaw attention (forward and backward), the portable and float64 path and the
 // readable statement of what the AVX2 and CUDA kernels compute (maths: RelAttentionParams).
 // A query row is processed against all its keys with an O(Lk + number of buckets) scratch per
-// thread; nothing of size [Lq, Lk] exists. Per row, q . rel_k[b] is computed once per reachable
+// thread, plus the keys (and in the backward the values) of the current kv head transposed,
+// O(Lk D); nothing of size [Lq, Lk] exists. Per row, q . rel_k[b] is computed once per reachable
 // bucket (the skewed matmul), and the probability mass per bucket W[b] feeds the value term.
+// The scores of a row are accumulated over d with the keys contiguous (scores_row): the same
+// sums, in the same order, as a dot product per key, but a loop the compiler vectorises (SSE2,
+// NEON) without reassociating anything, so this path stays exact for float64 gradcheck.
 #pragma once
 
 #include <ATen/OpMathType.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -29,6 +34,26 @@ acc_t dot(const T* a, const T* b, int64_t n) {
   return s;
 }
 
+// xt[d * n + j] = x[j * dim + d]: the n rows of a kv head, transposed and in acc_t.
+template <typename T, typename acc_t>
+void transpose_rows(const T* x, int64_t n, int64_t dim, std::vector<acc_t>& xt) {
+  xt.resize(n * dim);
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t d = 0; d < dim; ++d) xt[d * n + j] = static_cast<acc_t>(x[j * dim + d]);
+  }
+}
+
+// s[j] = a . x_j for the n rows of xt (transposed, see transpose_rows), summed over d in order.
+template <typename T, typename acc_t>
+void scores_row(const T* a, const std::vector<acc_t>& xt, int64_t n, int64_t dim, acc_t* s) {
+  std::fill(s, s + n, acc_t(0));
+  for (int64_t d = 0; d < dim; ++d) {
+    const acc_t ad = static_cast<acc_t>(a[d]);
+    const acc_t* x = xt.data() + d * n;
+    for (int64_t j = 0; j < n; ++j) s[j] += ad * x[j];
+  }
+}
+
 // Work items: rows (b, h, i) of batch * heads * q_len.
 template <typename T>
 void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
@@ -41,11 +66,17 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
   T* out = static_cast<T*>(p.out);
   acc_t* lse = static_cast<acc_t*>(p.lse);
   const int64_t rows = num_buckets(p.max_distance), group = p.heads / p.kv_heads;
-  std::vector<acc_t> s(p.k_len), qe, w, acc(p.dim);
+  std::vector<acc_t> s(p.k_len), qe, w, acc(p.dim), kt;
+  int64_t kt_of = -1;  // offset of the kv head whose keys are in kt
   for (int64_t item = begin; item < end; ++item) {
     const int64_t i = item % p.q_len, h = (item / p.q_len) % p.heads, b = item / (p.q_len * p.heads);
     const T* qi = q + item * p.dim;
     const int64_t kv = (b * p.kv_heads + h / group) * p.k_len * p.dim;
+    if (kv != kt_of) {  // an item range holds few kv heads: a transpose per head, not per row
+      transpose_rows<T, acc_t>(k + kv, p.k_len, p.dim, kt);
+      kt_of = kv;
+    }
+    scores_row<T, acc_t>(qi, kt, p.k_len, p.dim, s.data());  // q_i . k_j
     // Buckets reachable from row i: [b_lo, b_lo + nb).
     const int64_t b_lo = shaw_bucket(i, 0, p.max_distance, p.q_offset, p.k_offset);
     const int64_t nb = p.k_len == 0 ? 0 : shaw_bucket(i, p.k_len - 1, p.max_distance, p.q_offset, p.k_offset) - b_lo + 1;
@@ -60,7 +91,7 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
         s[j] = -std::numeric_limits<acc_t>::infinity();
         continue;
       }
-      acc_t e = dot<T, acc_t>(qi, k + kv + j * p.dim, p.dim);
+      acc_t e = s[j];
       if (rel_k != nullptr) e += qe[shaw_bucket(i, j, p.max_distance, p.q_offset, p.k_offset) - b_lo];
       s[j] = e * static_cast<acc_t>(p.scale);
       m = std::max(m, s[j]);
@@ -117,9 +148,12 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
   const int64_t rows = num_buckets(p.max_distance), group = p.heads / p.kv_heads;
   const acc_t scale = static_cast<acc_t>(p.scale);
   std::vector<acc_t> dk_acc(p.k_len * p.dim), dv_acc(p.k_len * p.dim), qe, de, wds, wp, dqi(p.dim);
+  std::vector<acc_t> kt, vt, srow(p.k_len), dprow(p.k_len);
   for (int64_t item = begin; item < end; ++item) {
     const int64_t b = item / p.kv_heads, hk = item % p.kv_heads;
     const int64_t kv = item * p.k_len * p.dim;
+    transpose_rows<T, acc_t>(k + kv, p.k_len, p.dim, kt);
+    transpose_rows<T, acc_t>(v + kv, p.k_len, p.dim, vt);
     std::fill(dk_acc.begin(), dk_acc.end(), acc_t(0));
     std::fill(dv_acc.begin(), dv_acc.end(), acc_t(0));
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
@@ -145,15 +179,16 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
           if (ev) de[c] = dot<T, acc_t>(doi, ev + (b_lo + c) * p.dim, p.dim);
         }
         const acc_t di = dot<T, acc_t>(doi, oi, p.dim);
+        scores_row<T, acc_t>(qi, kt, p.k_len, p.dim, srow.data());    // q_i . k_j
+        scores_row<T, acc_t>(doi, vt, p.k_len, p.dim, dprow.data());  // dO_i . v_j
         std::fill(dqi.begin(), dqi.end(), acc_t(0));
         for (int64_t j = 0; j < p.k_len; ++j) {
           if (!key_visible(p, b, i, j)) continue;
           const int64_t c = shaw_bucket(i, j, p.max_distance, p.q_offset, p.k_offset) - b_lo;
           const T* kj = k + kv + j * p.dim;
-          const T* vj = v + kv + j * p.dim;
-          acc_t sij = dot<T, acc_t>(qi, kj, p.dim) + (ek ? qe[c] : acc_t(0));
+          acc_t sij = srow[j] + (ek ? qe[c] : acc_t(0));
           const acc_t pij = std::exp(sij * scale - li);
-          const acc_t dpij = dot<T, acc_t>(doi, vj, p.dim) + (ev ? de[c] : acc_t(0));
+          const acc_t dpij = dprow[j] + (ev ? de[c] : acc_t(0));
           const acc_t dsij = pij * (dpij - di);
           wds[c] += dsij;
           wp[c] += pij;
