@@ -532,6 +532,23 @@ void load_band(DType d, const char* table, int64_t dim, const Band& band, float*
   if (rows_t != nullptr) transpose(rows, dim, band.n, dim, rows_t, band.n);
 }
 
+// The relative term of mq rows x (Q, or dO in the backward) against a table, e0 / e1 being its
+// clamped rows 0 and 2K as float: lo[r] = x_r . e0, hi[r] = x_r . e1, and over the band of inside
+// buckets xe[r, c] = x_r . table[band.lo + c]; the band rows are left in band_rows (as float) and
+// transposed in band_t.
+void table_terms(DType d, const char* table, int64_t D, const Band& band, const float* x,
+                 int64_t mq, const float* e0, const float* e1, float* lo, float* hi, float* xe,
+                 float* band_rows, float* band_t) {
+  for (int64_t r = 0; r < mq; ++r) {
+    lo[r] = dot(x + r * D, e0, D);
+    hi[r] = dot(x + r * D, e1, D);
+  }
+  if (band.n > 0) {
+    load_band(d, table, D, band, band_rows, band_t);
+    gemm0(mq, band.n, D, x, D, band_t, band.n, xe, band.n);
+  }
+}
+
 // Keys [j_begin, j_end) of a kv head (dtype d, rows of D) as float for the matmuls: tiles
 // [t_from, t_to) of BK keys, each transposed into kt + t * D * BK as [D, BK] (the B operand of
 // S = Q K^T), and for float16/bfloat16 also row-major into rows + t * BK * D when rows is not
@@ -634,14 +651,7 @@ void rel_attention(const RelAttentionParams& p, WorkQueue& work) {
     if (hd.rel_k) {  // QE = Q @ rel_k[band]^T, and the two clamped buckets per row
       load_row(p.dtype, hd.rel_k, ek0, D);
       load_row(p.dtype, hd.rel_k + (rows_tab - 1) * D * es, ek1, D);
-      for (int64_t r = 0; r < mq; ++r) {
-        qe_lo[r] = dot(qs + r * D, ek0, D);
-        qe_hi[r] = dot(qs + r * D, ek1, D);
-      }
-      if (band.n > 0) {
-        load_band(p.dtype, hd.rel_k, D, band, band_k, band_kt);
-        gemm0(mq, band.n, D, qs, D, band_kt, band.n, qe, band.n);
-      }
+      table_terms(p.dtype, hd.rel_k, D, band, qs, mq, ek0, ek1, qe_lo, qe_hi, qe, band_k, band_kt);
     }
     fill_f32(m, kNegInf, BQ);
     fill_f32(l, 0.f, BQ);
@@ -859,28 +869,14 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
           di[r] = dot(dop + r * D, op + r * D, D);
         }
         const Band band = band_of(p, i0, mq, kb, ke);
-        if (hd.rel_k) {
-          for (int64_t r = 0; r < mq; ++r) {
-            qe_lo[r] = dot(qs + r * D, ek0, D);
-            qe_hi[r] = dot(qs + r * D, ek1, D);
-          }
-          if (band.n > 0) {
-            load_band(p.dtype, hd.rel_k, D, band, band_k, band_kt);
-            gemm0(mq, band.n, D, qs, D, band_kt, band.n, qe, band.n);
-          }
+        if (hd.rel_k) {  // QE = Q @ rel_k^T over the band, and the clamped buckets
+          table_terms(p.dtype, hd.rel_k, D, band, qs, mq, ek0, ek1, qe_lo, qe_hi, qe, band_k, band_kt);
           fill_f32(wds, 0.f, mq * band.n);
           fill_f32(ds_lo, 0.f, BQ);
           fill_f32(ds_hi, 0.f, BQ);
         }
-        if (hd.rel_v) {
-          for (int64_t r = 0; r < mq; ++r) {
-            de_lo[r] = dot(dop + r * D, ev0, D);
-            de_hi[r] = dot(dop + r * D, ev1, D);
-          }
-          if (band.n > 0) {
-            load_band(p.dtype, hd.rel_v, D, band, band_v, band_vt);
-            gemm0(mq, band.n, D, dop, D, band_vt, band.n, de, band.n);
-          }
+        if (hd.rel_v) {  // dO @ rel_v^T: the value term's part of dP
+          table_terms(p.dtype, hd.rel_v, D, band, dop, mq, ev0, ev1, de_lo, de_hi, de, band_v, band_vt);
           fill_f32(wp, 0.f, mq * band.n);
           fill_f32(p_lo, 0.f, BQ);
           fill_f32(p_hi, 0.f, BQ);
