@@ -42,9 +42,9 @@ struct AttentionBwdSplit {
 
 // Chunks of `chunk` work items of [0, items), handed out one at a time to whichever thread asks
 // (the AVX2 attention kernels): a thread slowed by other load does less of the work instead of
-// holding up the call, and each thread keeps its buffers for all the chunks it takes. pop() is
-// defined in register_cpu.cpp, outside the AVX2 sources (no inline code of this header is
-// compiled with AVX2 flags, see cmake/check_no_weak_symbols.cmake).
+// holding up the call, and each thread keeps its buffers for all the chunks it takes. The AVX2
+// sources only call pop(), which is defined in register_cpu.cpp, so they emit no copy of any of
+// this class compiled with AVX2 flags (see cmake/check_no_weak_symbols.cmake).
 class WorkQueue {
  public:
   WorkQueue(int64_t items, int64_t chunk)
