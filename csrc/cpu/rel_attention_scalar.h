@@ -43,14 +43,50 @@ void transpose_rows(const T* x, int64_t n, int64_t dim, std::vector<acc_t>& xt) 
   }
 }
 
-// s[j] = a . x_j for the n rows of xt (transposed, see transpose_rows), summed over d in order.
+// s[j] = a . x_j, j < n, for rows x_j held transposed: x_j[d] = xt[d * ld + j] (transpose_rows:
+// ld = the number of rows), summed over d in order. Sixteen j at a time in a local block the
+// compiler keeps in registers, so the loop over d only loads xt.
 template <typename T, typename acc_t>
-void scores_row(const T* a, const std::vector<acc_t>& xt, int64_t n, int64_t dim, acc_t* s) {
-  std::fill(s, s + n, acc_t(0));
-  for (int64_t d = 0; d < dim; ++d) {
-    const acc_t ad = static_cast<acc_t>(a[d]);
-    const acc_t* x = xt.data() + d * n;
-    for (int64_t j = 0; j < n; ++j) s[j] += ad * x[j];
+void scores_row(const T* a, const acc_t* xt, int64_t ld, int64_t n, int64_t dim, acc_t* s) {
+  constexpr int64_t kJ = 16;
+  int64_t j0 = 0;
+  for (; j0 + kJ <= n; j0 += kJ) {
+    acc_t blk[kJ] = {};
+    for (int64_t d = 0; d < dim; ++d) {
+      const acc_t ad = static_cast<acc_t>(a[d]);
+      const acc_t* x = xt + d * ld + j0;
+      for (int64_t j = 0; j < kJ; ++j) blk[j] += ad * x[j];
+    }
+    for (int64_t j = 0; j < kJ; ++j) s[j0 + j] = blk[j];
+  }
+  if (j0 < n) {
+    std::fill(s + j0, s + n, acc_t(0));
+    for (int64_t d = 0; d < dim; ++d) {
+      const acc_t ad = static_cast<acc_t>(a[d]);
+      const acc_t* x = xt + d * ld;
+      for (int64_t j = j0; j < n; ++j) s[j] += ad * x[j];
+    }
+  }
+}
+
+// acc[d] += sum_j w[j] x_j[d] over the n rows x_j = x + j * dim, added in the order of j. Sixteen
+// d at a time in a local block the compiler keeps in registers, so the loop over j only loads x.
+template <typename T, typename acc_t>
+void accumulate_rows(const acc_t* w, const T* x, int64_t n, int64_t dim, acc_t* acc) {
+  constexpr int64_t kD = 16;
+  int64_t d0 = 0;
+  for (; d0 + kD <= dim; d0 += kD) {
+    acc_t blk[kD];
+    for (int64_t d = 0; d < kD; ++d) blk[d] = acc[d0 + d];
+    for (int64_t j = 0; j < n; ++j) {
+      const acc_t wj = w[j];
+      const T* xj = x + j * dim + d0;
+      for (int64_t d = 0; d < kD; ++d) blk[d] += wj * static_cast<acc_t>(xj[d]);
+    }
+    for (int64_t d = 0; d < kD; ++d) acc[d0 + d] = blk[d];
+  }
+  for (int64_t j = 0; j < n && d0 < dim; ++j) {
+    for (int64_t d = d0; d < dim; ++d) acc[d] += w[j] * static_cast<acc_t>(x[j * dim + d]);
   }
 }
 
@@ -66,8 +102,9 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
   T* out = static_cast<T*>(p.out);
   acc_t* lse = static_cast<acc_t*>(p.lse);
   const int64_t rows = num_buckets(p.max_distance), group = p.heads / p.kv_heads;
-  std::vector<acc_t> s(p.k_len), qe, w, acc(p.dim), kt;
-  int64_t kt_of = -1;  // offset of the kv head whose keys are in kt
+  std::vector<acc_t> s(p.k_len), qe(rows), w, acc(p.dim), kt, ekt;
+  int64_t kt_of = -1;          // offset of the kv head whose keys are in kt
+  const T* ekt_of = nullptr;   // table whose rows are in ekt
   for (int64_t item = begin; item < end; ++item) {
     const int64_t i = item % p.q_len, h = (item / p.q_len) % p.heads, b = item / (p.q_len * p.heads);
     const T* qi = q + item * p.dim;
@@ -76,14 +113,17 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
       transpose_rows<T, acc_t>(k + kv, p.k_len, p.dim, kt);
       kt_of = kv;
     }
-    scores_row<T, acc_t>(qi, kt, p.k_len, p.dim, s.data());  // q_i . k_j
+    scores_row<T, acc_t>(qi, kt.data(), p.k_len, p.k_len, p.dim, s.data());  // q_i . k_j
     // Buckets reachable from row i: [b_lo, b_lo + nb).
     const int64_t b_lo = shaw_bucket(i, 0, p.max_distance, p.q_offset, p.k_offset);
     const int64_t nb = p.k_len == 0 ? 0 : shaw_bucket(i, p.k_len - 1, p.max_distance, p.q_offset, p.k_offset) - b_lo + 1;
-    if (rel_k != nullptr) {
+    if (rel_k != nullptr) {  // q_i . rel_k[b] over the reachable buckets
       const T* ek = rel_k + (p.rel_k_per_head ? h * rows * p.dim : 0);
-      qe.assign(nb, acc_t(0));
-      for (int64_t c = 0; c < nb; ++c) qe[c] = dot<T, acc_t>(qi, ek + (b_lo + c) * p.dim, p.dim);
+      if (ek != ekt_of) {
+        transpose_rows<T, acc_t>(ek, rows, p.dim, ekt);
+        ekt_of = ek;
+      }
+      scores_row<T, acc_t>(qi, ekt.data() + b_lo, rows, nb, p.dim, qe.data());
     }
     acc_t m = -std::numeric_limits<acc_t>::infinity();
     for (int64_t j = 0; j < p.k_len; ++j) {
@@ -105,14 +145,17 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
     acc_t l = 0;
     std::fill(acc.begin(), acc.end(), acc_t(0));
     w.assign(nb, acc_t(0));
-    for (int64_t j = 0; j < p.k_len; ++j) {
-      if (s[j] == -std::numeric_limits<acc_t>::infinity()) continue;
+    for (int64_t j = 0; j < p.k_len; ++j) {  // s becomes the row of probabilities
+      if (s[j] == -std::numeric_limits<acc_t>::infinity()) {  // masked
+        s[j] = acc_t(0);
+        continue;
+      }
       const acc_t pij = std::exp(s[j] - m);
+      s[j] = pij;
       l += pij;
-      const T* vj = v + kv + j * p.dim;
-      for (int64_t d = 0; d < p.dim; ++d) acc[d] += pij * static_cast<acc_t>(vj[d]);
       if (rel_v != nullptr) w[shaw_bucket(i, j, p.max_distance, p.q_offset, p.k_offset) - b_lo] += pij;
     }
+    accumulate_rows<T, acc_t>(s.data(), v + kv, p.k_len, p.dim, acc.data());  // P V
     if (rel_v != nullptr) {  // value term: W @ rel_v over the reachable buckets
       const T* ev = rel_v + (p.rel_v_per_head ? h * rows * p.dim : 0);
       for (int64_t c = 0; c < nb; ++c) {
@@ -127,7 +170,12 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
 }
 
 // Work items: (b, kv head) of batch * kv_heads; each item owns dk/dv of its kv head and the
-// table-gradient partials of its query heads, so nothing is shared between threads.
+// table-gradient partials of its query heads, so nothing is shared between threads. Query rows
+// go in blocks of kBwdRows: the probabilities and dS of a block are computed first, then each
+// key's dk/dv row takes the block's contributions while it is in cache (the same sums in the
+// same order as row by row, which streamed all of dk/dv through the cache for every row).
+constexpr int64_t kBwdRows = 8;
+
 template <typename T>
 void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int64_t end) {
   using acc_t = at::opmath_type<T>;
@@ -145,72 +193,114 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
   T* dv = static_cast<T*>(bp.dv);
   acc_t* pk = static_cast<acc_t*>(bp.drel_k_partial);
   acc_t* pv = static_cast<acc_t*>(bp.drel_v_partial);
-  const int64_t rows = num_buckets(p.max_distance), group = p.heads / p.kv_heads;
+  const int64_t rows = num_buckets(p.max_distance), group = p.heads / p.kv_heads, D = p.dim;
   const acc_t scale = static_cast<acc_t>(p.scale);
-  std::vector<acc_t> dk_acc(p.k_len * p.dim), dv_acc(p.k_len * p.dim), qe, de, wds, wp, dqi(p.dim);
-  std::vector<acc_t> kt, vt, srow(p.k_len), dprow(p.k_len);
+  std::vector<acc_t> dk_acc(p.k_len * D), dv_acc(p.k_len * D), qe(rows), de(rows), kt, vt, ekt, evt;
+  std::vector<acc_t> dprow(p.k_len);
+  // per row of a block: P and scale * dS over the keys, the per-bucket sums of both, and dq
+  std::vector<acc_t> pblk(kBwdRows * p.k_len), dsblk(kBwdRows * p.k_len), dqblk(kBwdRows * D);
+  std::vector<acc_t> wds[kBwdRows], wp[kBwdRows];
   for (int64_t item = begin; item < end; ++item) {
     const int64_t b = item / p.kv_heads, hk = item % p.kv_heads;
-    const int64_t kv = item * p.k_len * p.dim;
-    transpose_rows<T, acc_t>(k + kv, p.k_len, p.dim, kt);
-    transpose_rows<T, acc_t>(v + kv, p.k_len, p.dim, vt);
+    const int64_t kv = item * p.k_len * D;
+    transpose_rows<T, acc_t>(k + kv, p.k_len, D, kt);
+    transpose_rows<T, acc_t>(v + kv, p.k_len, D, vt);
     std::fill(dk_acc.begin(), dk_acc.end(), acc_t(0));
     std::fill(dv_acc.begin(), dv_acc.end(), acc_t(0));
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-      const T* ek = rel_k ? rel_k + (p.rel_k_per_head ? h * rows * p.dim : 0) : nullptr;
-      const T* ev = rel_v ? rel_v + (p.rel_v_per_head ? h * rows * p.dim : 0) : nullptr;
-      acc_t* pkh = pk ? pk + (b * p.heads + h) * rows * p.dim : nullptr;
-      acc_t* pvh = pv ? pv + (b * p.heads + h) * rows * p.dim : nullptr;
-      for (int64_t i = 0; i < p.q_len; ++i) {
-        const int64_t row = (b * p.heads + h) * p.q_len + i;
-        const acc_t li = lse[row];
-        if (std::isinf(li)) continue;  // no visible key: every p_ij is 0
-        const T* qi = q + row * p.dim;
-        const T* doi = dout + row * p.dim;
-        const T* oi = out + row * p.dim;
-        const int64_t b_lo = shaw_bucket(i, 0, p.max_distance, p.q_offset, p.k_offset);
-        const int64_t nb = shaw_bucket(i, p.k_len - 1, p.max_distance, p.q_offset, p.k_offset) - b_lo + 1;
-        qe.assign(nb, acc_t(0));
-        de.assign(nb, acc_t(0));
-        wds.assign(nb, acc_t(0));
-        wp.assign(nb, acc_t(0));
-        for (int64_t c = 0; c < nb; ++c) {
-          if (ek) qe[c] = dot<T, acc_t>(qi, ek + (b_lo + c) * p.dim, p.dim);
-          if (ev) de[c] = dot<T, acc_t>(doi, ev + (b_lo + c) * p.dim, p.dim);
-        }
-        const acc_t di = dot<T, acc_t>(doi, oi, p.dim);
-        scores_row<T, acc_t>(qi, kt, p.k_len, p.dim, srow.data());    // q_i . k_j
-        scores_row<T, acc_t>(doi, vt, p.k_len, p.dim, dprow.data());  // dO_i . v_j
-        std::fill(dqi.begin(), dqi.end(), acc_t(0));
-        for (int64_t j = 0; j < p.k_len; ++j) {
-          if (!key_visible(p, b, i, j)) continue;
-          const int64_t c = shaw_bucket(i, j, p.max_distance, p.q_offset, p.k_offset) - b_lo;
-          const T* kj = k + kv + j * p.dim;
-          acc_t sij = srow[j] + (ek ? qe[c] : acc_t(0));
-          const acc_t pij = std::exp(sij * scale - li);
-          const acc_t dpij = dprow[j] + (ev ? de[c] : acc_t(0));
-          const acc_t dsij = pij * (dpij - di);
-          wds[c] += dsij;
-          wp[c] += pij;
-          for (int64_t d = 0; d < p.dim; ++d) {
-            dv_acc[j * p.dim + d] += pij * static_cast<acc_t>(doi[d]);
-            dk_acc[j * p.dim + d] += scale * dsij * static_cast<acc_t>(qi[d]);
-            dqi[d] += scale * dsij * static_cast<acc_t>(kj[d]);
-          }
-        }
-        for (int64_t c = 0; c < nb; ++c) {
-          for (int64_t d = 0; d < p.dim; ++d) {
-            if (ek) {
-              dqi[d] += scale * wds[c] * static_cast<acc_t>(ek[(b_lo + c) * p.dim + d]);
-              pkh[(b_lo + c) * p.dim + d] += scale * wds[c] * static_cast<acc_t>(qi[d]);
+      const T* ek = rel_k ? rel_k + (p.rel_k_per_head ? h * rows * D : 0) : nullptr;
+      const T* ev = rel_v ? rel_v + (p.rel_v_per_head ? h * rows * D : 0) : nullptr;
+      acc_t* pkh = pk ? pk + (b * p.heads + h) * rows * D : nullptr;
+      acc_t* pvh = pv ? pv + (b * p.heads + h) * rows * D : nullptr;
+      if (ek) transpose_rows<T, acc_t>(ek, rows, D, ekt);
+      if (ev) transpose_rows<T, acc_t>(ev, rows, D, evt);
+      const int64_t row0 = (b * p.heads + h) * p.q_len;
+      for (int64_t i0 = 0; i0 < p.q_len; i0 += kBwdRows) {
+        const int64_t nr = std::min(kBwdRows, p.q_len - i0);
+        std::fill(dqblk.begin(), dqblk.end(), acc_t(0));
+        bool active[kBwdRows];
+        // 1. P and dS of each row of the block, and their per-bucket sums
+        for (int64_t r = 0; r < nr; ++r) {
+          const int64_t i = i0 + r, row = row0 + i;
+          acc_t* pr = pblk.data() + r * p.k_len;
+          acc_t* dsr = dsblk.data() + r * p.k_len;
+          const acc_t li = lse[row];
+          active[r] = !std::isinf(li);  // no visible key: every p_ij is 0
+          if (!active[r]) continue;
+          const T* qi = q + row * D;
+          const T* doi = dout + row * D;
+          const int64_t b_lo = shaw_bucket(i, 0, p.max_distance, p.q_offset, p.k_offset);
+          const int64_t nb = shaw_bucket(i, p.k_len - 1, p.max_distance, p.q_offset, p.k_offset) - b_lo + 1;
+          wds[r].assign(nb, acc_t(0));
+          wp[r].assign(nb, acc_t(0));
+          // q_i . rel_k[b] and dO_i . rel_v[b] over the reachable buckets
+          if (ek) scores_row<T, acc_t>(qi, ekt.data() + b_lo, rows, nb, D, qe.data());
+          if (ev) scores_row<T, acc_t>(doi, evt.data() + b_lo, rows, nb, D, de.data());
+          const acc_t di = dot<T, acc_t>(doi, out + row * D, D);
+          scores_row<T, acc_t>(qi, kt.data(), p.k_len, p.k_len, D, pr);             // q_i . k_j, then P
+          scores_row<T, acc_t>(doi, vt.data(), p.k_len, p.k_len, D, dprow.data());  // dO_i . v_j
+          for (int64_t j = 0; j < p.k_len; ++j) {
+            if (!key_visible(p, b, i, j)) {
+              pr[j] = dsr[j] = acc_t(0);
+              continue;
             }
-            if (ev) pvh[(b_lo + c) * p.dim + d] += wp[c] * static_cast<acc_t>(doi[d]);
+            const int64_t c = shaw_bucket(i, j, p.max_distance, p.q_offset, p.k_offset) - b_lo;
+            const acc_t sij = pr[j] + (ek ? qe[c] : acc_t(0));
+            const acc_t pij = std::exp(sij * scale - li);
+            const acc_t dpij = dprow[j] + (ev ? de[c] : acc_t(0));
+            const acc_t dsij = pij * (dpij - di);
+            wds[r][c] += dsij;
+            wp[r][c] += pij;
+            pr[j] = pij;
+            dsr[j] = scale * dsij;
           }
         }
-        for (int64_t d = 0; d < p.dim; ++d) dq[row * p.dim + d] = static_cast<T>(dqi[d]);
+        // 2. per key: dv_j += sum_r p_rj dO_r, dk_j += sum_r scale ds_rj q_r, dq_r += scale ds_rj k_j
+        for (int64_t j = 0; j < p.k_len; ++j) {
+          const T* kj = k + kv + j * D;
+          acc_t* dvj = dv_acc.data() + j * D;
+          acc_t* dkj = dk_acc.data() + j * D;
+          for (int64_t r = 0; r < nr; ++r) {
+            const acc_t pij = pblk[r * p.k_len + j], gij = dsblk[r * p.k_len + j];
+            if (!active[r] || (pij == acc_t(0) && gij == acc_t(0))) continue;
+            const T* qi = q + (row0 + i0 + r) * D;
+            const T* doi = dout + (row0 + i0 + r) * D;
+            acc_t* dqr = dqblk.data() + r * D;
+            // three loops, not one: each has one output and one input, which the compiler can
+            // vectorise after a single overlap check (six pointers in one loop were too many)
+            for (int64_t d = 0; d < D; ++d) dvj[d] += pij * static_cast<acc_t>(doi[d]);
+            for (int64_t d = 0; d < D; ++d) dkj[d] += gij * static_cast<acc_t>(qi[d]);
+            for (int64_t d = 0; d < D; ++d) dqr[d] += gij * static_cast<acc_t>(kj[d]);
+          }
+        }
+        // 3. the relative terms of the block's rows, and dq out
+        for (int64_t r = 0; r < nr; ++r) {
+          const int64_t i = i0 + r, row = row0 + i;
+          acc_t* dqr = dqblk.data() + r * D;
+          if (active[r]) {
+            const T* qi = q + row * D;
+            const T* doi = dout + row * D;
+            const int64_t b_lo = shaw_bucket(i, 0, p.max_distance, p.q_offset, p.k_offset);
+            for (int64_t c = 0; c < static_cast<int64_t>(wds[r].size()); ++c) {
+              // one output per loop, so each vectorises (as in step 2)
+              const acc_t gk = scale * wds[r][c], gv = wp[r][c];
+              if (ek) {
+                const T* e = ek + (b_lo + c) * D;
+                acc_t* tk = pkh + (b_lo + c) * D;
+                for (int64_t d = 0; d < D; ++d) dqr[d] += gk * static_cast<acc_t>(e[d]);
+                for (int64_t d = 0; d < D; ++d) tk[d] += gk * static_cast<acc_t>(qi[d]);
+              }
+              if (ev) {
+                acc_t* tv = pvh + (b_lo + c) * D;
+                for (int64_t d = 0; d < D; ++d) tv[d] += gv * static_cast<acc_t>(doi[d]);
+              }
+            }
+          }
+          for (int64_t d = 0; d < D; ++d) dq[row * D + d] = static_cast<T>(dqr[d]);
+        }
       }
     }
-    for (int64_t e = 0; e < p.k_len * p.dim; ++e) {
+    for (int64_t e = 0; e < p.k_len * D; ++e) {
       dk[kv + e] = static_cast<T>(dk_acc[e]);
       dv[kv + e] = static_cast<T>(dv_acc[e]);
     }
