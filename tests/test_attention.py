@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -87,11 +89,8 @@ def _call(backend, tensors, kw):
     )
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", list(CASES))
-def test_rel_attention_forward(backend, dtype, name):
-    _attention_backend(backend)
-    tensors, kw = make_inputs(CASES[name], dtype)
+def _check_forward(backend, dtype, case):
+    tensors, kw = make_inputs(case, dtype)
     out, lse = _call(backend, tensors, kw)
     exp_out, exp_lse = ref.shaw_attention(*(_f64(x) for x in tensors), **kw, return_lse=True)
     assert out.shape == exp_out.shape and lse.shape == exp_lse.shape
@@ -101,11 +100,8 @@ def test_rel_attention_forward(backend, dtype, name):
     assert_close(lse, exp_lse.to(lse_dtype), lse_dtype, scale=4 if dtype == lse_dtype else 1000)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", list(CASES))
-def test_rel_attention_backward(backend, dtype, name):
-    _attention_backend(backend)
-    tensors, kw = make_inputs(CASES[name], dtype)
+def _check_backward(backend, dtype, case):
+    tensors, kw = make_inputs(case, dtype)
     t64 = [_f64(x) for x in tensors]
     exp_out = ref.shaw_attention(*t64, **kw)
     grad = torch.randn(exp_out.shape, dtype=torch.float64).to(dtype)
@@ -124,6 +120,43 @@ def test_rel_attention_backward(backend, dtype, name):
             continue
         assert torch.isfinite(got).all()
         assert_close(got, next(expected), dtype, scale=8 * (x.shape[-2] ** 0.5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_rel_attention_forward(backend, dtype, name):
+    _attention_backend(backend)
+    _check_forward(backend, dtype, CASES[name])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_rel_attention_backward(backend, dtype, name):
+    _attention_backend(backend)
+    _check_backward(backend, dtype, CASES[name])
+
+
+def random_case(seed: int) -> tuple:
+    """A seeded random CASES entry around the kernels' tile and block edges (query rows 32/33 for
+    the AVX2 forward's two score paths, 8 for the scalar backward's row blocks, 64 for tiles)."""
+    r = random.Random(seed)
+    hk = r.choice([1, 2])
+    lk = r.choice([1, 5, 63, 64, 65, 129])
+    tables = r.choice([(True, True), (True, False), (False, True)])
+    return (r.choice([1, 2]), hk * r.choice([1, 2]), hk,
+            r.choice([1, 2, 7, 8, 9, 31, 32, 33, 63, 64, 65, 100]), lk,
+            r.choice([1, 8, 13, 16, 33, 64, 72]), r.choice([0, 1, 3, 16, 200]),
+            r.randint(-3, lk), r.randint(0, 3), r.random() < 0.5, r.random() < 0.5,
+            r.random() < 0.3, *tables)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_rel_attention_random_cases(backend, seed):
+    """Forward and backward of 16 seeded random configurations (float32) against the reference."""
+    _attention_backend(backend)
+    case = random_case(seed)
+    _check_forward(backend, torch.float32, case)
+    _check_backward(backend, torch.float32, case)
 
 
 # (bfloat16 stops at 30: at 1000 its rounding of `out`, which the backward reads, times q's size
