@@ -172,8 +172,8 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
 // Work items: (b, kv head) of batch * kv_heads; each item owns dk/dv of its kv head and the
 // table-gradient partials of its query heads, so nothing is shared between threads. Query rows
 // go in blocks of kBwdRows: the probabilities and dS of a block are computed first, then each
-// key's dk/dv row takes the block's contributions while it is in cache (the same sums in the
-// same order as row by row, which streamed all of dk/dv through the cache for every row).
+// key's dk/dv row takes the block's contributions in registers (accumulate_rows) - the same
+// sums in the same order as row by row, where all of dk/dv went through memory for every row.
 constexpr int64_t kBwdRows = 8;
 
 template <typename T>
@@ -199,6 +199,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
   std::vector<acc_t> dprow(p.k_len);
   // per row of a block: P and scale * dS over the keys, the per-bucket sums of both, and dq
   std::vector<acc_t> pblk(kBwdRows * p.k_len), dsblk(kBwdRows * p.k_len), dqblk(kBwdRows * D);
+  std::vector<acc_t> pcol(kBwdRows * p.k_len), dscol(kBwdRows * p.k_len);  // the same, key-major
   std::vector<acc_t> wds[kBwdRows], wp[kBwdRows];
   for (int64_t item = begin; item < end; ++item) {
     const int64_t b = item / p.kv_heads, hk = item % p.kv_heads;
@@ -226,7 +227,11 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
           acc_t* dsr = dsblk.data() + r * p.k_len;
           const acc_t li = lse[row];
           active[r] = !std::isinf(li);  // no visible key: every p_ij is 0
-          if (!active[r]) continue;
+          if (!active[r]) {
+            std::fill(pr, pr + p.k_len, acc_t(0));
+            std::fill(dsr, dsr + p.k_len, acc_t(0));
+            continue;
+          }
           const T* qi = q + row * D;
           const T* doi = dout + row * D;
           const int64_t b_lo = shaw_bucket(i, 0, p.max_distance, p.q_offset, p.k_offset);
@@ -255,23 +260,22 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
             dsr[j] = scale * dsij;
           }
         }
-        // 2. per key: dv_j += sum_r p_rj dO_r, dk_j += sum_r scale ds_rj q_r, dq_r += scale ds_rj k_j
-        for (int64_t j = 0; j < p.k_len; ++j) {
-          const T* kj = k + kv + j * D;
-          acc_t* dvj = dv_acc.data() + j * D;
-          acc_t* dkj = dk_acc.data() + j * D;
-          for (int64_t r = 0; r < nr; ++r) {
-            const acc_t pij = pblk[r * p.k_len + j], gij = dsblk[r * p.k_len + j];
-            if (!active[r] || (pij == acc_t(0) && gij == acc_t(0))) continue;
-            const T* qi = q + (row0 + i0 + r) * D;
-            const T* doi = dout + (row0 + i0 + r) * D;
-            acc_t* dqr = dqblk.data() + r * D;
-            // three loops, not one: each has one output and one input, which the compiler can
-            // vectorise after a single overlap check (six pointers in one loop were too many)
-            for (int64_t d = 0; d < D; ++d) dvj[d] += pij * static_cast<acc_t>(doi[d]);
-            for (int64_t d = 0; d < D; ++d) dkj[d] += gij * static_cast<acc_t>(qi[d]);
-            for (int64_t d = 0; d < D; ++d) dqr[d] += gij * static_cast<acc_t>(kj[d]);
+        // 2. dv_j += sum_r p_rj dO_r and dk_j += sum_r scale ds_rj q_r per key j (over the block's
+        // rows, key-major copies of P and dS), dq_r += sum_j scale ds_rj k_j per row
+        for (int64_t r = 0; r < nr; ++r) {
+          for (int64_t j = 0; j < p.k_len; ++j) {
+            pcol[j * kBwdRows + r] = pblk[r * p.k_len + j];
+            dscol[j * kBwdRows + r] = dsblk[r * p.k_len + j];
           }
+        }
+        const T* q_blk = q + (row0 + i0) * D;
+        const T* do_blk = dout + (row0 + i0) * D;
+        for (int64_t j = 0; j < p.k_len; ++j) {
+          accumulate_rows<T, acc_t>(pcol.data() + j * kBwdRows, do_blk, nr, D, dv_acc.data() + j * D);
+          accumulate_rows<T, acc_t>(dscol.data() + j * kBwdRows, q_blk, nr, D, dk_acc.data() + j * D);
+        }
+        for (int64_t r = 0; r < nr; ++r) {
+          accumulate_rows<T, acc_t>(dsblk.data() + r * p.k_len, k + kv, p.k_len, D, dqblk.data() + r * D);
         }
         // 3. the relative terms of the block's rows, and dq out
         for (int64_t r = 0; r < nr; ++r) {
