@@ -60,8 +60,13 @@ struct AttnTile {
   static constexpr int dkdv_smem() { return 2 * kOwn * kD + 2 * (kLanes + kBand) * kLd + 2 * kOwn * kLdP; }
 };
 
-RELPOS_DEVICE float exp_acc(float x) { return expf(x); }
-RELPOS_DEVICE double exp_acc(double x) { return exp(x); }
+// The softmax works in base 2, as the CPU AVX2 kernel does: logits are scaled by
+// scale * log2(e) and exponentiated with exp2 (one MUFU.EX2 in float, no range reduction in the
+// caller); the log-sum-exp the op stores stays in base e (lse = m * ln 2 + ln l).
+constexpr double kLog2e = 1.4426950408889634;
+constexpr double kLn2 = 0.6931471805599453;
+RELPOS_DEVICE float exp2_acc(float x) { return exp2f(x); }
+RELPOS_DEVICE double exp2_acc(double x) { return exp2(x); }
 RELPOS_DEVICE float log_acc(float x) { return logf(x); }
 RELPOS_DEVICE double log_acc(double x) { return log(x); }
 
@@ -253,7 +258,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
                 : static_cast<const T*>(p.rel_k) + (p.rel_k_per_head ? h * table_rows * D : 0);
   const T* ev = p.rel_v == nullptr ? nullptr
                 : static_cast<const T*>(p.rel_v) + (p.rel_v_per_head ? h * table_rows * D : 0);
-  const A scale = static_cast<A>(p.scale);
+  const A scale2 = static_cast<A>(p.scale * kLog2e);  // logits in base 2
   const int n_chunks = static_cast<int>((D + Tl::kDK - 1) / Tl::kDK);
 
   stage_owned<Tl>(sQ, static_cast<const T*>(p.q) + (bh * p.q_len + i0) * D, nq, D);
@@ -322,14 +327,14 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
       if (attn_visible(p, b, i, j)) {
         const A* qe = sQe + (warp * R + rr) * 2;
         const A rel = ek == nullptr ? A(0) : (j < in.begin ? qe[0] : (j >= in.end ? qe[1] : se[rr]));
-        x = (s[rr] + rel) * scale;
+        x = (s[rr] + rel) * scale2;
       }
       const A mt = warp_max(x);
       const A mn = mt > m[rr] ? mt : m[rr];
       A pr = 0, alpha = 1;
-      if (mn != A(-INFINITY)) {  // exp(-inf) = 0 covers masked keys and the first visible tile
-        pr = exp_acc(x - mn);
-        alpha = exp_acc(m[rr] - mn);
+      if (mn != A(-INFINITY)) {  // exp2(-inf) = 0 covers masked keys and the first visible tile
+        pr = exp2_acc(x - mn);
+        alpha = exp2_acc(m[rr] - mn);
       }
       m[rr] = mn;
       l[rr] = l[rr] * alpha + pr;
@@ -378,7 +383,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
       }
       out[r * D + d] = from_float<T>(empty ? A(0) : o * inv);
     }
-    if (lane == 0) lse[r] = empty ? A(INFINITY) : m[rr] + log_acc(lsum);
+    if (lane == 0) lse[r] = empty ? A(INFINITY) : m[rr] * A(kLn2) + log_acc(lsum);
   }
 }
 
@@ -432,13 +437,14 @@ struct ProbGrad {
 template <typename A>
 RELPOS_DEVICE ProbGrad<A> prob_grad(bool visible, bool has_k, bool has_v, int64_t j,
                                     int64_t in_begin, int64_t in_end, A s, A se, A dp, A dpe,
-                                    const A* row, A lse, A scale) {
+                                    const A* row, A lse2, A scale2) {
   ProbGrad<A> r{0, 0};
   if (!visible) return r;
   const bool lo = j < in_begin, hi = j >= in_end;
   const A qe = has_k ? (lo ? row[kRowQeLo] : (hi ? row[kRowQeHi] : se)) : A(0);
   const A de = has_v ? (lo ? row[kRowDeLo] : (hi ? row[kRowDeHi] : dpe)) : A(0);
-  r.p = exp_acc((s + qe) * scale - lse);  // lse = +inf (no visible key in the row) gives 0
+  // base 2 (scale2 = scale * log2 e, lse2 = lse * log2 e); lse = +inf (no visible key) gives 0
+  r.p = exp2_acc((s + qe) * scale2 - lse2);
   r.ds = r.p * (dp + de - row[kRowDi]);
   return r;
 }
@@ -446,7 +452,7 @@ RELPOS_DEVICE ProbGrad<A> prob_grad(bool visible, bool has_k, bool has_v, int64_
 // ---- backward: dq and the table gradients ------------------------------------------------------
 // Grid: batch * heads * ceil(q_len / kOwn) blocks. Shared memory: sQ, sdO [kOwn][kD] |
 // sK, sV [32][kLd] chunks | sEk, sEv [kBand][kLd] band chunks | sP, sDS [kOwn][33] | sLo [kOwn][4]
-// (per row: clamped ds mass lo/hi, clamped p mass lo/hi) | sRow [kOwn][1 + kRowTerms] (lse, ws row). dq accumulates in registers; the table
+// (per row: clamped ds mass lo/hi, clamped p mass lo/hi) | sRow [kOwn][1 + kRowTerms] (lse in base 2, ws row). dq accumulates in registers; the table
 // gradients of the band go straight to drel_*_partial with atomicAdd (rows shared by query tiles).
 template <typename T, int kDC>
 __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
@@ -485,6 +491,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
   A* pv = bp.drel_v_partial == nullptr ? nullptr
           : static_cast<A*>(bp.drel_v_partial) + bh * table_rows * D;
   const A scale = static_cast<A>(p.scale);
+  const A scale2 = static_cast<A>(p.scale * kLog2e);  // the softmax is in base 2
   const int n_chunks = static_cast<int>((D + Tl::kDK - 1) / Tl::kDK);
 
   stage_owned<Tl>(sQ, static_cast<const T*>(p.q) + (bh * p.q_len + i0) * D, nq, D);
@@ -493,7 +500,8 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
     const int r = idx / (1 + kRowTerms), t = idx % (1 + kRowTerms);
     const int64_t row = bh * p.q_len + i0 + r;
     sRow[idx] = r >= nq ? (t == 0 ? A(INFINITY) : A(0))
-                        : (t == 0 ? static_cast<const A*>(p.lse)[row] : ws[row * kRowTerms + t - 1]);
+                        : (t == 0 ? static_cast<const A*>(p.lse)[row] * A(kLog2e)  // base 2
+                                  : ws[row * kRowTerms + t - 1]);
   }
   __syncthreads();
   const A* my_q = sQ + warp * R * Tl::kD;
@@ -541,7 +549,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
       const A* row = sRow + (warp * R + rr) * (1 + kRowTerms);
       const ProbGrad<A> g = prob_grad(attn_visible(p, b, i, j), ek != nullptr, ev != nullptr, j,
                                       in.begin, in.end, s[rr], se[rr], dp[rr], dpe[rr], row + 1,
-                                      row[0], scale);
+                                      row[0], scale2);
       const bool lo = j < in.begin, hi = j >= in.end;
       m_lo[rr][0] += lo ? g.ds : A(0);
       m_lo[rr][1] += hi ? g.ds : A(0);
@@ -663,6 +671,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
   const int64_t D = p.dim, K = p.max_distance, table_rows = num_buckets(K);
   const int64_t group = p.heads / p.kv_heads;
   const A scale = static_cast<A>(p.scale);
+  const A scale2 = static_cast<A>(p.scale * kLog2e);  // the softmax is in base 2
   const int n_chunks = static_cast<int>((D + Tl::kDK - 1) / Tl::kDK);
 
   stage_owned<Tl>(sK, static_cast<const T*>(p.k) + (bkv * p.k_len + j0) * D, nk, D);
@@ -694,7 +703,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
       const int64_t i = i0 + lane;
       const int nq = static_cast<int>(p.q_len - i0 < Tl::kLanes ? p.q_len - i0 : Tl::kLanes);
       const bool valid = i < p.q_len;
-      const A lse = valid ? static_cast<const A*>(p.lse)[bh * p.q_len + i] : A(INFINITY);
+      const A lse2 = valid ? static_cast<const A*>(p.lse)[bh * p.q_len + i] * A(kLog2e) : A(INFINITY);
       A row[kRowTerms];
       RELPOS_UNROLL
       for (int t = 0; t < kRowTerms; ++t) row[t] = valid ? ws[(bh * p.q_len + i) * kRowTerms + t] : A(0);
@@ -726,7 +735,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
         const int64_t j = j0 + warp * R + rr;
         const ProbGrad<A> pg = prob_grad(attn_visible(p, b, i, j), ek != nullptr, ev != nullptr, j,
                                          in.begin, in.end, s[rr], se[rr], dp[rr], dpe[rr], row,
-                                         lse, scale);
+                                         lse2, scale2);
         sP[(warp * R + rr) * Tl::kLdP + lane] = pg.p;
         sDS[(warp * R + rr) * Tl::kLdP + lane] = pg.ds;
       }
