@@ -34,7 +34,8 @@ acc_t dot(const T* a, const T* b, int64_t n) {
   return s;
 }
 
-// xt[d * n + j] = x[j * dim + d]: the n rows of a kv head, transposed and in acc_t.
+// xt[d * n + j] = x[j * dim + d]: n rows (the keys or values of a kv head, a table) transposed,
+// in acc_t.
 template <typename T, typename acc_t>
 void transpose_rows(const T* x, int64_t n, int64_t dim, std::vector<acc_t>& xt) {
   xt.resize(n * dim);
