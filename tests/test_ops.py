@@ -166,6 +166,22 @@ def test_rel_logits_backward(backend, dtype, case):
     assert_close(dt, torch.zeros_like(t64) if dt_ref is None else dt_ref, dtype, scale)
 
 
+def test_rel_logits_backward_in_head_groups():
+    """Unclipped and long enough that the per-row bucket sums of one head pass the 32 MiB chunk
+    of OpsImpl::rel_logits_backward: heads go one at a time (the glue is shared by CPU and CUDA,
+    so the CPU op covers it), and the result must not depend on it."""
+    b, h, length, d = 2, 3, 1500, 4
+    q = torch.randn(b, h, length, d)
+    table = torch.randn(h, 2 * (length - 1) + 1, d) * 0.1
+    grad = torch.randn(b, h, length, length)
+    q64, t64 = q.double().requires_grad_(), table.double().requires_grad_()
+    out = ref.rel_logits(q64, t64, length - 1, length, 0, 0)
+    dq_ref, dt_ref = torch.autograd.grad(out, (q64, t64), grad.double())
+    dq, dt = torch.ops.relpos.rel_logits_backward(grad, q, table, length - 1, 0, 0)
+    assert_close(dq, dq_ref, torch.float32, scale=length**0.5)
+    assert_close(dt, dt_ref, torch.float32, scale=(b * length) ** 0.5)
+
+
 def test_rel_logits_unclipped_music_transformer(backend):
     """K >= max(Lq, Lk) - 1: every distance has its own row (Huang et al. 2018)."""
     lq = lk = 33

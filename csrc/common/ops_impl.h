@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <tuple>
 
 #include "common/params.h"
@@ -175,8 +176,11 @@ struct OpsImpl {
   }
 
   // dq[i] = sum_j g[i, j] table[b(i, j)] and dtable[b] = sum_{i, j: b(i, j) = b} g[i, j] q[i], both
-  // through wsum (the per-row bucket mass of g, see BucketSumParams): O(Lq * (Lq + Lk)) memory,
-  // never [Lq, Lk, D].
+  // through wsum (the per-row bucket mass of g, see BucketSumParams), never [Lq, Lk, D]. wsum is
+  // [Lq, C] per (b, h), C up to Lq + Lk - 1 buckets when unclipped, so it is built for a group of
+  // heads of one batch entry at a time, at most about kWsumChunkBytes (one head at least).
+  static constexpr int64_t kWsumChunkBytes = int64_t(32) << 20;
+
   static std::tuple<at::Tensor, at::Tensor> rel_logits_backward(
       const at::Tensor& grad, const at::Tensor& q, const at::Tensor& table, int64_t max_distance,
       int64_t q_offset, int64_t k_offset) {
@@ -198,17 +202,30 @@ struct OpsImpl {
     const int64_t bucket0 = first_bucket(q_len, max_distance, q_offset, k_offset);
     const int64_t num_cols = last_bucket(k_len, max_distance, q_offset, k_offset) - bucket0 + 1;
     const auto acc_type = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-    at::Tensor wsum = at::empty({batch, heads, q_len, num_cols}, g.options().dtype(acc_type));
-    Backend::bucket_sum(BucketSumParams{g.data_ptr(), wsum.data_ptr(), batch, heads, q_len, k_len,
-                                        max_distance, q_offset, k_offset, bucket0, num_cols,
-                                        dtype_of(g)});
+    const bool per_head = table.dim() == 3;
     const at::Tensor rows = table.narrow(-2, bucket0, num_cols).to(acc_type);  // [(H,) C, D]
-    const at::Tensor dq = at::matmul(wsum, rows).to(q.scalar_type());
-    // [B, H, C, D] summed over the batch (and the heads for a shared table)
-    at::Tensor dtab = at::matmul(wsum.transpose(-1, -2), q.to(acc_type)).sum(0);
-    if (table.dim() == 2) dtab = dtab.sum(0);
+    const at::Tensor qa = q.to(acc_type);
+    at::Tensor dq = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+    // [H, C, D] per head, summed over the batch (and over the heads below for a shared table)
+    at::Tensor dtab = at::zeros({heads, num_cols, q.size(3)}, q.options().dtype(acc_type));
+    const int64_t head_bytes = q_len * num_cols * static_cast<int64_t>(acc_type == at::kDouble ? 8 : 4);
+    const int64_t group = std::max<int64_t>(1, std::min<int64_t>(heads, kWsumChunkBytes / head_bytes));
+    at::Tensor wsum = at::empty({group, q_len, num_cols}, g.options().dtype(acc_type));
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t h0 = 0; h0 < heads; h0 += group) {
+        const int64_t nh = std::min(group, heads - h0);
+        const at::Tensor g_bh = g.select(0, b).narrow(0, h0, nh);  // contiguous [nh, Lq, Lk]
+        const at::Tensor w = wsum.narrow(0, 0, nh);
+        Backend::bucket_sum(BucketSumParams{g_bh.data_ptr(), w.data_ptr(), 1, nh, q_len, k_len,
+                                            max_distance, q_offset, k_offset, bucket0, num_cols,
+                                            dtype_of(g)});
+        const at::Tensor r = per_head ? rows.narrow(0, h0, nh) : rows;
+        dq.select(0, b).narrow(0, h0, nh).copy_(at::matmul(w, r));
+        dtab.narrow(0, h0, nh).add_(at::matmul(w.transpose(-1, -2), qa.select(0, b).narrow(0, h0, nh)));
+      }
+    }
     at::Tensor dtable = at::zeros(table.sizes(), table.options().dtype(acc_type));
-    dtable.narrow(-2, bucket0, num_cols).copy_(dtab);
+    dtable.narrow(-2, bucket0, num_cols).copy_(per_head ? dtab : dtab.sum(0));
     return {dq, dtable.to(table.scalar_type())};
   }
 };
