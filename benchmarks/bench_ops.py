@@ -48,6 +48,7 @@ from _common import (  # benchmarks/_common.py, beside this script
 )
 
 BATCH, HEADS, DIM = 1, 8, 64
+WSUM_CHUNK_BYTES = 32 << 20  # OpsImpl::kWsumChunkBytes (csrc/common/ops_impl.h)
 METHODS = ("ours", "gather_einsum", "matmul_gather")
 LABELS = {
     "ours": "ours: relpos_ext.rel_logits",
@@ -80,7 +81,8 @@ def analytic_intermediate(method: str, mode: str, length: int, k: int, itemsize:
     (a): the gathered ``[Lq, Lk, D]`` (and its gradient, alive at the same time, in backward).
     (b): ``q @ E^T`` ``[B, H, Lq, 2K+1]`` or the ``[Lq, Lk]`` int64 bucket index, the larger.
     ours: forward none (O(D) per row on the stack); backward the per-row bucket sums ``wsum``
-    ``[B, H, Lq, min(2K+1, Lq+Lk-1)]`` in float32/float64.
+    ``[Lq, min(2K+1, Lq+Lk-1)]`` in float32/float64 for a group of heads at a time: as many as
+    fit in 32 MiB, at least one (``OpsImpl::rel_logits_backward``).
     """
     rows = 2 * k + 1
     if method == "gather_einsum":
@@ -100,7 +102,9 @@ def analytic_intermediate(method: str, mode: str, length: int, k: int, itemsize:
     if mode == "fwd":
         return {"bytes": 0, "what": "none (O(D) per row)"}
     cols = min(rows, 2 * length - 1)
-    return {"bytes": BATCH * HEADS * length * cols * max(itemsize, 4), "what": "wsum [B,H,Lq,C]"}
+    head = length * cols * max(itemsize, 4)
+    group = max(1, min(HEADS, WSUM_CHUNK_BYTES // head))
+    return {"bytes": group * head, "what": f"wsum [{group} heads,Lq,C]"}
 
 
 # --------------------------------------------------------------------------- measuring
