@@ -156,19 +156,14 @@ void add_row(const float* x, float* y, int64_t n) {  // y += x
   for (; i < n; ++i) y[i] += x[i];
 }
 
-void scale_row(float alpha, float* y, int64_t n) {
-  const __m256 a = _mm256_set1_ps(alpha);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(a, _mm256_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] *= alpha;
-}
-
-void scale_copy(const float* x, float alpha, float* y, int64_t n) {  // y = alpha x
+void scale_copy(const float* x, float alpha, float* y, int64_t n) {  // y = alpha x (x == y allowed)
   const __m256 a = _mm256_set1_ps(alpha);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(a, _mm256_loadu_ps(x + i)));
   for (; i < n; ++i) y[i] = alpha * x[i];
 }
+
+void scale_row(float alpha, float* y, int64_t n) { scale_copy(y, alpha, y, n); }  // y *= alpha
 
 float sum_row(const float* x, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
