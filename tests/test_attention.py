@@ -190,6 +190,29 @@ def test_rel_attention_sharp_logits(backend, dtype, sharpness):
         assert_close(got, want, dtype, scale=8 * sharpness**0.5)
 
 
+@pytest.mark.parametrize("step", [2.0, 7.0, 20.0])
+def test_rel_attention_rising_logits(backend, step):
+    """Logits that rise by about `step` (natural units) from one 64-key tile to the next along
+    every row, so each row's running maximum keeps growing: the AVX2 forward's one-pass rows take
+    the exponentials against a maximum that is behind by less than 2^8 (step 2) and fall back to
+    recomputing a row when it is behind by more (steps 7 and 20)."""
+    _attention_backend(backend)
+    g = torch.Generator().manual_seed(11)
+    lq, lk, d = 70, 300, 16
+    q = torch.randn(1, 2, lq, d, generator=g, dtype=torch.float64) * 0.3
+    q[..., 0] = 1.0
+    k = torch.randn(1, 2, lk, d, generator=g, dtype=torch.float64) * 0.3
+    k[..., 0] = torch.arange(lk, dtype=torch.float64) * (step / 64) * d**0.5
+    v = torch.randn(1, 2, lk, d, generator=g, dtype=torch.float64)
+    rk, rv = (torch.randn(9, d, generator=g, dtype=torch.float64) * 0.3 for _ in range(2))
+    kw = dict(max_distance=4, causal=False, q_offset=0, k_offset=0, key_padding_mask=None)
+    tensors = (q, k, v, rk, rv)
+    exp_out, exp_lse = ref.shaw_attention(*tensors, **kw, return_lse=True)
+    out, lse = _call(backend, tuple(x.float() for x in tensors), kw)
+    assert_close(out, exp_out, torch.float32, scale=4)
+    assert_close(lse, exp_lse.float(), torch.float32, scale=4 * step)
+
+
 def test_rel_attention_cpu_results_do_not_depend_on_threads():
     """The CPU kernels hand work chunks to whichever thread is free: the outputs and gradients
     must still be bitwise the same for any thread count (each item writes its own rows)."""

@@ -105,11 +105,12 @@ void transpose(const float* src, int64_t lds, int64_t rows, int64_t cols, float*
 // ------------------------------------------------------------------------------ math
 // 2^x for float32 lanes: x = n + f with n = round(x), |f| <= 1/2; 2^f by a degree-5 polynomial
 // (coefficients fitted for relative error on [-1/2, 1/2]: at most 2.4e-7, about 2 ulp, in float32
-// arithmetic), 2^n added to its exponent bits. Inputs below -125 (including -inf, the masked
-// logits) give exactly 0; inputs are capped at 127.
+// arithmetic), times 2^n built from its exponent bits. x is clamped to [-127, 128]: inputs at or
+// below -127 (including -inf, the masked logits) give exactly 0 (2^-127 is built as +0), those
+// near -126 may give a denormal, 128 and above +inf. NaN stays NaN (max/min return their second
+// operand when either is NaN).
 inline __m256 exp2_256(__m256 x) {
-  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-125.f), _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-125.f)), _mm256_set1_ps(127.f));
+  x = _mm256_min_ps(_mm256_set1_ps(128.f), _mm256_max_ps(_mm256_set1_ps(-127.f), x));
   const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(x, n);
   __m256 y = _mm256_set1_ps(1.327647129073739e-3f);
@@ -118,8 +119,9 @@ inline __m256 exp2_256(__m256 x) {
   y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(2.4022120237350464e-1f));
   y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(6.931469440460205e-1f));
   y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.0000001192092896f));
-  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);  // y in [0.70, 1.42]: no wrap
-  return _mm256_andnot_ps(underflow, _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y), e)));
+  // 2^n as a float: biased exponent n + 127 in [0, 255] (0: +0, 255: +inf)
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
 inline __m256i tail_mask(int64_t n) {  // lanes [0, n) of 8 enabled
@@ -417,14 +419,14 @@ float max_row(const float* x, int64_t n) {
   return m;
 }
 
-// x[j] = 2^(x[j] - shift) over a row (masked -inf entries give 0).
-void exp_row(float* x, int64_t n, float shift) {
+// y[j] = 2^(x[j] - shift) over a row (masked -inf entries give 0); x == y allowed.
+void exp_row(const float* x, float* y, int64_t n, float shift) {
   const __m256 vs = _mm256_set1_ps(shift);
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, exp2_256(_mm256_sub_ps(_mm256_loadu_ps(x + j), vs)));
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(y + j, exp2_256(_mm256_sub_ps(_mm256_loadu_ps(x + j), vs)));
   if (j < n) {
     const __m256i mk = tail_mask(n - j);
-    _mm256_maskstore_ps(x + j, mk, exp2_256(_mm256_sub_ps(_mm256_maskload_ps(x + j, mk), vs)));
+    _mm256_maskstore_ps(y + j, mk, exp2_256(_mm256_sub_ps(_mm256_maskload_ps(x + j, mk), vs)));
   }
 }
 
@@ -480,6 +482,33 @@ inline float exp_sum_row(float* sr, int64_t nk, float shift) {
     acc = _mm256_add_ps(acc, e);
   }
   return hsum(acc);
+}
+
+// Forward, the one-pass form of logits_row_uniform + exp_sum_row for a row that already has a
+// running maximum m: sr = 2^(sr + c - m) in place (masked lanes 0), with its sum, without first
+// finding the row's maximum in this tile. m may be below the true maximum (a stale maximum, as
+// in FlashAttention-4): the probabilities then carry a common factor 2^(true max - m), which the
+// normalisation by the row sum cancels, as long as it stays small. Returns false, leaving the
+// caller to recompute the row's logits and redo it with its new maximum, when a visible logit
+// exceeds m by more than kStaleMax (so P <= 2^kStaleMax: no overflow in P, the sums or P V).
+constexpr float kStaleMax = 8.f;
+
+inline bool exp_sum_row_stale(float* sr, int64_t nk, int64_t vis, float c_minus_m, float& sum) {
+  const __m256 vc = _mm256_set1_ps(c_minus_m), ninf = _mm256_set1_ps(kNegInf);
+  const __m256 lim = _mm256_set1_ps(kStaleMax);
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 acc = _mm256_setzero_ps(), over = _mm256_setzero_ps();
+  for (int64_t j = 0; j < nk; j += 8) {
+    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(vis - j)), idx));
+    const __m256 x = _mm256_blendv_ps(ninf, _mm256_add_ps(_mm256_loadu_ps(sr + j), vc), keep);
+    over = _mm256_or_ps(over, _mm256_cmp_ps(x, lim, _CMP_GT_OQ));
+    const __m256 e = exp2_256(x);
+    _mm256_storeu_ps(sr + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  if (_mm256_movemask_ps(over) != 0) return false;
+  sum = hsum(acc);
+  return true;
 }
 
 // Backward (base-2 logits s, ck and lse2): P = 2^(s + ck - lse2), dS = scale P (dp + cv - di) in
@@ -616,7 +645,7 @@ void rel_attention(const RelAttentionParams& p, WorkQueue& work) {
   float* k_all = few_q && !f32 ? buf.take(n_ktiles * BK * D) : nullptr;  // key rows as float
   float* v_all = f32 ? nullptr : buf.take(n_ktiles * BK * D);
   float* tmp = buf.take(BK * D);
-  float* s = buf.take(BQ * BK);
+  float* s = buf.take(BQ * BK);  // logits, then (in place) probabilities
   float* acc = buf.take(BQ * D);
   float* m = buf.take(BQ);
   float* l = buf.take(BQ);
@@ -669,21 +698,41 @@ void rel_attention(const RelAttentionParams& p, WorkQueue& work) {
     }
     for (int64_t t = 0; t < kt_end; ++t) {
       const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0);
-      if (few_q) {  // S = Q K^T (scaled, base 2)
-        const float* kp = f32 ? reinterpret_cast<const float*>(hd.k) : k_all;
-        scores_rows(mq, nk, D, qs, kp + j0 * D, s, BK);
-      } else {
-        gemm0(mq, nk, D, qs, D, kt_all + t * D * BK, BK, s, BK);
-      }
+      // S = Q K^T (scaled, base 2) for the rows [r0, r0 + rows) of the tile; a row computed
+      // alone comes out bitwise the same (the same products summed in the same order)
+      auto scores = [&](int64_t r0, int64_t rows) {
+        if (few_q) {
+          const float* kp = f32 ? reinterpret_cast<const float*>(hd.k) : k_all;
+          scores_rows(rows, nk, D, qs + r0 * D, kp + j0 * D, s + r0 * BK, BK);
+        } else {
+          gemm0(rows, nk, D, qs + r0 * D, D, kt_all + t * D * BK, BK, s + r0 * BK, BK);
+        }
+      };
+      scores(0, mq);
       for (int64_t r = 0; r < mq; ++r) {
         const int64_t i = i0 + r;
         float* sr = s + r * BK;
         const RowSplit sp = split_row(p, i, j0, nk, band);
         const bool uni = uniform_row(sp, j0, nk, hd);
         const bool lo_side = sp.a == j0 + nk;  // uniform: all keys in bucket 0 (else 2K)
+        const float c = uni && hd.rel_k ? (lo_side ? qe_lo[r] : qe_hi[r]) : 0.f;
+        float rs;
+        // the common case in one pass, against the row's running maximum as it stands
+        if (uni && m[r] != kNegInf) {
+          if (exp_sum_row_stale(sr, nk, visible_keys(p, i, j0, nk), c - m[r], rs)) {
+            l[r] += rs;
+            if (hd.rel_v) {
+              (lo_side ? w_lo[r] : w_hi[r]) += rs;
+              mref[r * n_ktiles + t] = m[r];
+            }
+            continue;
+          }
+          scores(r, 1);  // the row was overwritten: its logits again
+        }
+        // else (first visible tile of the row, keys near the diagonal, or a maximum that grew
+        // by more than kStaleMax): the maximum of this tile first, then the exponentials
         float mt;
         if (uni) {
-          const float c = hd.rel_k ? (lo_side ? qe_lo[r] : qe_hi[r]) : 0.f;
           mt = fmax_(m[r], logits_row_uniform(sr, nk, visible_keys(p, i, j0, nk), c));
         } else {
           if (hd.rel_k) add_rel_logits(sr, j0, nk, sp, qe_lo[r], qe_hi[r], qe + r * band.n);
@@ -694,13 +743,11 @@ void rel_attention(const RelAttentionParams& p, WorkQueue& work) {
           fill_f32(sr, 0.f, nk);
           continue;
         }
-        // the running max of a row changes in few of its key tiles: skip exp2(0) in the others
         const float alpha = m[r] == mt ? 1.f : (m[r] == kNegInf ? 0.f : std::exp2(m[r] - mt));
-        float rs;
         if (uni) {
           rs = exp_sum_row(sr, nk, mt);
         } else {
-          exp_row(sr, nk, mt);
+          exp_row(sr, sr, nk, mt);
           rs = sum_row(sr, nk);
         }
         l[r] = l[r] * alpha + rs;
@@ -899,7 +946,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
             if (hd.rel_k) add_rel_logits(sr, j0, nk, sp, qe_lo[r], qe_hi[r], qe + r * band.n);
             if (hd.rel_v) add_rel_logits(dpr, j0, nk, sp, de_lo[r], de_hi[r], de + r * band.n);
             mask_logits(p, hd, i, j0, nk, sr);  // P = 2^(S - lse), all in base 2
-            exp_row(sr, nk, lse[r]);
+            exp_row(sr, sr, nk, lse[r]);
             softmax_grad_row(sr, dpr, nk, di[r], scale);  // dS = scale P (dP - D_i)
             if (hd.rel_v) add_bucket_mass(sr, j0, nk, sp, p_lo[r], p_hi[r], wp + r * band.n);
             if (hd.rel_k) add_bucket_mass(dpr, j0, nk, sp, ds_lo[r], ds_hi[r], wds + r * band.n);
