@@ -213,6 +213,24 @@ def test_rel_attention_rising_logits(backend, step):
     assert_close(lse, exp_lse.float(), torch.float32, scale=4 * step)
 
 
+@pytest.mark.parametrize("where", ["q", "k", "rel_k"])
+def test_rel_attention_nan_propagates(backend, where):
+    """A NaN input gives NaN where the reference has NaN, and finite values elsewhere: never
+    silently dropped (a NaN query row poisons that row; a NaN key or table row, every row that
+    sees it)."""
+    _attention_backend(backend)
+    tensors, kw = make_inputs(CASES["tiles_causal_padding"], torch.float32)
+    tensors = [None if x is None else x.clone() for x in tensors]
+    kw["key_padding_mask"] = None
+    target = {"q": (0, 0, 0, 65, 3), "k": (0, 0, 0, 30, 1), "rel_k": (1, 0, 7)}[where]
+    i = {"q": 0, "k": 1, "rel_k": 3}[where]
+    tensors[i][target[1:]] = float("nan")
+    out, _ = _call(backend, tensors, kw)
+    exp_out = ref.shaw_attention(*(_f64(x) for x in tensors), **kw)
+    assert torch.equal(out.isnan(), exp_out.isnan().any(-1, keepdim=True).expand_as(out))
+    assert out.isnan().any() and not out.isnan().all()
+
+
 def test_rel_attention_cpu_results_do_not_depend_on_threads():
     """The CPU kernels hand work chunks to whichever thread is free: the outputs and gradients
     must still be bitwise the same for any thread count (each item writes its own rows)."""

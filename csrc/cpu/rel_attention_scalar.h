@@ -135,7 +135,7 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
       acc_t e = s[j];
       if (rel_k != nullptr) e += qe[shaw_bucket(i, j, p.max_distance, p.q_offset, p.k_offset) - b_lo];
       s[j] = e * static_cast<acc_t>(p.scale);
-      m = std::max(m, s[j]);
+      if (s[j] > m || s[j] != s[j]) m = s[j];  // a NaN logit makes the row NaN, as in torch
     }
     T* oi = out + item * p.dim;
     if (m == -std::numeric_limits<acc_t>::infinity()) {  // no visible key

@@ -39,7 +39,7 @@ RELPOS_DEVICE A warp_max(A v) {
   RELPOS_UNROLL
   for (int m = 16; m > 0; m /= 2) {
     const A o = __shfl_xor_sync(0xffffffffu, v, m);
-    v = o > v ? o : v;
+    v = o > v || o != o ? o : v;  // NaN wins, so that every lane ends with the same value
   }
   return v;
 }

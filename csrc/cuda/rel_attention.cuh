@@ -330,7 +330,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
         x = (s[rr] + rel) * scale2;
       }
       const A mt = warp_max(x);
-      const A mn = mt > m[rr] ? mt : m[rr];
+      const A mn = mt > m[rr] || mt != mt ? mt : m[rr];  // a NaN logit makes the row NaN
       A pr = 0, alpha = 1;
       if (mn != A(-INFINITY)) {  // exp2(-inf) = 0 covers masked keys and the first visible tile
         pr = exp2_acc(x - mn);
