@@ -284,20 +284,33 @@ def _mm_rates(threads: int) -> dict:
     return rates
 
 
-def gemm_peak(threads: int) -> dict:
-    """Runs in a forked child: the float32 GEMM peak of this machine, in GFLOP/s: the best
-    ``torch.mm`` rate over a square and the two attention-shaped products (best of 10 timed
-    blocks each), at ``threads`` threads and, scaled by ``threads``, at one thread; the higher
-    counts (on these shared machines a second core is sometimes partly busy elsewhere, which
-    only lowers the multi-thread figure). No kernel computes faster than the vendor GEMM, so
-    FLOP / peak is a floor on the time of any float32 method that does those matmuls. The run
-    measures it before and after the methods and keeps the higher."""
+def machine_peak(threads: int) -> dict:
+    """Runs in a forked child: this machine's float32 peak, in GFLOP/s, two ways, each at
+    ``threads`` threads and as ``threads`` x the one-thread rate, the higher counting (on these
+    shared machines a second core is sometimes partly busy elsewhere, which only lowers the
+    multi-thread figure):
+
+    - ``fma_gflops``: independent AVX2 FMAs and nothing else (``relpos_ext._C._fma_peak_gflops``):
+      what the FMA units can do at all, so ``FLOP / fma_gflops`` is a floor on the time of any
+      float32 method that does those FLOPs. None without the AVX2 kernels.
+    - ``mm_gflops``: the best ``torch.mm`` rate over a square and the two attention-shaped
+      products (best of 10 timed blocks each): what the vendor GEMM reaches, for reference.
+
+    ``gflops`` is the roofline's peak: the FMA rate where measured, else the ``torch.mm`` rate
+    (``basis`` says which). The run measures all this before and after the methods and keeps the
+    higher."""
     multi = _mm_rates(threads)
     single = _mm_rates(1) if threads > 1 else multi
     best_multi, best_single = max(multi.values()), max(single.values())
-    return {"gflops": max(best_multi, threads * best_single), "threads": threads,
-            "multi_thread_gflops": best_multi, "single_thread_gflops": best_single,
-            "by_shape": multi}
+    mm = max(best_multi, threads * best_single)
+    fma_multi = relpos_ext._C._fma_peak_gflops(threads)
+    fma_single = relpos_ext._C._fma_peak_gflops(1) if threads > 1 else fma_multi
+    fma = max(fma_multi, threads * fma_single) if fma_multi and fma_single else None
+    return {"gflops": fma or mm, "basis": "fma" if fma else "torch.mm", "threads": threads,
+            "fma_gflops": fma, "fma_multi_thread_gflops": fma_multi,
+            "fma_single_thread_gflops": fma_single, "mm_gflops": mm,
+            "mm_multi_thread_gflops": best_multi, "mm_single_thread_gflops": best_single,
+            "mm_by_shape": multi}
 
 
 # --------------------------------------------------------------------------- the run
@@ -382,8 +395,8 @@ def format_table(rows: list[Row]) -> str:
 
 def format_rates(rows: list[Row], peak_gflops: float | None) -> str:
     """Rate of the unavoidable matmuls (:data:`MATMULS`) for (1) and (6), both flash-style
-    (SDPA's backward recomputes the probabilities too), as GFLOP/s and share of the GEMM peak."""
-    lines = [f"matmul rate, GFLOP/s (share of the GEMM peak): {MATMULS['fwd']} L x L x D matmuls "
+    (SDPA's backward recomputes the probabilities too), as GFLOP/s and share of the peak."""
+    lines = [f"matmul rate, GFLOP/s (share of the peak): {MATMULS['fwd']} L x L x D matmuls "
              f"forward, {MATMULS['fwd+bwd']} forward+backward"]
     for r in rows:
         if r.method in ("ours", "sdpa") and r.time_ms:
@@ -406,7 +419,7 @@ def roofline_note(mode: str, baseline_ms: float | None, ours_ms: float | None,
                   peak_gflops: float | None) -> tuple[float | None, str]:
     """For a "baseline / ours >= x" target: the largest ratio any float32 kernel that does the
     unavoidable matmuls (:data:`MATMULS`) could reach on this machine, ``baseline / floor``
-    with ``floor = FLOP / measured GEMM peak``, and a sentence saying so."""
+    with ``floor = FLOP / measured peak`` (:func:`machine_peak`), and a sentence saying so."""
     if not (baseline_ms and ours_ms and peak_gflops):
         return None, ""
     flop = attention_flop(mode, TARGET_L)
@@ -414,14 +427,14 @@ def roofline_note(mode: str, baseline_ms: float | None, ours_ms: float | None,
     ours_rate = flop / (ours_ms * 1e-3) / 1e9
     bound = baseline_ms / floor_ms
     return bound, (f"roofline: {MATMULS[mode]} matmuls of L x L x D = {flop / 1e9:.1f} GFLOP take "
-                   f">= {floor_ms:.1f} ms at the measured GEMM peak {peak_gflops:.0f} GFLOP/s, so "
+                   f">= {floor_ms:.1f} ms at the measured peak {peak_gflops:.0f} GFLOP/s, so "
                    f"no float32 kernel gets beyond {bound:.2f}x here; ours runs at "
                    f"{ours_rate:.0f} GFLOP/s ({100 * ours_rate / peak_gflops:.0f}% of that peak)")
 
 
 def target_verdicts(rows: list[Row], peak_gflops: float | None = None) -> list[dict]:
     """The four targets, each PASS, FAIL or N/A (not measured in this run). The speed-up targets
-    also carry ``bound``: the ratio the GEMM roofline allows on this machine (see
+    also carry ``bound``: the ratio the roofline allows on this machine (see
     :func:`roofline_note`), None where the peak was not measured."""
     out = []
 
@@ -551,22 +564,28 @@ def main(argv: list[str] | None = None) -> int:
     print(flush=True)
 
     t0 = time.perf_counter()
-    peak_before = in_child(gemm_peak, args.threads)
+    peak_before = in_child(machine_peak, args.threads)
     rows = run_all(args)
-    peak_after = in_child(gemm_peak, args.threads)
+    peak_after = in_child(machine_peak, args.threads)
     elapsed = time.perf_counter() - t0
     peaks = [p for p in (peak_before, peak_after) if "error" not in p]
     peak = max(peaks, key=lambda p: p["gflops"]) if peaks else peak_before
     peak = peak | {"before_gflops": peak_before.get("gflops"), "after_gflops": peak_after.get("gflops")}
     if "error" in peak:
-        print("GEMM peak: not measured:", peak["error"].splitlines()[0])
+        print("peak: not measured:", peak["error"].splitlines()[0])
     else:
-        print(f"GEMM peak (torch.mm float32, best shape; the higher of {args.threads} threads and "
-              f"{args.threads} x 1 thread, before and after the run): {peak['gflops']:.0f} GFLOP/s\n"
-              f"    {args.threads} threads: {peak['multi_thread_gflops']:.0f} ("
-              + ", ".join(f"{k} {v:.0f}" for k, v in peak["by_shape"].items())
-              + f"); 1 thread: {peak['single_thread_gflops']:.0f}; before "
-              f"{peak_before.get('gflops') or 0:.0f}, after {peak_after.get('gflops') or 0:.0f}")
+        fma = (f"{peak['fma_gflops']:.0f} GFLOP/s ({args.threads} threads "
+               f"{peak['fma_multi_thread_gflops']:.0f}, 1 thread "
+               f"{peak['fma_single_thread_gflops']:.0f})" if peak["fma_gflops"] else "not measured")
+        print(f"float32 peak (the higher of {args.threads} threads and {args.threads} x 1 thread, "
+              f"before and after the run; the roofline uses {peak['basis']}):\n"
+              f"    FMA units (independent AVX2 FMAs): {fma}\n"
+              f"    torch.mm (best shape): {peak['mm_gflops']:.0f} GFLOP/s ({args.threads} threads "
+              f"{peak['mm_multi_thread_gflops']:.0f}: "
+              + ", ".join(f"{k} {v:.0f}" for k, v in peak["mm_by_shape"].items())
+              + f"; 1 thread {peak['mm_single_thread_gflops']:.0f})\n"
+              f"    before {peak_before.get('gflops') or 0:.0f}, after "
+              f"{peak_after.get('gflops') or 0:.0f}")
     print(format_table(rows))
     print()
     print(format_rates(rows, peak.get("gflops")))
@@ -599,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
                        "output and grads included; working: peak_extra - io (output + grads)",
         "methods": LABELS,
         "sanity": sanity,
-        "gemm_peak": peak,
+        "peak": peak,
         "matmuls": MATMULS,
         "verdicts": verdicts,
         "elapsed_s": elapsed,

@@ -55,4 +55,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("build_info", &build_info,
         "Version, torch version built against, CPU kernel paths compiled in, the CPU path the "
         "dispatcher would pick now, and CUDA architectures (None when CUDA was not built).");
+  m.def("_fma_peak_gflops", &relpos::cpu::fma_peak_gflops, pybind11::arg("threads"),
+        pybind11::arg("seconds") = 0.5,
+        pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "For the benchmarks: the float32 FMA rate, GFLOP/s, of `threads` cores running independent "
+        "AVX2 FMAs for about `seconds` (best of three), the ceiling for any float32 kernel on this "
+        "machine; None where the AVX2 kernels cannot run.");
 }

@@ -63,3 +63,17 @@ def test_build_info():
     assert "scalar" in info["cpu_kernels"]
     assert info["cpu_kernel_in_use"] in info["cpu_kernels"]
     assert info["cuda_archs"] is None or all(a.isdigit() for a in info["cuda_archs"])
+
+
+def test_fma_peak(monkeypatch):
+    """The benchmarks' roofline peak: a plausible rate where the AVX2 kernels run, None where they
+    cannot (forced scalar path)."""
+    from relpos_ext import _C
+
+    if relpos_ext.build_info()["cpu_kernel_in_use"] == "avx2":
+        rate = _C._fma_peak_gflops(1, 0.05)
+        # 8 lanes x 2 FLOP x 2 FMA units at 0.5-6 GHz: far outside means the loop was optimised
+        # away or miscounted
+        assert 5 < rate < 400
+    monkeypatch.setenv("RELPOS_CPU_ISA", "scalar")
+    assert _C._fma_peak_gflops(1, 0.05) is None

@@ -3,6 +3,8 @@
 // cover each path in one process (torchao does the same with its own variable).
 #pragma once
 
+#include <optional>
+
 namespace relpos::cpu {
 
 enum class Isa { Scalar, Avx2 };
@@ -11,5 +13,10 @@ enum class Isa { Scalar, Avx2 };
 // else the best available.
 Isa selected_isa();
 const char* isa_name(Isa isa);
+
+// The float32 FMA rate of `threads` cores each running independent 8-lane FMAs for about
+// `seconds`, in GFLOP/s (2 FLOP per FMA lane): this machine's ceiling for any float32 kernel, the
+// benchmarks' roofline (fma_peak.cpp). nullopt where the AVX2 kernels cannot run.
+std::optional<double> fma_peak_gflops(int threads, double seconds);
 
 }  // namespace relpos::cpu

@@ -75,6 +75,9 @@ void rel_attention_backward(const RelAttentionBwdParams& p, const AttentionBwdSp
                             WorkQueue& work);
 void rel_attention_backward_reduce(const RelAttentionBwdParams& p, const AttentionBwdSplit& split,
                                    int64_t begin, int64_t end);
+// 12 * iters independent 8-lane FMAs (fma_peak_avx2.cpp); returns a value of them so that none is
+// optimised away. For fma_peak_gflops (isa.h).
+float fma_spin(int64_t iters);
 }  // namespace avx2
 
 }  // namespace relpos::cpu
