@@ -493,14 +493,18 @@ inline float exp_sum_row(float* sr, int64_t nk, float shift) {
 // exceeds m by more than kStaleMax (so P <= 2^kStaleMax: no overflow in P, the sums or P V).
 constexpr float kStaleMax = 8.f;
 
-inline bool exp_sum_row_stale(float* sr, int64_t nk, int64_t vis, float c_minus_m, float& sum) {
+template <bool kMasked>
+inline bool exp_sum_row_stale_(float* sr, int64_t nk, int64_t vis, float c_minus_m, float& sum) {
   const __m256 vc = _mm256_set1_ps(c_minus_m), ninf = _mm256_set1_ps(kNegInf);
   const __m256 lim = _mm256_set1_ps(kStaleMax);
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 acc = _mm256_setzero_ps(), over = _mm256_setzero_ps();
   for (int64_t j = 0; j < nk; j += 8) {
-    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(vis - j)), idx));
-    const __m256 x = _mm256_blendv_ps(ninf, _mm256_add_ps(_mm256_loadu_ps(sr + j), vc), keep);
+    __m256 x = _mm256_add_ps(_mm256_loadu_ps(sr + j), vc);
+    if constexpr (kMasked) {
+      const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(vis - j)), idx);
+      x = _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(keep));
+    }
     over = _mm256_or_ps(over, _mm256_cmp_ps(x, lim, _CMP_GT_OQ));
     const __m256 e = exp2_256(x);
     _mm256_storeu_ps(sr + j, e);
@@ -511,19 +515,33 @@ inline bool exp_sum_row_stale(float* sr, int64_t nk, int64_t vis, float c_minus_
   return true;
 }
 
+// Whole rows of 8-lane chunks with every key visible (the common case) need no lane mask.
+inline bool unmasked(int64_t nk, int64_t vis) { return vis >= nk && nk % 8 == 0; }
+
+inline bool exp_sum_row_stale(float* sr, int64_t nk, int64_t vis, float c_minus_m, float& sum) {
+  return unmasked(nk, vis) ? exp_sum_row_stale_<false>(sr, nk, vis, c_minus_m, sum)
+                           : exp_sum_row_stale_<true>(sr, nk, vis, c_minus_m, sum);
+}
+
 // Backward (base-2 logits s, ck and lse2): P = 2^(s + ck - lse2), dS = scale P (dp + cv - di) in
 // one pass, masked lanes 0; adds the row sums of P and dS to psum / dssum.
-inline void grad_row_uniform(float* sr, float* dpr, int64_t nk, int64_t vis, float ck, float cv,
-                             float scale, float lse2, float di, float& psum, float& dssum) {
+template <bool kMasked>
+inline void grad_row_uniform_(float* sr, float* dpr, int64_t nk, int64_t vis, float ck, float cv,
+                              float scale, float lse2, float di, float& psum, float& dssum) {
   const __m256 vck = _mm256_set1_ps(ck - lse2), vsc = _mm256_set1_ps(scale);
   const __m256 vcd = _mm256_set1_ps(cv - di), ninf = _mm256_set1_ps(kNegInf);
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 ps = _mm256_setzero_ps(), ds = _mm256_setzero_ps();
   for (int64_t j = 0; j < nk; j += 8) {
-    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(vis - j)), idx));
-    const __m256 x = _mm256_add_ps(_mm256_loadu_ps(sr + j), vck);
-    const __m256 pj = exp2_256(_mm256_blendv_ps(ninf, x, keep));
-    const __m256 g = _mm256_and_ps(keep, _mm256_mul_ps(vsc, _mm256_mul_ps(pj, _mm256_add_ps(_mm256_loadu_ps(dpr + j), vcd))));
+    __m256 x = _mm256_add_ps(_mm256_loadu_ps(sr + j), vck);
+    __m256 keep;
+    if constexpr (kMasked) {
+      keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(vis - j)), idx));
+      x = _mm256_blendv_ps(ninf, x, keep);
+    }
+    const __m256 pj = exp2_256(x);
+    __m256 g = _mm256_mul_ps(vsc, _mm256_mul_ps(pj, _mm256_add_ps(_mm256_loadu_ps(dpr + j), vcd)));
+    if constexpr (kMasked) g = _mm256_and_ps(keep, g);  // 0, whatever the lanes past nk hold
     _mm256_storeu_ps(sr + j, pj);
     _mm256_storeu_ps(dpr + j, g);
     ps = _mm256_add_ps(ps, pj);
@@ -531,6 +549,15 @@ inline void grad_row_uniform(float* sr, float* dpr, int64_t nk, int64_t vis, flo
   }
   psum += hsum(ps);
   dssum += hsum(ds);
+}
+
+inline void grad_row_uniform(float* sr, float* dpr, int64_t nk, int64_t vis, float ck, float cv,
+                             float scale, float lse2, float di, float& psum, float& dssum) {
+  if (unmasked(nk, vis)) {
+    grad_row_uniform_<false>(sr, dpr, nk, vis, ck, cv, scale, lse2, di, psum, dssum);
+  } else {
+    grad_row_uniform_<true>(sr, dpr, nk, vis, ck, cv, scale, lse2, di, psum, dssum);
+  }
 }
 
 // Add the key term to a row of logits: s[j - j0] += q_i . rel_k[b(i, j)].
