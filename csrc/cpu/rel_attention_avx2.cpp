@@ -31,8 +31,8 @@ namespace {
 constexpr int64_t BQ = kAttentionTileQ;  // query rows per tile
 constexpr int64_t BK = kAttentionTileK;  // keys per tile
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr float kLog2e = 1.44269504088896341f;
-constexpr float kLn2 = 0.693147180559945309f;
+constexpr float kLog2e = static_cast<float>(relpos::kLog2e);  // common/params.h
+constexpr float kLn2 = static_cast<float>(relpos::kLn2);
 // Forward: up to this many query rows use scores_rows (at L = 4096 it was faster than the
 // transposed key tiles up to 32 rows and even at 64).
 constexpr int64_t kFewQueries = 32;

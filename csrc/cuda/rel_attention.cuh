@@ -62,9 +62,8 @@ struct AttnTile {
 
 // The softmax works in base 2, as the CPU AVX2 kernel does: logits are scaled by
 // scale * log2(e) and exponentiated with exp2 (one MUFU.EX2 in float, no range reduction in the
-// caller); the log-sum-exp the op stores stays in base e (lse = m * ln 2 + ln l).
-constexpr double kLog2e = 1.4426950408889634;
-constexpr double kLn2 = 0.6931471805599453;
+// caller); the log-sum-exp the op stores stays in base e (lse = m * ln 2 + ln l). kLog2e and kLn2
+// are in common/params.h.
 RELPOS_DEVICE float exp2_acc(float x) { return exp2f(x); }
 RELPOS_DEVICE double exp2_acc(double x) { return exp2(x); }
 RELPOS_DEVICE float log_acc(float x) { return logf(x); }
