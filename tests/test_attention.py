@@ -51,6 +51,8 @@ CASES = {
     "prefill_odd_D": (1, 2, 1, 40, 45, 13, 3, 0, 0, False, True, True, True, True),
     # one new row (the AVX2 kernel's single-row P V: 32 columns at a time, then 8, then masked)
     "decode_one_row_D45": (1, 2, 1, 1, 150, 45, 4, 149, 0, True, True, True, True, True),
+    # a few rows (float16/bfloat16 keys converted a tile at a time from 4 rows on)
+    "decode_five_rows": (1, 2, 2, 5, 130, 24, 3, 125, 0, False, True, False, True, True),
     "all_keys_padded": (2, 2, 2, 5, 6, 16, 2, 0, 0, False, False, "all", True, True),
     "no_keys": (1, 2, 2, 3, 0, 16, 2, 0, 0, False, False, False, True, True),
     "no_queries": (1, 2, 2, 0, 5, 16, 2, 0, 0, False, True, False, True, True),

@@ -36,6 +36,9 @@ constexpr float kLn2 = static_cast<float>(relpos::kLn2);
 // Forward: up to this many query rows use scores_rows (at L = 4096 it was faster than the
 // transposed key tiles up to 32 rows and even at 64).
 constexpr int64_t kFewQueries = 32;
+// ... and from this many rows on, a float16/bfloat16 cache is converted to float a key tile at a
+// time (below, each row converts the keys it reads; 16 rows x 4k bfloat16 keys: 1.48 -> 1.0 ms)
+constexpr int64_t kConvertTileRows = 4;
 
 // ------------------------------------------------------------------------------ conversions
 int64_t elem_bytes(DType d) { return d == DType::Float32 ? 4 : 2; }
@@ -143,12 +146,13 @@ inline __m256i tail_mask(int64_t n) {  // lanes [0, n) of 8 enabled
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), idx);
 }
 
-float dot(const float* a, const float* b, int64_t n) {
+template <typename T>  // b: float, or float16/bfloat16 converted by load8
+float dot(const float* a, const T* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc);
   float s = hsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += a[i] * to_f32(b[i]);
   return s;
 }
 
@@ -277,20 +281,22 @@ inline void gemm_rows(int64_t N, int64_t K, const float* A, int64_t lda, int64_t
 // not been read yet; here each B row is read once, in order, 32 columns at a time (at 1 row x
 // 16k keys, D = 64: 7.2 -> 4.1 ms per call on one core). Same products, summed in the same
 // order (k ascending per column) as gemm_block: the results are bitwise those of gemm_rows<1>.
-inline void gemv_acc(int64_t N, int64_t K, const float* A, int64_t ka, const float* B,
-                     int64_t ldb, float* C, bool prefetch = false) {
+// B may be float16/bfloat16 (decoding reads the cache in its own dtype; load8 converts).
+template <typename T>
+inline void gemv_acc(int64_t N, int64_t K, const float* A, int64_t ka, const T* B, int64_t ldb,
+                     float* C, bool prefetch = false) {
   int64_t j = 0;
   for (; j + 32 <= N; j += 32) {
     __m256 c0 = _mm256_loadu_ps(C + j), c1 = _mm256_loadu_ps(C + j + 8);
     __m256 c2 = _mm256_loadu_ps(C + j + 16), c3 = _mm256_loadu_ps(C + j + 24);
-    const float* b = B + j;
+    const T* b = B + j;
     for (int64_t k = 0; k < K; ++k, b += ldb) {
-      if (prefetch && j == 0) prefetch_ahead(b, N * 4);  // B's rows, once
+      if (prefetch && j == 0) prefetch_ahead(b, N * int64_t(sizeof(T)));  // B's rows, once
       const __m256 x = _mm256_broadcast_ss(A + k * ka);
-      c0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b), c0);
-      c1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + 8), c1);
-      c2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + 16), c2);
-      c3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + 24), c3);
+      c0 = _mm256_fmadd_ps(x, load8(b), c0);
+      c1 = _mm256_fmadd_ps(x, load8(b + 8), c1);
+      c2 = _mm256_fmadd_ps(x, load8(b + 16), c2);
+      c3 = _mm256_fmadd_ps(x, load8(b + 24), c3);
     }
     _mm256_storeu_ps(C + j, c0);
     _mm256_storeu_ps(C + j + 8, c1);
@@ -298,11 +304,12 @@ inline void gemv_acc(int64_t N, int64_t K, const float* A, int64_t ka, const flo
     _mm256_storeu_ps(C + j + 24, c3);
   }
   for (; j < N; j += 8) {  // the last columns, 8 (or fewer, masked) at a time
-    const __m256i mk = tail_mask(imin(N - j, 8));
+    const int64_t n = imin(N - j, 8);
+    const __m256i mk = tail_mask(n);
     __m256 c = _mm256_maskload_ps(C + j, mk);
-    const float* b = B + j;
+    const T* b = B + j;
     for (int64_t k = 0; k < K; ++k, b += ldb) {
-      c = _mm256_fmadd_ps(_mm256_broadcast_ss(A + k * ka), _mm256_maskload_ps(b, mk), c);
+      c = _mm256_fmadd_ps(_mm256_broadcast_ss(A + k * ka), load_n(b, n), c);
     }
     _mm256_maskstore_ps(C + j, mk, c);
   }
@@ -355,7 +362,9 @@ void gemm_at(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const
 // s[r * lds + j] = q_r . k_j for r < mq, j < nk, with K row-major [nk, D]: the scores of a few
 // query rows (decoding) without the transposed key tiles, whose building would cost as much as
 // the scores. Eight keys at a time, their eight accumulators reduced to one vector at the end.
-void scores_rows(int64_t mq, int64_t nk, int64_t D, const float* q, const float* k, float* s,
+// K may be float16/bfloat16 (the cache read in its own dtype; load8 converts).
+template <typename T>
+void scores_rows(int64_t mq, int64_t nk, int64_t D, const float* q, const T* k, float* s,
                  int64_t lds, bool prefetch) {
   const int64_t d8 = D / 8 * 8;
   const __m256i tm = tail_mask(D - d8);
@@ -363,17 +372,17 @@ void scores_rows(int64_t mq, int64_t nk, int64_t D, const float* q, const float*
     const float* qr = q + r * D;
     int64_t j = 0;
     for (; j + 8 <= nk; j += 8) {
-      const float* kj = k + j * D;
-      if (prefetch && r == 0) prefetch_ahead(kj, 8 * D * 4);
+      const T* kj = k + j * D;
+      if (prefetch && r == 0) prefetch_ahead(kj, 8 * D * int64_t(sizeof(T)));
       __m256 a[8];
       for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
       for (int64_t d = 0; d < d8; d += 8) {
         const __m256 qv = _mm256_loadu_ps(qr + d);
-        for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(_mm256_loadu_ps(kj + u * D + d), qv, a[u]);
+        for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(load8(kj + u * D + d), qv, a[u]);
       }
       if (d8 < D) {
         const __m256 qv = _mm256_maskload_ps(qr + d8, tm);
-        for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(_mm256_maskload_ps(kj + u * D + d8, tm), qv, a[u]);
+        for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(load_n(kj + u * D + d8, D - d8), qv, a[u]);
       }
       // lanes of a[u] summed into lane u: pairwise horizontal adds, then the two 128-bit halves
       const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
@@ -720,14 +729,16 @@ void rel_attention(const RelAttentionParams& p, WorkQueue& work) {
   // Few query rows (decoding): scores from the key rows (scores_rows) instead of transposed key
   // tiles, which would be built for a single tile of at most kFewQueries rows.
   const bool few_q = p.q_len <= kFewQueries;
-  const bool stream = few_q && f32 && p.k_len * D * 4 >= kStreamBytes;  // prefetch K and V rows
+  const bool stream = few_q && p.k_len * D * es >= kStreamBytes;  // prefetch K and V rows
   Buffers buf;
   float* qf = buf.take(BQ * D);
   float* qs = buf.take(BQ * D);
+  // Decoding reads K and V in place, in their dtype; else the transposed key tiles, and for
+  // float16/bfloat16 the value rows as float, are built once per kv head and reused.
   float* kt_all = few_q ? nullptr : buf.take(n_ktiles * D * BK);
-  float* k_all = few_q && !f32 ? buf.take(n_ktiles * BK * D) : nullptr;  // key rows as float
-  float* v_all = f32 ? nullptr : buf.take(n_ktiles * BK * D);
+  float* v_all = f32 || few_q ? nullptr : buf.take(n_ktiles * BK * D);
   float* tmp = buf.take(BK * D);
+  float* kf = few_q && !f32 ? buf.take(BK * D) : nullptr;
   float* s = buf.take(BQ * BK);  // logits, then (in place) probabilities
   float* acc = buf.take(BQ * D);
   float* m = buf.take(BQ);
@@ -745,7 +756,7 @@ void rel_attention(const RelAttentionParams& p, WorkQueue& work) {
   float* mref = buf.take(BQ * n_ktiles);
   float* ek0 = buf.take(D);
   float* ek1 = buf.take(D);
-  const char* cached = nullptr;  // kv head whose tiles [0, built) are in kt_all / k_all / v_all
+  const char* cached = nullptr;  // kv head whose tiles [0, built) are in kt_all / v_all
   int64_t built = 0;
   ItemCursor cursor(work);
   for (int64_t item; cursor.next(item);) {
@@ -774,19 +785,30 @@ void rel_attention(const RelAttentionParams& p, WorkQueue& work) {
       cached = hd.k;
       built = 0;
     }
-    if (built < kt_end) {
-      if (!few_q || !f32) build_key_tiles(p.dtype, hd.k, D, 0, p.k_len, built, kt_end, kt_all, k_all, tmp);
+    if (built < kt_end && !few_q) {
+      build_key_tiles(p.dtype, hd.k, D, 0, p.k_len, built, kt_end, kt_all, nullptr, tmp);
       if (!f32) build_key_tiles(p.dtype, hd.v, D, 0, p.k_len, built, kt_end, nullptr, v_all, tmp);
       built = kt_end;
     }
     for (int64_t t = 0; t < kt_end; ++t) {
       const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0);
+      // Decoding several rows of a float16/bfloat16 cache: this tile's keys as float once,
+      // rather than converted again for every row
+      const float* k_tile = nullptr;
+      if (few_q && !f32 && mq >= kConvertTileRows) {
+        load_block(p.dtype, hd.k + j0 * D * es, D, nk, D, kf, D);
+        k_tile = kf;
+      }
       // S = Q K^T (scaled, base 2) for the rows [r0, r0 + rows) of the tile; a row computed
       // alone comes out bitwise the same (the same products summed in the same order)
       auto scores = [&](int64_t r0, int64_t rows) {
-        if (few_q) {
-          const float* kp = f32 ? reinterpret_cast<const float*>(hd.k) : k_all;
-          scores_rows(rows, nk, D, qs + r0 * D, kp + j0 * D, s + r0 * BK, BK, stream);
+        if (few_q && k_tile != nullptr) {
+          scores_rows(rows, nk, D, qs + r0 * D, k_tile, s + r0 * BK, BK, false);
+        } else if (few_q) {
+          dispatch(p.dtype, [&](auto tag) {
+            const auto* kp = reinterpret_cast<const decltype(tag)*>(hd.k) + j0 * D;
+            scores_rows(rows, nk, D, qs + r0 * D, kp, s + r0 * BK, BK, stream);
+          });
         } else {
           gemm0(rows, nk, D, qs + r0 * D, D, kt_all + t * D * BK, BK, s + r0 * BK, BK);
         }
@@ -847,11 +869,19 @@ void rel_attention(const RelAttentionParams& p, WorkQueue& work) {
         }
         m[r] = mt;
       }
-      const float* vp = f32 ? reinterpret_cast<const float*>(hd.v) + j0 * D : v_all + j0 * D;
-      if (mq == 1) {  // acc += P V
-        gemv_acc(D, nk, s, 1, vp, D, acc, stream);
+      // acc += P V
+      if (mq == 1) {
+        dispatch(p.dtype, [&](auto tag) {
+          const auto* vp = reinterpret_cast<const decltype(tag)*>(hd.v) + j0 * D;
+          gemv_acc(D, nk, s, 1, vp, D, acc, stream);
+        });
+      } else if (f32) {
+        gemm(mq, D, nk, s, BK, reinterpret_cast<const float*>(hd.v) + j0 * D, D, acc, D);
+      } else if (few_q) {  // this tile's value rows as float
+        load_block(p.dtype, hd.v + j0 * D * es, D, nk, D, tmp, D);
+        gemm(mq, D, nk, s, BK, tmp, D, acc, D);
       } else {
-        gemm(mq, D, nk, s, BK, vp, D, acc, D);
+        gemm(mq, D, nk, s, BK, v_all + j0 * D, D, acc, D);
       }
     }
     if (hd.rel_v) {  // value term: acc += W @ rel_v[band] + the clamped buckets
