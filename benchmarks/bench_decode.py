@@ -5,7 +5,8 @@ Generation with a relative-position model (Music Transformer sampling, a Shaw-at
 decoder) calls the attention once per step with ``Lq`` new rows (1 when sampling, a few for
 speculative decoding) against ``Lk`` cached keys and values, the new rows at positions
 ``Lk - Lq .. Lk - 1`` (``q_offset = Lk - Lq``, causal). For ``q, k, v [B=1, H=8, *, D=64]`` and
-shared tables ``rel_k, rel_v [2K+1, D]``, float32, forward only, it times:
+shared tables ``rel_k, rel_v [2K+1, D]``, float32 (``--dtype`` bfloat16 or float16), forward
+only, it times:
 
 * ``(1) ours`` -- ``relpos_ext.rel_attention(q, k, v, rel_k, rel_v, K, causal=True,
   q_offset=Lk - Lq)``.
@@ -47,9 +48,10 @@ def measure(method: str, lq: int, lk: int, k: int, args: argparse.Namespace) -> 
     """Runs in a forked child: time (and peak extra memory) of one decoding step."""
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(BATCH, HEADS, lq, DIM, generator=g)
-    kk, v = (torch.randn(BATCH, HEADS, lk, DIM, generator=g) for _ in range(2))
-    rk, rv = (torch.randn(2 * k + 1, DIM, generator=g) * DIM**-0.5 for _ in range(2))
+    dt = getattr(torch, args.dtype)
+    q = torch.randn(BATCH, HEADS, lq, DIM, generator=g).to(dt)
+    kk, v = (torch.randn(BATCH, HEADS, lk, DIM, generator=g).to(dt) for _ in range(2))
+    rk, rv = ((torch.randn(2 * k + 1, DIM, generator=g) * DIM**-0.5).to(dt) for _ in range(2))
     kw = dict(causal=True, q_offset=lk - lq)
     if method == "ours":
         def run():
@@ -78,12 +80,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lq", type=int, nargs="+", default=[1, 16],
                    help="new query rows per step (default 1 16)")
     p.add_argument("--max-distance", "-K", type=int, default=64, help="K (default 64)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="of q, k, v and the tables (default float32; the other dtypes write "
+                        "bench_decode_<dtype>.json unless --out says otherwise)")
     add_common_args(p, RESULTS / "bench_decode.json")
     args = p.parse_args(argv)
+    if args.dtype != "float32" and args.out == RESULTS / "bench_decode.json":
+        args.out = RESULTS / f"bench_decode_{args.dtype}.json"
     args.min_run_time = min(args.min_run_time, 0.5)
     check_platform("bench_decode.py")
     info, mach = print_environment(args.threads)
-    print(f"shape: B={BATCH} H={HEADS} D={DIM}, K={args.max_distance}, float32, causal, "
+    print(f"shape: B={BATCH} H={HEADS} D={DIM}, K={args.max_distance}, {args.dtype}, causal, "
           "q_offset = Lk - Lq, forward only\n")
     head = f"{'Lk':>6} {'Lq':>4}  {'method':<21}{'time us':>10}{'x ours':>8}{'max err':>10}"
     print(head)
@@ -116,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json({
         "benchmark": "bench_decode", "timestamp": timestamp(), "torch_version": torch.__version__,
         "build_info": info, "machine": mach,
-        "config": {"batch": BATCH, "heads": HEADS, "dim": DIM, "dtype": "float32",
+        "config": {"batch": BATCH, "heads": HEADS, "dim": DIM, "dtype": args.dtype,
                    "max_distance": args.max_distance, "lk": args.lk, "lq": args.lq,
                    "min_run_time": args.min_run_time},
         "methods": SHORT, "elapsed_s": elapsed, "rows": rows,
