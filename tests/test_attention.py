@@ -51,6 +51,9 @@ CASES = {
     "prefill_odd_D": (1, 2, 1, 40, 45, 13, 3, 0, 0, False, True, True, True, True),
     # one new row (the AVX2 kernel's single-row P V: 32 columns at a time, then 8, then masked)
     "decode_one_row_D45": (1, 2, 1, 1, 150, 45, 4, 149, 0, True, True, True, True, True),
+    # a cache long enough for the AVX2 decoding path to prefetch it (>= 512 KiB of keys per kv
+    # head, in every dtype)
+    "decode_long_cache": (1, 2, 1, 1, 4200, 64, 8, 4199, 0, False, True, False, True, True),
     # a few rows (float16/bfloat16 keys converted a tile at a time from 4 rows on)
     "decode_five_rows": (1, 2, 2, 5, 130, 24, 3, 125, 0, False, True, False, True, True),
     "all_keys_padded": (2, 2, 2, 5, 6, 16, 2, 0, 0, False, False, "all", True, True),
