@@ -41,6 +41,8 @@ CASES = {
     # several query and key tiles (the AVX2 kernel tiles by 64, CUDA kernels by smaller tiles)
     "tiles_causal_padding": (1, 2, 2, 70, 150, 16, 5, 0, 0, False, True, True, True, True),
     "tiles_unclipped": (1, 1, 1, 80, 80, 24, 100, 0, 0, True, False, False, True, True),
+    # not causal: rows of the second query tile have keys clamped to both bucket 0 and bucket 2K
+    "tiles_two_sided": (1, 2, 2, 70, 150, 16, 5, 0, 0, False, False, False, True, True),
     "tiles_decode_gqa": (2, 2, 1, 65, 130, 8, 3, 40, 0, True, True, False, True, True),
     "D200_gqa4": (2, 4, 1, 19, 23, 200, 3, 0, 0, False, True, True, True, True),
     "odd_D_offsets": (1, 2, 2, 17, 35, 37, 4, 3, 1, True, True, False, True, True),
@@ -56,6 +58,10 @@ CASES = {
     "decode_long_cache": (1, 2, 1, 1, 4200, 64, 8, 4199, 0, False, True, False, True, True),
     # a few rows (float16/bfloat16 keys converted a tile at a time from 4 rows on)
     "decode_five_rows": (1, 2, 2, 5, 130, 24, 3, 125, 0, False, True, False, True, True),
+    # enough keys per kv head (and batch * kv heads >= 8, so they are not split into chunks)
+    # for the AVX2 backward to sweep them in three runs (512 keys at D = 64): the first query
+    # tile sees none of the last run, the second one's inside buckets straddle runs 1 and 2
+    "bwd_key_runs": (1, 8, 8, 70, 1100, 64, 5, 960, 0, False, True, False, True, True),
     "all_keys_padded": (2, 2, 2, 5, 6, 16, 2, 0, 0, False, False, "all", True, True),
     "no_keys": (1, 2, 2, 3, 0, 16, 2, 0, 0, False, False, False, True, True),
     "no_queries": (1, 2, 2, 0, 5, 16, 2, 0, 0, False, True, False, True, True),
