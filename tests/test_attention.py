@@ -330,6 +330,50 @@ def test_module_matches_reference_module(gqa, causal):
             pm.grad = pr.grad = None
 
 
+@pytest.mark.parametrize("gqa", [False, True])
+def test_module_kv_cache_decoding(gqa):
+    """A causal sequence fed in pieces through a KVCache (4 rows, then 1, 1, 5) gives the rows of
+    one call on the whole sequence, padding mask included, for the fused module and the reference
+    module alike; the cache holds the projected keys once."""
+    torch.manual_seed(0)
+    kw = dict(embed_dim=32, num_heads=4, max_distance=3, num_kv_heads=2 if gqa else None,
+              per_head_tables=gqa)
+    m = relpos_ext.nn.RelativeMultiheadAttention(**kw)
+    r = ref.RelativeMultiheadAttentionReference(**kw)
+    r.load_state_dict(m.state_dict())
+    x = torch.randn(2, 11, 32)
+    mask = torch.zeros(2, 11, dtype=torch.bool)
+    mask[1, 2] = True
+    for layer in (m, r):
+        full, _ = layer(x, key_padding_mask=mask, is_causal=True)
+        cache = relpos_ext.nn.KVCache()
+        pieces, start = [], 0
+        with torch.no_grad():
+            for n in (4, 1, 1, 5):
+                out, _ = layer(x[:, start:start + n], key_padding_mask=mask[:, :start + n],
+                               is_causal=True, cache=cache)
+                pieces.append(out)
+                start += n
+        assert cache.length == 11 and cache.k.shape == (2, 2 if gqa else 4, 11, 8)
+        torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=1e-5)
+        cache.reset()
+        assert cache.length == 0 and cache.k is None
+
+
+def test_module_kv_cache_bad_use():
+    m = relpos_ext.nn.RelativeMultiheadAttention(32, 4, 3)
+    x = torch.randn(2, 3, 32)
+    cache = relpos_ext.nn.KVCache()
+    with pytest.raises(ValueError, match="key and value must be None"):
+        m(x, x, x, cache=cache)
+    with pytest.raises(ValueError, match="q_offset and k_offset must be 0"):
+        m(x, q_offset=2, cache=cache)
+    m(x, is_causal=True, cache=cache)
+    with pytest.raises(ValueError, match="do not extend the cached"):
+        m(torch.randn(1, 1, 32), is_causal=True, cache=cache)  # another batch size
+    assert cache.length == 3
+
+
 def test_module_compile_training_step():
     torch._dynamo.reset()
     torch.manual_seed(0)

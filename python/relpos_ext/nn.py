@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from . import ops
 
-__all__ = ["RelativeMultiheadAttention", "ShawRelativeAttention"]
+__all__ = ["KVCache", "RelativeMultiheadAttention", "ShawRelativeAttention"]
 
 
 class ShawRelativeAttention(nn.Module):
@@ -72,6 +72,43 @@ class ShawRelativeAttention(nn.Module):
             eq = "bhij,ijd->bhid" if self.rel_v.dim() == 2 else "bhij,hijd->bhid"
             out = out + torch.einsum(eq, p, a)
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, self.embed_dim))
+
+
+class KVCache:
+    """The projected keys and values of the positions a :class:`RelativeMultiheadAttention` has
+    already seen, for decoding step by step without projecting them again.
+
+    Use one cache per layer and pass it to every call of that layer (``cache=``): each call
+    appends the keys and values of its ``query`` rows, which take the positions from
+    :attr:`length` on, and attends to everything cached so far. Tensors are ``[B, Hkv, T, D]``,
+    grown with ``torch.cat``; nothing is detached, so decode under ``torch.no_grad()`` or
+    ``torch.inference_mode()`` unless gradients through the cache are wanted.
+    """
+
+    def __init__(self) -> None:
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """Number of cached positions ``T``."""
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Add ``[B, Hkv, n, D]`` keys and values; returns all of them, ``[B, Hkv, T + n, D]``."""
+        if self.k is None or self.v is None:
+            self.k, self.v = k, v
+        else:
+            if k.shape[:2] != self.k.shape[:2] or k.shape[3] != self.k.shape[3]:
+                raise ValueError(f"keys of shape {tuple(k.shape)} do not extend the cached "
+                                 f"{tuple(self.k.shape)} ([B, Hkv, T, D])")
+            self.k = torch.cat([self.k, k], dim=2)
+            self.v = torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def reset(self) -> None:
+        """Forget every cached position (a new sequence)."""
+        self.k = self.v = None
 
 
 class RelativeMultiheadAttention(nn.Module):
@@ -157,15 +194,27 @@ class RelativeMultiheadAttention(nn.Module):
         is_causal: bool = False,
         q_offset: int = 0,
         k_offset: int = 0,
+        cache: KVCache | None = None,
     ) -> tuple[Tensor, None]:
         """query ``[B, Lq, E]``, key/value ``[B, Lk, E]`` (default: query) -> ``([B, Lq, E], None)``.
 
         key_padding_mask: ``[B, Lk]`` bool, True = ignore (as nn.MultiheadAttention).
         is_causal: key j visible to query i iff ``k_offset + j <= q_offset + i``.
         need_weights must be False: the fused kernel never forms the attention matrix.
+        cache: self-attention decoding (key, value None; offsets 0): the query rows are the
+        positions after the ``cache.length`` cached ones; their keys and values are appended to
+        the cache and the rows attend to all of it (``key_padding_mask``, if any, is
+        ``[B, cache.length]`` after the append). With ``is_causal=True``, feeding a sequence in
+        pieces gives the rows of one call on the whole sequence.
         """
         if need_weights:
             raise ValueError("need_weights=True is not supported: the attention matrix is never formed")
+        if cache is not None:
+            if key is not None or value is not None:
+                raise ValueError("cache= is for self-attention: key and value must be None")
+            if q_offset != 0 or k_offset != 0:
+                raise ValueError("with cache=, positions come from the cache: q_offset and "
+                                 "k_offset must be 0")
         key = query if key is None else key
         value = key if value is None else value
         if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
@@ -173,6 +222,9 @@ class RelativeMultiheadAttention(nn.Module):
         q = self._heads(self.q_proj(query), self.num_heads)
         k = self._heads(self.k_proj(key), self.num_kv_heads)
         v = self._heads(self.v_proj(value), self.num_kv_heads)
+        if cache is not None:
+            q_offset = cache.length  # the new rows follow the cached positions
+            k, v = cache.append(k, v)
         z = self.attend(q, k, v, key_padding_mask, is_causal, q_offset, k_offset)
         batch, q_len = query.shape[0], query.shape[1]
         return self.out_proj(z.transpose(1, 2).reshape(batch, q_len, self.embed_dim)), None
