@@ -56,6 +56,11 @@ CASES = {
     # a cache long enough for the AVX2 decoding path to prefetch it (>= 512 KiB of keys per kv
     # head, in every dtype)
     "decode_long_cache": (1, 2, 1, 1, 4200, 64, 8, 4199, 0, False, True, False, True, True),
+    # decoding few heads against 2200 keys: the AVX2 forward splits the keys into two chunks of
+    # 1152 and merges them; inside buckets straddling the chunks, padding, both clamped sides
+    "decode_split_keys": (2, 4, 2, 5, 2200, 32, 40, 1136, 0, True, False, True, True, True),
+    # ... causal, the second chunk invisible to every row
+    "decode_split_hidden_chunk": (1, 2, 1, 3, 2200, 32, 6, 300, 0, False, True, True, True, True),
     # a few rows (float16/bfloat16 keys converted a tile at a time from 4 rows on)
     "decode_five_rows": (1, 2, 2, 5, 130, 24, 3, 125, 0, False, True, False, True, True),
     # enough keys per kv head (and batch * kv heads >= 8, so they are not split into chunks)

@@ -26,6 +26,21 @@ inline int64_t gather_bwd_items(const RelGatherBwdParams& p) {
 
 constexpr int64_t kAttentionTileQ = 64;
 constexpr int64_t kAttentionTileK = 64;
+// The AVX2 forward scores up to this many query rows (decoding) from the key rows in place.
+constexpr int64_t kAttentionFewQueries = 32;
+
+// How the AVX2 attention forward splits the keys of each (b, h, query tile) into chunks when
+// there are few such items (decoding a batch with few heads): each chunk keeps its own running
+// maximum m (base 2), sum l and unnormalised output acc (value term included) in the float
+// buffers below, which rel_attention_combine merges in chunk order. Chosen from the shapes only,
+// like AttentionBwdSplit, so results do not depend on the number of threads.
+struct AttentionFwdSplit {
+  int64_t chunks = 1;
+  int64_t chunk_keys = 0;  // keys per chunk, a multiple of kAttentionTileK
+  float* m = nullptr;      // [chunks, batch, heads, q_len]
+  float* l = nullptr;      // [chunks, batch, heads, q_len]
+  float* acc = nullptr;    // [chunks, batch, heads, q_len, dim]
+};
 
 // How the AVX2 attention backward splits the keys of a (b, kv head) into chunks, so that a batch
 // with few kv heads still has work for every thread. Chosen from the shapes only (never from the
@@ -67,10 +82,14 @@ void rel_logits(const RelLogitsParams& p, int64_t begin, int64_t end);
 void bucket_sum(const BucketSumParams& p, int64_t begin, int64_t end);
 // Fused attention; work items differ from the scalar kernels (rel_attention_avx2.cpp), and the
 // first two take them from a WorkQueue until it is empty:
-//   rel_attention: (b, h, tile of kAttentionTileQ query rows);
+//   rel_attention: (b, h, tile of kAttentionTileQ query rows, key chunk) of
+//     batch * heads * ceil(q_len / kAttentionTileQ) * split.chunks;
+//   rel_attention_combine (only when split.chunks > 1): (b, h) of batch * heads;
 //   rel_attention_backward: (b, kv head, key chunk) of batch * kv_heads * split.chunks;
 //   rel_attention_backward_reduce (only when split.chunks > 1): (b, h) of batch * heads.
-void rel_attention(const RelAttentionParams& p, WorkQueue& work);
+void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, WorkQueue& work);
+void rel_attention_combine(const RelAttentionParams& p, const AttentionFwdSplit& split,
+                           int64_t begin, int64_t end);
 void rel_attention_backward(const RelAttentionBwdParams& p, const AttentionBwdSplit& split,
                             WorkQueue& work);
 void rel_attention_backward_reduce(const RelAttentionBwdParams& p, const AttentionBwdSplit& split,

@@ -35,7 +35,7 @@ constexpr float kLog2e = static_cast<float>(relpos::kLog2e);  // common/params.h
 constexpr float kLn2 = static_cast<float>(relpos::kLn2);
 // Forward: up to this many query rows use scores_rows (at L = 4096 it was faster than the
 // transposed key tiles up to 32 rows and even at 64).
-constexpr int64_t kFewQueries = 32;
+constexpr int64_t kFewQueries = kAttentionFewQueries;
 // ... and from this many rows on, a float16/bfloat16 cache is converted to float a key tile at a
 // time (below, each row converts the keys it reads; 16 rows x 4k bfloat16 keys: 1.48 -> 1.0 ms)
 constexpr int64_t kConvertTileRows = 4;
@@ -778,10 +778,12 @@ int64_t last_key_tile(const RelAttentionParams& p, int64_t i_last) {
 }  // namespace
 
 // ------------------------------------------------------------------------------ forward
-// Work items: (b, h, query tile of BQ rows) of batch * heads * ceil(q_len / BQ). The keys of the
-// current kv head are transposed (and converted) once per call and thread, tile by tile as
-// needed, and reused by every query tile and query head of that kv head the thread visits.
-void rel_attention(const RelAttentionParams& p, WorkQueue& work) {
+// Work items: (b, h, query tile of BQ rows, key chunk) of batch * heads * ceil(q_len / BQ) *
+// split.chunks. The keys of the current kv head are transposed (and converted) once per call and
+// thread, tile by tile as needed, and reused by every query tile and query head of that kv head
+// the thread visits. With one chunk an item writes its rows of out and lse; with several, the
+// chunk's running maximum, sum and unnormalised output, for rel_attention_combine.
+void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, WorkQueue& work) {
   const int64_t D = p.dim, K = p.max_distance, rows_tab = num_buckets(K);
   const int64_t q_tiles = (p.q_len + BQ - 1) / BQ, es = elem_bytes(p.dtype);
   const int64_t max_band = imin(imax(2 * K - 1, 0), BQ + p.k_len);
@@ -821,13 +823,16 @@ void rel_attention(const RelAttentionParams& p, WorkQueue& work) {
   const char* cached = nullptr;  // kv head whose tiles [0, built) are in kt_all / v_all
   int64_t built = 0;
   ItemCursor cursor(work);
+  const int64_t chunks = split.chunks, chunk_keys = chunks == 1 ? p.k_len : split.chunk_keys;
   for (int64_t item; cursor.next(item);) {
-    const int64_t qt = item % q_tiles, h = (item / q_tiles) % p.heads, b = item / (q_tiles * p.heads);
+    const int64_t c = item % chunks, qt = (item / chunks) % q_tiles;
+    const int64_t h = (item / (chunks * q_tiles)) % p.heads, b = item / (chunks * q_tiles * p.heads);
     const int64_t i0 = qt * BQ, mq = imin(BQ, p.q_len - i0);
+    const int64_t kb = c * chunk_keys, ke = imin(p.k_len, kb + chunk_keys);  // this item's keys
     const Head hd = head_of(p, b, h);
     // qs = Q * scale * log2(e): S, QE and so the logits come out scaled, in base 2
     scale_copy(float_rows(p.dtype, hd.q + i0 * D * es, mq, D, qf), scale2, qs, mq * D);
-    const Band band = band_of(p, i0, mq);
+    const Band band = band_of(p, i0, mq, kb, ke);
     if (hd.rel_k) {  // QE = Q @ rel_k[band]^T, and the two clamped buckets per row
       load_row(p.dtype, hd.rel_k, ek0, D);
       load_row(p.dtype, hd.rel_k + (rows_tab - 1) * D * es, ek1, D);
@@ -842,7 +847,7 @@ void rel_attention(const RelAttentionParams& p, WorkQueue& work) {
       fill_f32(w, 0.f, mq * band.n);
       fill_f32(mref, kNegInf, mq * n_ktiles);
     }
-    const int64_t kt_end = last_key_tile(p, i0 + mq - 1);
+    const int64_t kt_end = imin(last_key_tile(p, i0 + mq - 1), (ke + BK - 1) / BK);
     if (hd.k != cached) {
       cached = hd.k;
       built = 0;
@@ -852,7 +857,7 @@ void rel_attention(const RelAttentionParams& p, WorkQueue& work) {
       if (!f32) build_key_tiles(p.dtype, hd.v, D, 0, p.k_len, built, kt_end, nullptr, v_all, tmp);
       built = kt_end;
     }
-    for (int64_t t = 0; t < kt_end; ++t) {
+    for (int64_t t = kb / BK; t < kt_end; ++t) {
       const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0);
       // Decoding several rows of a float16/bfloat16 cache: this tile's keys as float once,
       // rather than converted again for every row
@@ -998,8 +1003,16 @@ void rel_attention(const RelAttentionParams& p, WorkQueue& work) {
         axpy(w_hi[r], ek1, acc + r * D, D);
       }
     }
-    float* lse = static_cast<float*>(p.lse) + (b * p.heads + h) * p.q_len + i0;
-    char* out = static_cast<char*>(p.out) + ((b * p.heads + h) * p.q_len + i0) * D * es;
+    const int64_t row0 = (b * p.heads + h) * p.q_len + i0;
+    if (chunks > 1) {  // this chunk's share, merged by rel_attention_combine
+      const int64_t off = c * p.batch * p.heads * p.q_len + row0;
+      std::memcpy(split.m + off, m, sizeof(float) * mq);
+      std::memcpy(split.l + off, l, sizeof(float) * mq);
+      std::memcpy(split.acc + off * D, acc, sizeof(float) * mq * D);
+      continue;
+    }
+    float* lse = static_cast<float*>(p.lse) + row0;
+    char* out = static_cast<char*>(p.out) + row0 * D * es;
     for (int64_t r = 0; r < mq; ++r) {
       if (m[r] == kNegInf || l[r] == 0.f) {
         fill_f32(row, 0.f, D);
@@ -1011,6 +1024,44 @@ void rel_attention(const RelAttentionParams& p, WorkQueue& work) {
       }
       store_row(p.dtype, row, out + r * D * es, D);
     }
+  }
+}
+
+// Work items: (b, h) of batch * heads; only for split.chunks > 1. Per query row, the chunks'
+// shares merged in chunk order against their common maximum M: l = sum 2^(m_c - M) l_c, the
+// same for acc; then out = acc / l and lse = M ln 2 + ln l, as the unsplit forward writes them.
+void rel_attention_combine(const RelAttentionParams& p, const AttentionFwdSplit& split,
+                           int64_t begin, int64_t end) {
+  const int64_t D = p.dim, es = elem_bytes(p.dtype), rows_all = p.batch * p.heads * p.q_len;
+  Buffers buf;
+  float* acc = buf.take(D);
+  for (int64_t row = begin * p.q_len; row < end * p.q_len; ++row) {
+    float mx = kNegInf;
+    for (int64_t c = 0; c < split.chunks; ++c) {
+      const float mc = split.m[c * rows_all + row];
+      if (mc > mx || mc != mc) mx = mc;  // a NaN share makes the row NaN
+      if (mx != mx) break;
+    }
+    float l = 0.f;
+    fill_f32(acc, 0.f, D);
+    if (mx != kNegInf) {
+      for (int64_t c = 0; c < split.chunks; ++c) {
+        const float mc = split.m[c * rows_all + row];
+        if (mc == kNegInf) continue;  // nothing visible in this chunk
+        const float wc = std::exp2(mc - mx);
+        l += wc * split.l[c * rows_all + row];
+        axpy(wc, split.acc + (c * rows_all + row) * D, acc, D);
+      }
+    }
+    float* lse = static_cast<float*>(p.lse) + row;
+    if (mx == kNegInf || l == 0.f) {
+      fill_f32(acc, 0.f, D);
+      *lse = std::numeric_limits<float>::infinity();
+    } else {
+      scale_row(1.f / l, acc, D);
+      *lse = mx * kLn2 + std::log(l);
+    }
+    store_row(p.dtype, acc, static_cast<char*>(p.out) + row * D * es, D);
   }
 }
 
