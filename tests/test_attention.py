@@ -365,6 +365,22 @@ def test_module_kv_cache_decoding(gqa):
         assert cache.length == 0 and cache.k is None
 
 
+def test_module_kv_cache_compiled_decoding():
+    """A decoding step with a KVCache compiles with fullgraph=True (the cache's tensors grow by
+    one position per call; dynamic shapes) and matches one eager call on the whole sequence."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = relpos_ext.nn.RelativeMultiheadAttention(32, 4, 3, num_kv_heads=2).eval()
+    x = torch.randn(2, 9, 32)
+    full, _ = m(x, is_causal=True)
+    cache = relpos_ext.nn.KVCache()
+    step = torch.compile(lambda t: m(t, is_causal=True, cache=cache)[0], fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        outs = [step(x[:, :4])] + [step(x[:, i:i + 1]) for i in range(4, 9)]
+    assert cache.length == 9
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
+
+
 def test_module_kv_cache_bad_use():
     m = relpos_ext.nn.RelativeMultiheadAttention(32, 4, 3)
     x = torch.randn(2, 3, 32)
