@@ -158,7 +158,7 @@ struct CpuBackend {
     const int64_t k_tiles = (p.k_len + kAttentionTileK - 1) / kAttentionTileK;
     AttentionFwdSplit split;
     at::Tensor m, l, acc;
-    if (p.q_len <= kAttentionFewQueries && tiles < kFwdTargetItems) {
+    if (p.q_len <= kAttentionFewQueries && tiles > 0 && tiles < kFwdTargetItems) {
       const int64_t chunks = std::min((kFwdTargetItems + tiles - 1) / tiles, k_tiles / kFwdMinChunkTiles);
       if (chunks > 1) {
         split.chunk_keys = (k_tiles + chunks - 1) / chunks * kAttentionTileK;
