@@ -49,8 +49,8 @@ def measure(method: str, lq: int, lk: int, k: int, args: argparse.Namespace) -> 
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     dt = getattr(torch, args.dtype)
-    q = torch.randn(BATCH, HEADS, lq, DIM, generator=g).to(dt)
-    kk, v = (torch.randn(BATCH, HEADS, lk, DIM, generator=g).to(dt) for _ in range(2))
+    q = torch.randn(BATCH, args.heads, lq, DIM, generator=g).to(dt)
+    kk, v = (torch.randn(BATCH, args.heads, lk, DIM, generator=g).to(dt) for _ in range(2))
     rk, rv = ((torch.randn(2 * k + 1, DIM, generator=g) * DIM**-0.5).to(dt) for _ in range(2))
     kw = dict(causal=True, q_offset=lk - lq)
     if method == "ours":
@@ -83,14 +83,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="of q, k, v and the tables (default float32; the other dtypes write "
                         "bench_decode_<dtype>.json unless --out says otherwise)")
+    p.add_argument("--heads", type=int, default=HEADS,
+                   help=f"query and kv heads H (default {HEADS}; with fewer than 64 (batch, head) "
+                        "pairs our kernel splits a long cache across threads; other values write "
+                        "bench_decode_h<H>.json unless --out says otherwise)")
     add_common_args(p, RESULTS / "bench_decode.json")
     args = p.parse_args(argv)
-    if args.dtype != "float32" and args.out == RESULTS / "bench_decode.json":
-        args.out = RESULTS / f"bench_decode_{args.dtype}.json"
+    if args.out == RESULTS / "bench_decode.json":
+        suffix = ("" if args.dtype == "float32" else f"_{args.dtype}") + \
+            ("" if args.heads == HEADS else f"_h{args.heads}")
+        args.out = RESULTS / f"bench_decode{suffix}.json"
     args.min_run_time = min(args.min_run_time, 0.5)
     check_platform("bench_decode.py")
     info, mach = print_environment(args.threads)
-    print(f"shape: B={BATCH} H={HEADS} D={DIM}, K={args.max_distance}, {args.dtype}, causal, "
+    print(f"shape: B={BATCH} H={args.heads} D={DIM}, K={args.max_distance}, {args.dtype}, causal, "
           "q_offset = Lk - Lq, forward only\n")
     head = f"{'Lk':>6} {'Lq':>4}  {'method':<21}{'time us':>10}{'x ours':>8}{'max err':>10}"
     print(head)
@@ -123,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json({
         "benchmark": "bench_decode", "timestamp": timestamp(), "torch_version": torch.__version__,
         "build_info": info, "machine": mach,
-        "config": {"batch": BATCH, "heads": HEADS, "dim": DIM, "dtype": args.dtype,
+        "config": {"batch": BATCH, "heads": args.heads, "dim": DIM, "dtype": args.dtype,
                    "max_distance": args.max_distance, "lk": args.lk, "lq": args.lq,
                    "min_run_time": args.min_run_time},
         "methods": SHORT, "elapsed_s": elapsed, "rows": rows,
