@@ -64,9 +64,10 @@ CASES = {
     # a few rows (float16/bfloat16 keys converted a tile at a time from 4 rows on)
     "decode_five_rows": (1, 2, 2, 5, 130, 24, 3, 125, 0, False, True, False, True, True),
     # enough keys per kv head (and batch * kv heads >= 8, so they are not split into chunks)
-    # for the AVX2 backward to sweep them in three runs (512 keys at D = 64): the first query
-    # tile sees none of the last run, the second one's inside buckets straddle runs 1 and 2
-    "bwd_key_runs": (1, 8, 8, 70, 1100, 64, 5, 960, 0, False, True, False, True, True),
+    # for the AVX2 backward to sweep them in three runs (512 keys at D = 64), each run's dK / dV
+    # summed over the two query heads of its kv head: the first query tile sees none of the
+    # last run, the second one's inside buckets straddle runs 1 and 2
+    "bwd_key_runs": (2, 8, 4, 70, 1100, 64, 5, 960, 0, False, True, False, True, True),
     "all_keys_padded": (2, 2, 2, 5, 6, 16, 2, 0, 0, False, False, "all", True, True),
     "no_keys": (1, 2, 2, 3, 0, 16, 2, 0, 0, False, False, False, True, True),
     "no_queries": (1, 2, 2, 0, 5, 16, 2, 0, 0, False, True, False, True, True),

@@ -1071,12 +1071,15 @@ void rel_attention_combine(const RelAttentionParams& p, const AttentionFwdSplit&
 // adds its table gradients into the (b, h) partials and writes dq of its keys' contribution:
 // with one chunk straight into dq and bp's partials, with several into the split's per-chunk
 // float partials, which rel_attention_backward_reduce then sums in chunk order.
-// Within an item, each query head sweeps its query tiles once per run of keys of about
-// kBwdRunBytes (key and value tiles, key rows, dK and dV: 5 x D floats a key), so that what the
-// sweep reads and accumulates stays in the core's L2 cache; dq gathers over the runs in a
-// float buffer of the head's rows. Sweeping all of a kv head's keys per query tile instead left
-// the two threads waiting on the shared L3: L = 4096, B = 1, H = 8, D = 64, K = 64, 2 threads,
-// backward 517 -> 455 ms (L = 2048: 123.5 -> 119.5 ms; L = 8192: 2240 -> 1796 ms).
+// Within an item, the keys go in runs of about kBwdRunBytes (key and value tiles, key rows, dK
+// and dV: 5 x D floats a key): each query head of the group sweeps its query tiles once per run,
+// so that what the sweep reads and accumulates stays in the core's L2 cache, and the run's dK
+// and dV are complete (and written out) when the group is done with it. Sweeping all of a kv
+// head's keys per query tile instead left the two threads waiting on the shared L3: L = 8192,
+// B = 1, H = 8, D = 64, K = 64, 2 threads, backward 2240 -> 1770 ms (L = 4096 and 2048 within
+// the noise). dq accumulates over the runs in place when it is float (a float32 dq, or the
+// split's partials), else in a per-thread float buffer of the group's rows; so a thread's
+// scratch is O(run + BQ x band) plus, for float16/bfloat16, O(group x q_len x D).
 constexpr int64_t kBwdRunBytes = int64_t(640) << 10;
 void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdSplit& split,
                             WorkQueue& work) {
@@ -1085,36 +1088,42 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
   const int64_t group = p.heads / p.kv_heads, chunks = split.chunks;
   const int64_t chunk_keys = chunks == 1 ? p.k_len : split.chunk_keys;
   const int64_t chunk_tiles = (chunk_keys + BK - 1) / BK;
-  const int64_t run_tiles = imax(1, kBwdRunBytes / (5 * D * int64_t(sizeof(float)) * BK));
+  const int64_t run_tiles = imin(chunk_tiles, imax(1, kBwdRunBytes / (5 * D * int64_t(sizeof(float)) * BK)));
+  const int64_t run_keys = run_tiles * BK;
   const int64_t max_band = imin(imax(2 * K - 1, 0), BQ + chunk_keys);
   const bool f32 = p.dtype == DType::Float32;
+  // dq accumulates in place where it is float: bp.dq for float32 with one chunk (zeros on
+  // entry), else the split's partials; a float16/bfloat16 dq in a per-thread buffer of the group
+  const bool dq_own = chunks == 1 && !f32;
   const float scale = static_cast<float>(p.scale), scale2 = scale * kLog2e;
+  const int64_t gq = group * p.q_len;
   Buffers buf;
-  float* dk_acc = buf.take(chunk_keys * D);
-  float* dv_acc = buf.take(chunk_keys * D);
-  float* kt_all = buf.take(chunk_tiles * D * BK);
-  float* vt_all = buf.take(chunk_tiles * D * BK);
-  float* k_rows = f32 ? nullptr : buf.take(chunk_tiles * BK * D);
+  float* dk_run = buf.take(run_keys * D);  // dK, dV of the run's keys over the group's heads
+  float* dv_run = buf.take(run_keys * D);
+  float* kt_run = buf.take(run_tiles * D * BK);  // the run's key and value tiles, transposed
+  float* vt_run = buf.take(run_tiles * D * BK);
+  float* k_rows = f32 ? nullptr : buf.take(run_tiles * BK * D);
   float* tmp = buf.take(BK * D);
   float* qf = buf.take(BQ * D);
   float* qs = buf.take(BQ * D);
   float* dof = buf.take(BQ * D);
   float* of = buf.take(BQ * D);
-  float* dq_all = buf.take(p.q_len * D);  // dq of the current query head, over the runs
+  float* dq_buf = dq_own ? buf.take(gq * D) : nullptr;
   float* s = buf.take(BQ * BK);
   float* dp = buf.take(BQ * BK);
-  // per query row of the current head: the log-sum-exp (base 2), D_i = dO_i . O_i, the clamped
-  // buckets' key terms (qe) and value terms (de), and the row sums of dS and P in those buckets
-  float* lse_all = buf.take(p.q_len);
-  float* di_all = buf.take(p.q_len);
-  float* qe_lo_all = buf.take(p.q_len);
-  float* qe_hi_all = buf.take(p.q_len);
-  float* de_lo_all = buf.take(p.q_len);
-  float* de_hi_all = buf.take(p.q_len);
-  float* ds_lo_all = buf.take(p.q_len);
-  float* ds_hi_all = buf.take(p.q_len);
-  float* p_lo_all = buf.take(p.q_len);
-  float* p_hi_all = buf.take(p.q_len);
+  // per query row of each head of the group ([group, q_len]): the log-sum-exp (base 2),
+  // D_i = dO_i . O_i, the clamped buckets' key terms (qe) and value terms (de), and the row sums
+  // of dS and P in those buckets over all the runs
+  float* lse_all = buf.take(gq);
+  float* di_all = buf.take(gq);
+  float* qe_lo_all = buf.take(gq);
+  float* qe_hi_all = buf.take(gq);
+  float* de_lo_all = buf.take(gq);
+  float* de_hi_all = buf.take(gq);
+  float* ds_lo_all = buf.take(gq);
+  float* ds_hi_all = buf.take(gq);
+  float* p_lo_all = buf.take(gq);
+  float* p_hi_all = buf.take(gq);
   float* band_k = buf.take(max_band * D);
   float* band_kt = buf.take(D * max_band);
   float* band_v = buf.take(max_band * D);
@@ -1131,27 +1140,24 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
   for (int64_t item; cursor.next(item);) {
     const int64_t c = item % chunks, hk = (item / chunks) % p.kv_heads;
     const int64_t b = item / (chunks * p.kv_heads);
-    const int64_t kb = c * chunk_keys, ke = imin(p.k_len, kb + chunk_keys), nkeys = ke - kb;
-    const int64_t tiles = (nkeys + BK - 1) / BK, tile0 = kb / BK;  // kb is a multiple of BK
+    const int64_t kb = c * chunk_keys, ke = imin(p.k_len, kb + chunk_keys);
+    const int64_t tile0 = kb / BK, tile_end = (ke + BK - 1) / BK;  // kb is a multiple of BK
     const Head hd0 = head_of(p, b, hk * group);
-    build_key_tiles(p.dtype, hd0.k, D, kb, ke, 0, tiles, kt_all, k_rows, tmp);
-    build_key_tiles(p.dtype, hd0.v, D, kb, ke, 0, tiles, vt_all, nullptr, tmp);
-    const float* kp = f32 ? reinterpret_cast<const float*>(hd0.k) + kb * D : k_rows;
-    fill_f32(dk_acc, 0.f, nkeys * D);
-    fill_f32(dv_acc, 0.f, nkeys * D);
+    // where head h's dq and table-gradient partials go
+    auto dq_of = [&](int64_t h) -> float* {
+      const int64_t bh = b * p.heads + h;
+      if (chunks > 1) return split.dq_partial + (c * p.batch * p.heads + bh) * p.q_len * D;
+      return dq_own ? dq_buf + (h - hk * group) * p.q_len * D : static_cast<float*>(bp.dq) + bh * p.q_len * D;
+    };
+    auto partial_of = [&](int64_t h, void* whole, float* parts) -> float* {
+      const int64_t bh = b * p.heads + h;
+      if (chunks == 1) return whole ? static_cast<float*>(whole) + bh * rows_tab * D : nullptr;
+      return parts ? parts + (c * p.batch * p.heads + bh) * rows_tab * D : nullptr;
+    };
+    // what depends on the query rows alone, once per head (not once per run)
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       const Head hd = head_of(p, b, h);
-      const int64_t bh = b * p.heads + h;
-      float* pk = nullptr;
-      float* pv = nullptr;
-      if (chunks == 1) {
-        if (bp.drel_k_partial) pk = static_cast<float*>(bp.drel_k_partial) + bh * rows_tab * D;
-        if (bp.drel_v_partial) pv = static_cast<float*>(bp.drel_v_partial) + bh * rows_tab * D;
-      } else {
-        const int64_t off = (c * p.batch * p.heads + bh) * rows_tab * D;
-        if (split.drel_k_partial) pk = split.drel_k_partial + off;
-        if (split.drel_v_partial) pv = split.drel_v_partial + off;
-      }
+      const int64_t bh = b * p.heads + h, g0 = (h - hk * group) * p.q_len;
       if (hd.rel_k) {
         load_row(p.dtype, hd.rel_k, ek0, D);
         load_row(p.dtype, hd.rel_k + (rows_tab - 1) * D * es, ek1, D);
@@ -1160,31 +1166,43 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
         load_row(p.dtype, hd.rel_v, ev0, D);
         load_row(p.dtype, hd.rel_v + (rows_tab - 1) * D * es, ev1, D);
       }
-      // what depends on the query rows alone, once per head (not once per run)
       for (int64_t i0 = 0; i0 < p.q_len; i0 += BQ) {
         const int64_t mq = imin(BQ, p.q_len - i0), row0 = bh * p.q_len + i0;
         const float* dop = float_rows(p.dtype, static_cast<const char*>(bp.grad_out) + row0 * D * es, mq, D, dof);
         const float* op = float_rows(p.dtype, static_cast<const char*>(p.out) + row0 * D * es, mq, D, of);
         for (int64_t r = 0; r < mq; ++r) {
-          lse_all[i0 + r] = static_cast<const float*>(p.lse)[row0 + r] * kLog2e;  // base 2
-          di_all[i0 + r] = dot(dop + r * D, op + r * D, D);
+          lse_all[g0 + i0 + r] = static_cast<const float*>(p.lse)[row0 + r] * kLog2e;  // base 2
+          di_all[g0 + i0 + r] = dot(dop + r * D, op + r * D, D);
         }
         if (hd.rel_k) {
           const float* qp = float_rows(p.dtype, hd.q + i0 * D * es, mq, D, qf);
           scale_copy(qp, scale2, qs, mq * D);
-          table_ends(qs, mq, D, ek0, ek1, qe_lo_all + i0, qe_hi_all + i0);
+          table_ends(qs, mq, D, ek0, ek1, qe_lo_all + g0 + i0, qe_hi_all + g0 + i0);
         }
-        if (hd.rel_v) table_ends(dop, mq, D, ev0, ev1, de_lo_all + i0, de_hi_all + i0);
+        if (hd.rel_v) table_ends(dop, mq, D, ev0, ev1, de_lo_all + g0 + i0, de_hi_all + g0 + i0);
       }
-      fill_f32(ds_lo_all, 0.f, p.q_len);
-      fill_f32(ds_hi_all, 0.f, p.q_len);
-      fill_f32(p_lo_all, 0.f, p.q_len);
-      fill_f32(p_hi_all, 0.f, p.q_len);
-      fill_f32(dq_all, 0.f, p.q_len * D);
-      // the item's key tiles [tile0, tile0 + tiles) in runs [r0, r1)
-      for (int64_t r0 = tile0; r0 < tile0 + tiles; r0 += run_tiles) {
-        const int64_t r1 = imin(r0 + run_tiles, tile0 + tiles);
-        const int64_t rb = r0 * BK, re = imin(r1 * BK, ke);  // the run's keys
+      if (dq_own) fill_f32(dq_of(h), 0.f, p.q_len * D);
+    }
+    fill_f32(ds_lo_all, 0.f, gq);
+    fill_f32(ds_hi_all, 0.f, gq);
+    fill_f32(p_lo_all, 0.f, gq);
+    fill_f32(p_hi_all, 0.f, gq);
+    // the item's key tiles in runs [r0, r1): the run's keys transposed once, its dK and dV
+    // accumulated over every query tile of every head of the group, then written out
+    for (int64_t r0 = tile0; r0 < tile_end; r0 += run_tiles) {
+      const int64_t r1 = imin(r0 + run_tiles, tile_end);
+      const int64_t rb = r0 * BK, re = imin(r1 * BK, ke), nrun = re - rb;  // the run's keys
+      build_key_tiles(p.dtype, hd0.k, D, rb, re, 0, r1 - r0, kt_run, k_rows, tmp);
+      build_key_tiles(p.dtype, hd0.v, D, rb, re, 0, r1 - r0, vt_run, nullptr, tmp);
+      const float* kp = f32 ? reinterpret_cast<const float*>(hd0.k) + rb * D : k_rows;
+      fill_f32(dk_run, 0.f, nrun * D);
+      fill_f32(dv_run, 0.f, nrun * D);
+      for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+        const Head hd = head_of(p, b, h);
+        const int64_t bh = b * p.heads + h, g0 = (h - hk * group) * p.q_len;
+        float* pk = partial_of(h, bp.drel_k_partial, split.drel_k_partial);
+        float* pv = partial_of(h, bp.drel_v_partial, split.drel_v_partial);
+        float* dq_h = dq_of(h);
         for (int64_t i0 = 0; i0 < p.q_len; i0 += BQ) {
           const int64_t mq = imin(BQ, p.q_len - i0);
           const int64_t row0 = bh * p.q_len + i0;
@@ -1195,16 +1213,16 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
           const float* dop = float_rows(p.dtype, static_cast<const char*>(bp.grad_out) + row0 * D * es, mq, D, dof);
           // as in the forward, S and QE come from qs = Q * scale * log2(e): logits in base 2
           scale_copy(qp, scale2, qs, mq * D);
-          const float* lse = lse_all + i0;
-          const float* di = di_all + i0;
-          const float* qe_lo = qe_lo_all + i0;
-          const float* qe_hi = qe_hi_all + i0;
-          const float* de_lo = de_lo_all + i0;
-          const float* de_hi = de_hi_all + i0;
-          float* ds_lo = ds_lo_all + i0;
-          float* ds_hi = ds_hi_all + i0;
-          float* p_lo = p_lo_all + i0;
-          float* p_hi = p_hi_all + i0;
+          const float* lse = lse_all + g0 + i0;
+          const float* di = di_all + g0 + i0;
+          const float* qe_lo = qe_lo_all + g0 + i0;
+          const float* qe_hi = qe_hi_all + g0 + i0;
+          const float* de_lo = de_lo_all + g0 + i0;
+          const float* de_hi = de_hi_all + g0 + i0;
+          float* ds_lo = ds_lo_all + g0 + i0;
+          float* ds_hi = ds_hi_all + g0 + i0;
+          float* p_lo = p_lo_all + g0 + i0;
+          float* p_hi = p_hi_all + g0 + i0;
           // the band of inside buckets this run's keys reach from the query tile
           const Band band = band_of(p, i0, mq, rb, re);
           if (hd.rel_k) {  // QE = Q @ rel_k^T over the band
@@ -1215,11 +1233,11 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
             table_band(p.dtype, hd.rel_v, D, band, dop, mq, de, band_v, band_vt);
             fill_f32(wp, 0.f, mq * band.n);
           }
-          float* dq = dq_all + i0 * D;
+          float* dq = dq_h + i0 * D;
           for (int64_t t = r0; t < t_end; ++t) {
-            const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0), tl = t - tile0;
-            gemm0(mq, nk, D, qs, D, kt_all + tl * D * BK, BK, s, BK);    // S = Q K^T (base 2)
-            gemm0(mq, nk, D, dop, D, vt_all + tl * D * BK, BK, dp, BK);  // dP = dO V^T
+            const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0), tl = t - r0;
+            gemm0(mq, nk, D, qs, D, kt_run + tl * D * BK, BK, s, BK);    // S = Q K^T (base 2)
+            gemm0(mq, nk, D, dop, D, vt_run + tl * D * BK, BK, dp, BK);  // dP = dO V^T
             for (int64_t r = 0; r < mq; ++r) {
               const int64_t i = i0 + r;
               float* sr = s + r * BK;
@@ -1243,11 +1261,11 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
               if (hd.rel_v) add_bucket_mass(sr, j0, nk, sp, p_lo[r], p_hi[r], wp + r * band.n);
               if (hd.rel_k) add_bucket_mass(dpr, j0, nk, sp, ds_lo[r], ds_hi[r], wds + r * band.n);
             }
-            float* dv_t = dv_acc + (j0 - kb) * D;
-            float* dk_t = dk_acc + (j0 - kb) * D;
+            float* dv_t = dv_run + (j0 - rb) * D;
+            float* dk_t = dk_run + (j0 - rb) * D;
             gemm_at(nk, D, mq, s, BK, dop, D, dv_t, D);          // dV += P^T dO
             gemm_at(nk, D, mq, dp, BK, qp, D, dk_t, D);          // dK += dS^T Q
-            gemm(mq, D, nk, dp, BK, kp + (j0 - kb) * D, D, dq, D);  // dQ += dS K
+            gemm(mq, D, nk, dp, BK, kp + (j0 - rb) * D, D, dq, D);  // dQ += dS K
           }
           if (hd.rel_k && band.n > 0) {  // dQ += W_ds @ rel_k; drel_k += W_ds^T Q over the band
             gemm(mq, D, band.n, wds, band.n, band_k, D, dq, D);
@@ -1258,44 +1276,54 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
           }
         }
       }
-      // the clamped buckets, over all the runs: dQ += dS sums x rel_k rows 0 / 2K, drel_k rows
-      // 0 / 2K += dS sums x Q, drel_v rows 0 / 2K += P sums x dO (rows without any: skipped)
+      const int64_t kv_off = ((b * p.kv_heads + hk) * p.k_len + rb) * D * es;
+      for (int64_t j = 0; j < nrun; ++j) {
+        store_row(p.dtype, dk_run + j * D, static_cast<char*>(bp.dk) + kv_off + j * D * es, D);
+        store_row(p.dtype, dv_run + j * D, static_cast<char*>(bp.dv) + kv_off + j * D * es, D);
+      }
+    }
+    // the clamped buckets, over all the runs: dQ += dS sums x rel_k rows 0 / 2K, drel_k rows
+    // 0 / 2K += dS sums x Q, drel_v rows 0 / 2K += P sums x dO (rows without any: skipped)
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+      const Head hd = head_of(p, b, h);
+      const int64_t bh = b * p.heads + h, g0 = (h - hk * group) * p.q_len;
+      float* pk = partial_of(h, bp.drel_k_partial, split.drel_k_partial);
+      float* pv = partial_of(h, bp.drel_v_partial, split.drel_v_partial);
+      float* dq_h = dq_of(h);
+      if (hd.rel_k) {
+        load_row(p.dtype, hd.rel_k, ek0, D);
+        load_row(p.dtype, hd.rel_k + (rows_tab - 1) * D * es, ek1, D);
+      }
       for (int64_t i0 = 0; i0 < p.q_len && (hd.rel_k || hd.rel_v); i0 += BQ) {
         const int64_t mq = imin(BQ, p.q_len - i0), row0 = bh * p.q_len + i0;
         if (hd.rel_k) {
           const float* qp = float_rows(p.dtype, hd.q + i0 * D * es, mq, D, qf);
           for (int64_t i = i0; i < i0 + mq; ++i) {
             const float* qr = qp + (i - i0) * D;
-            if (ds_lo_all[i] != 0.f) {
-              axpy(ds_lo_all[i], ek0, dq_all + i * D, D);
-              axpy(ds_lo_all[i], qr, pk, D);
+            const float lo = ds_lo_all[g0 + i], hi = ds_hi_all[g0 + i];
+            if (lo != 0.f) {
+              axpy(lo, ek0, dq_h + i * D, D);
+              axpy(lo, qr, pk, D);
             }
-            if (ds_hi_all[i] != 0.f) {
-              axpy(ds_hi_all[i], ek1, dq_all + i * D, D);
-              axpy(ds_hi_all[i], qr, pk + (rows_tab - 1) * D, D);
+            if (hi != 0.f) {
+              axpy(hi, ek1, dq_h + i * D, D);
+              axpy(hi, qr, pk + (rows_tab - 1) * D, D);
             }
           }
         }
         if (hd.rel_v) {
           const float* dop = float_rows(p.dtype, static_cast<const char*>(bp.grad_out) + row0 * D * es, mq, D, dof);
           for (int64_t i = i0; i < i0 + mq; ++i) {
-            if (p_lo_all[i] != 0.f) axpy(p_lo_all[i], dop + (i - i0) * D, pv, D);
-            if (p_hi_all[i] != 0.f) axpy(p_hi_all[i], dop + (i - i0) * D, pv + (rows_tab - 1) * D, D);
+            const float lo = p_lo_all[g0 + i], hi = p_hi_all[g0 + i];
+            if (lo != 0.f) axpy(lo, dop + (i - i0) * D, pv, D);
+            if (hi != 0.f) axpy(hi, dop + (i - i0) * D, pv + (rows_tab - 1) * D, D);
           }
         }
       }
-      if (chunks == 1) {
+      if (dq_own) {
         char* dq_out = static_cast<char*>(bp.dq) + bh * p.q_len * D * es;
-        for (int64_t i = 0; i < p.q_len; ++i) store_row(p.dtype, dq_all + i * D, dq_out + i * D * es, D);
-      } else {
-        float* dq_out = split.dq_partial + (c * p.batch * p.heads + bh) * p.q_len * D;
-        std::memcpy(dq_out, dq_all, sizeof(float) * p.q_len * D);
+        for (int64_t i = 0; i < p.q_len; ++i) store_row(p.dtype, dq_h + i * D, dq_out + i * D * es, D);
       }
-    }
-    const int64_t kv_off = ((b * p.kv_heads + hk) * p.k_len + kb) * D * es;
-    for (int64_t j = 0; j < nkeys; ++j) {
-      store_row(p.dtype, dk_acc + j * D, static_cast<char*>(bp.dk) + kv_off + j * D * es, D);
-      store_row(p.dtype, dv_acc + j * D, static_cast<char*>(bp.dv) + kv_off + j * D * es, D);
     }
   }
 }
