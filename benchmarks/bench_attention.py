@@ -132,8 +132,8 @@ def analytic_live_set(method: str, mode: str, length: int, k: int, threads: int)
     their gradient (from ``p @ v`` plus the ``scatter_add``'s gather) and the softmax's
     gradient. Measured on 2 cores at L = 1024-2048: about 2.2 and 3.3 ``[B, H, L, L]``
     respectively. (2) gathers each table to ``[L, L, D]``; (5) holds ``QE``; (1) holds O(tile)
-    scratch, plus in backward five float32 ``[L, D]`` buffers per thread: the dK, dV and dQ
-    accumulators and the transposed key and value tiles.
+    scratch, plus in backward per thread a run of keys (their transposed key and value tiles, key
+    rows and dK, dV accumulators: about 640 KiB) and ten floats per query row.
     """
     ll = BATCH * HEADS * length * length * ITEMSIZE
     index = length * length * 8
@@ -149,8 +149,8 @@ def analytic_live_set(method: str, mode: str, length: int, k: int, threads: int)
     if method == "flex":
         return {"bytes": band, "what": "QE [B,H,L,2K+1]"}
     if method == "ours" and mode == "fwd+bwd":
-        return {"bytes": threads * 5 * length * DIM * 4,
-                "what": f"dQ, dK, dV, K^T, V^T [L,D] per thread ({threads})"}
+        return {"bytes": threads * ((640 << 10) + 10 * length * 4),
+                "what": f"640 KiB key run + 10 floats/row per thread ({threads})"}
     return {"bytes": 0, "what": "none (tiles)" if method == "ours" else "none (flash kernel)"}
 
 
