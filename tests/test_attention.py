@@ -312,14 +312,21 @@ def test_double_backward_raises_clearly():
 
 
 # ------------------------------------------------------------------------------------ module
-@pytest.mark.parametrize("gqa", [False, True])
-@pytest.mark.parametrize("causal", [False, True])
-def test_module_matches_reference_module(gqa, causal):
+def _module_pair(gqa):
+    """The fused module (E=32, H=4, K=3; GQA with per-head tables or not) and the reference
+    module holding the same state."""
     kw = dict(embed_dim=32, num_heads=4, max_distance=3, num_kv_heads=2 if gqa else None,
               per_head_tables=gqa)
     m = relpos_ext.nn.RelativeMultiheadAttention(**kw)
     r = ref.RelativeMultiheadAttentionReference(**kw)
     r.load_state_dict(m.state_dict())
+    return m, r
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_module_matches_reference_module(gqa, causal):
+    m, r = _module_pair(gqa)
     x = torch.randn(2, 7, 32)
     mem = torch.randn(2, 9, 32)
     mask = torch.zeros(2, 9, dtype=torch.bool)
@@ -342,11 +349,7 @@ def test_module_kv_cache_decoding(gqa):
     one call on the whole sequence, padding mask included, for the fused module and the reference
     module alike; the cache holds the projected keys once."""
     torch.manual_seed(0)
-    kw = dict(embed_dim=32, num_heads=4, max_distance=3, num_kv_heads=2 if gqa else None,
-              per_head_tables=gqa)
-    m = relpos_ext.nn.RelativeMultiheadAttention(**kw)
-    r = ref.RelativeMultiheadAttentionReference(**kw)
-    r.load_state_dict(m.state_dict())
+    m, r = _module_pair(gqa)
     x = torch.randn(2, 11, 32)
     mask = torch.zeros(2, 11, dtype=torch.bool)
     mask[1, 2] = True
