@@ -250,15 +250,25 @@ def test_rel_attention_nan_propagates(backend, where):
     assert out.isnan().any() and not out.isnan().all()
 
 
-def test_rel_attention_cpu_results_do_not_depend_on_threads():
+# (B, H, Hkv, Lq, Lk, D, q_offset): tiles of GQA heads with a query offset; decoding 5 rows
+# against 8200 keys (the AVX2 forward splits them into 8 chunks, the backward into chunks with
+# partials); 70 rows against 1100 keys at D = 64 (the AVX2 backward's key runs)
+THREAD_SHAPES = [(2, 4, 2, 300, 260, 32, 40), (1, 8, 2, 5, 8200, 64, 8195),
+                 (1, 8, 8, 70, 1100, 64, 1030)]
+
+
+@pytest.mark.parametrize("shape", THREAD_SHAPES, ids=["tiles", "decode_split", "bwd_runs"])
+def test_rel_attention_cpu_results_do_not_depend_on_threads(shape):
     """The CPU kernels hand work chunks to whichever thread is free: the outputs and gradients
-    must still be bitwise the same for any thread count (each item writes its own rows)."""
+    must still be bitwise the same for any thread count (each item writes its own rows, and
+    any split of the keys is chosen from the shapes alone)."""
+    b, h, hk, lq, lk, d, qo = shape
     g = torch.Generator().manual_seed(3)
-    q = torch.randn(2, 4, 300, 32, generator=g)
-    k, v = (torch.randn(2, 2, 260, 32, generator=g) for _ in range(2))
-    rk, rv = (torch.randn(4, 2 * 6 + 1, 32, generator=g) for _ in range(2))
-    go = torch.randn(2, 4, 300, 32, generator=g)
-    args = (q, k, v, rk, rv, 6, True, None, 40, 0, None)
+    q = torch.randn(b, h, lq, d, generator=g)
+    k, v = (torch.randn(b, hk, lk, d, generator=g) for _ in range(2))
+    rk, rv = (torch.randn(h, 2 * 6 + 1, d, generator=g) for _ in range(2))
+    go = torch.randn(b, h, lq, d, generator=g)
+    args = (q, k, v, rk, rv, 6, True, None, qo, 0, None)
     results = []
     before = torch.get_num_threads()
     try:
