@@ -33,11 +33,9 @@ constexpr int64_t BK = kAttentionTileK;  // keys per tile
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = static_cast<float>(relpos::kLog2e);  // common/params.h
 constexpr float kLn2 = static_cast<float>(relpos::kLn2);
-// Forward: up to this many query rows use scores_rows (at L = 4096 it was faster than the
-// transposed key tiles up to 32 rows and even at 64).
-constexpr int64_t kFewQueries = kAttentionFewQueries;
-// ... and from this many rows on, a float16/bfloat16 cache is converted to float a key tile at a
-// time (below, each row converts the keys it reads; 16 rows x 4k bfloat16 keys: 1.48 -> 1.0 ms)
+// Forward, up to kAttentionFewQueries rows (kernels.h): from this many rows on, a
+// float16/bfloat16 cache is converted to float a key tile at a time (below, each row converts
+// the keys it reads; 16 rows x 4k bfloat16 keys: 1.48 -> 1.0 ms)
 constexpr int64_t kConvertTileRows = 4;
 
 // ------------------------------------------------------------------------------ conversions
@@ -427,7 +425,7 @@ struct Band {
   int64_t lo = 0, n = 0;
 };
 
-// ... and from keys [kb, ke) only (the backward's key chunks).
+// ... from keys [kb, ke) (a key chunk or run; all keys: [0, k_len)).
 Band band_of(const RelAttentionParams& p, int64_t i0, int64_t mq, int64_t kb, int64_t ke) {
   Band band;
   if (p.max_distance == 0 || ke <= kb) return band;
@@ -439,10 +437,6 @@ Band band_of(const RelAttentionParams& p, int64_t i0, int64_t mq, int64_t kb, in
     band.n = hi - lo + 1;
   }
   return band;
-}
-
-Band band_of(const RelAttentionParams& p, int64_t i0, int64_t mq) {
-  return band_of(p, i0, mq, 0, p.k_len);
 }
 
 // Per query row, the split of a key tile [j0, j0 + nk) into bucket-0 keys [j0, a), inside keys
@@ -791,8 +785,8 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
   const bool f32 = p.dtype == DType::Float32;
   const float scale2 = static_cast<float>(p.scale) * kLog2e;  // logits in base 2
   // Few query rows (decoding): scores from the key rows (scores_rows) instead of transposed key
-  // tiles, which would be built for a single tile of at most kFewQueries rows.
-  const bool few_q = p.q_len <= kFewQueries;
+  // tiles, which would be built for a single tile of at most kAttentionFewQueries rows.
+  const bool few_q = p.q_len <= kAttentionFewQueries;
   const bool stream = few_q && p.k_len * D * es >= kStreamBytes;  // prefetch K and V rows
   Buffers buf;
   float* qf = buf.take(BQ * D);
