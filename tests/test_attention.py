@@ -178,6 +178,75 @@ def test_rel_attention_random_cases(backend, seed):
     _check_backward(backend, torch.float32, case)
 
 
+def random_long_case(seed: int, max_size: int = 12_000_000) -> tuple:
+    """A seeded random CASES entry with a long key side: up to 33 query rows against 1000-2700
+    keys (the AVX2 forward's decoding split into key chunks) or up to 140 rows against 200-1400
+    keys (the AVX2 backward's key runs, and its key chunks when batch x kv heads < 8), with
+    random offsets, masks, GQA, tables and D; B x H x Lq x Lk x D is kept under `max_size`, as
+    the float64 reference holds a [B, H, Lq, Lk, D] gather."""
+    r = random.Random(seed)
+    while True:
+        b, hk, group = r.choice([1, 1, 2, 3]), r.choice([1, 2]), r.choice([1, 2, 4])
+        d = r.choice([8, 16, 32, 37, 64, 80, 128])
+        if r.random() < 0.5:
+            lq, lk = r.choice([1, 2, 5, 16, 32, 33]), r.randint(1000, 2700)
+        else:
+            lq, lk = r.randint(1, 140), r.randint(200, 1400)
+        if b * hk * group * lq * lk * d <= max_size:
+            break
+    tables = r.choice([(True, True), (True, True), (True, False), (False, True)])
+    return (b, hk * group, hk, lq, lk, d, r.choice([0, 1, 5, 40, 64, 130, 700, 3000]),
+            r.choice([0, r.randint(-5, lk), lk - lq]), r.choice([0, r.randint(0, 5)]),
+            r.random() < 0.4, r.random() < 0.5, r.random() < 0.3, *tables)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_rel_attention_random_long_cases(backend, seed):
+    """Forward and backward of 8 seeded random long-key configurations (float32) against the
+    reference. (A local fuzz of 7500 such cases over the CPU backends and the emulator, a half
+    of them float16/bfloat16, found no failure.)"""
+    _attention_backend(backend)
+    case = random_long_case(seed)
+    _check_forward(backend, torch.float32, case)
+    _check_backward(backend, torch.float32, case)
+
+
+LOW_PRECISION_CASES = ["padding", "gqa", "D200_gqa4", "tiles_causal_padding", "tiles_two_sided",
+                       "decode_gqa_odd_D", "decode_one_row_D45", "decode_five_rows",
+                       "decode_split_keys"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", LOW_PRECISION_CASES + ["long0", "long1", "long2"])
+def test_rel_attention_low_precision_rounds_float32_once(backend, dtype, name):
+    """float16/bfloat16 run the float32 arithmetic: the outputs, the log-sum-exp and all five
+    gradients equal, bitwise, those of the float32 kernel on the same (rounded) inputs, rounded
+    once to the dtype. The backward is handed the rounded `out` in both runs, as it reads D_i =
+    dO_i . O_i from it (FlashAttention does the same; against a float64 reference this rounding
+    dominates gradients that cancel, such as a K = 0 table's)."""
+    _attention_backend(backend)
+    case = CASES[name] if name in CASES else random_long_case(100 + int(name[4:]), 4_000_000)
+    tensors, kw = make_inputs(case, dtype)
+    out, lse = _call(backend, tensors, kw)
+    out32, lse32 = _call(backend, [None if x is None else x.float() for x in tensors], kw)
+    assert torch.equal(out, out32.to(dtype)) and torch.equal(lse, lse32)
+    grad = torch.randn(out.shape, dtype=torch.float64).to(dtype)
+    mask = kw["key_padding_mask"]
+
+    def backward(ts, g, o):
+        ts = (None if x is None else backend.tensor(x.detach()) for x in ts)
+        return backend.op("rel_attention_backward")(
+            backend.tensor(g), *ts, o, lse, kw["max_distance"], kw["causal"], None,
+            kw["q_offset"], kw["k_offset"], None if mask is None else backend.tensor(mask),
+        )
+
+    got = backward(tensors, grad, out)
+    want = backward([None if x is None else x.float() for x in tensors], grad.float(), out.float())
+    for g, w in zip(got, want):
+        assert g.dtype == dtype or g.numel() == 0
+        assert torch.equal(g, w.to(dtype))
+
+
 # (bfloat16 stops at 30: at 1000 its rounding of `out`, which the backward reads, times q's size
 # swamps the gradients of the reference too)
 @pytest.mark.parametrize("dtype, sharpness", [(torch.float32, 30.0), (torch.float32, 1000.0),
