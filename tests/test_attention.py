@@ -211,6 +211,38 @@ def test_rel_attention_random_long_cases(backend, seed):
     _check_backward(backend, torch.float32, case)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rel_attention_non_contiguous_inputs(backend, dtype):
+    """Strided views (q as a [B, L, H, D] buffer transposed, k / v every other column of a wider
+    buffer, tables and mask transposed, grad_out transposed) give bitwise the results of their
+    contiguous copies, forward and backward."""
+    _attention_backend(backend)
+    tensors, kw = make_inputs(CASES["tiles_decode_gqa"], dtype)
+    q, k, v, rk, rv = (backend.tensor(x) for x in tensors)
+    b, h, lq, d = q.shape
+    views = (
+        q.transpose(1, 2).contiguous().transpose(1, 2),
+        torch.stack([k, torch.zeros_like(k)], -1).flatten(-2)[..., ::2],
+        torch.stack([v, torch.zeros_like(v)], -1).flatten(-2)[..., ::2],
+        rk.transpose(-1, -2).contiguous().transpose(-1, -2),
+        rv.transpose(-1, -2).contiguous().transpose(-1, -2),
+    )
+    mask = torch.zeros(b, k.shape[2], dtype=torch.bool)
+    mask[0, -3:] = True
+    mask_view = backend.tensor(mask.t().contiguous().t())
+    grad = backend.tensor(torch.randn(b, lq, h, d, dtype=dtype)).transpose(1, 2)
+    assert not any(x.is_contiguous() for x in (*views, mask_view, grad))
+    args = (kw["max_distance"], kw["causal"], None, kw["q_offset"], kw["k_offset"])
+    results = []
+    for ts, m, g in [(views, mask_view, grad),
+                     ([x.contiguous() for x in views], mask_view.contiguous(), grad.contiguous())]:
+        out, lse = backend.op("rel_attention")(*ts, *args, m)
+        grads = backend.op("rel_attention_backward")(g, *ts, out, lse, *args, m)
+        results.append((out, lse, *grads))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
 LOW_PRECISION_CASES = ["padding", "gqa", "D200_gqa4", "tiles_causal_padding", "tiles_two_sided",
                        "decode_gqa_odd_D", "decode_one_row_D45", "decode_five_rows",
                        "decode_split_keys"]
