@@ -71,6 +71,9 @@ CASES = {
     "all_keys_padded": (2, 2, 2, 5, 6, 16, 2, 0, 0, False, False, "all", True, True),
     "no_keys": (1, 2, 2, 3, 0, 16, 2, 0, 0, False, False, False, True, True),
     "no_queries": (1, 2, 2, 0, 5, 16, 2, 0, 0, False, True, False, True, True),
+    "no_heads": (2, 0, 0, 3, 5, 16, 2, 0, 0, False, True, True, True, True),
+    # no tables: max_distance only clips buckets nobody reads, however large
+    "huge_K_no_tables": (1, 2, 1, 3, 70, 16, 2**40, 0, 0, False, True, False, False, False),
 }
 
 

@@ -56,7 +56,7 @@ struct AttentionImpl {
                 " and ", v.scalar_type());
     TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(3),
                 "k must be [B, Hkv, Lk, D] with B and D of q ", q.sizes(), "; got ", k.sizes());
-    TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+    TORCH_CHECK((k.size(1) > 0 && q.size(1) % k.size(1) == 0) || q.size(1) == 0,
                 "k's head count must divide q's (grouped-query attention); got q heads ", q.size(1),
                 ", k heads ", k.size(1));
     check_max_distance(max_distance);

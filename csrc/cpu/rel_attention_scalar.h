@@ -103,7 +103,8 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
   T* out = static_cast<T*>(p.out);
   acc_t* lse = static_cast<acc_t*>(p.lse);
   const int64_t rows = num_buckets(p.max_distance), group = p.heads / p.kv_heads;
-  std::vector<acc_t> s(p.k_len), qe(rows), w, acc(p.dim), kt, ekt;
+  // a row reaches at most k_len buckets (max_distance may be huge when there are no tables)
+  std::vector<acc_t> s(p.k_len), qe(std::min(rows, p.k_len)), w, acc(p.dim), kt, ekt;
   int64_t kt_of = -1;          // offset of the kv head whose keys are in kt
   const T* ekt_of = nullptr;   // table whose rows are in ekt
   for (int64_t item = begin; item < end; ++item) {
@@ -196,7 +197,8 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
   acc_t* pv = static_cast<acc_t*>(bp.drel_v_partial);
   const int64_t rows = num_buckets(p.max_distance), group = p.heads / p.kv_heads, D = p.dim;
   const acc_t scale = static_cast<acc_t>(p.scale);
-  std::vector<acc_t> dk_acc(p.k_len * D), dv_acc(p.k_len * D), qe(rows), de(rows), kt, vt, ekt, evt;
+  const int64_t reach = std::min(rows, p.k_len);  // buckets one row reaches, at most
+  std::vector<acc_t> dk_acc(p.k_len * D), dv_acc(p.k_len * D), qe(reach), de(reach), kt, vt, ekt, evt;
   std::vector<acc_t> dprow(p.k_len);
   // per row of a block: P and scale * dS over the keys, the per-bucket sums of both, and dq
   std::vector<acc_t> pblk(kBwdRows * p.k_len), dsblk(kBwdRows * p.k_len), dqblk(kBwdRows * D);

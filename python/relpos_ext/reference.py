@@ -155,7 +155,7 @@ def shaw_attention(
     log-sum-exp of the scaled logits, ``[B, H, Lq]``.
     """
     q_len, k_len, dim = q.shape[2], k.shape[2], q.shape[3]
-    group = q.shape[1] // k.shape[1]
+    group = q.shape[1] // k.shape[1] if k.shape[1] else 1  # no heads at all: nothing to repeat
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
