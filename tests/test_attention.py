@@ -41,6 +41,9 @@ CASES = {
     # several query and key tiles (the AVX2 kernel tiles by 64, CUDA kernels by smaller tiles)
     "tiles_causal_padding": (1, 2, 2, 70, 150, 16, 5, 0, 0, False, True, True, True, True),
     "tiles_unclipped": (1, 1, 1, 80, 80, 24, 100, 0, 0, True, False, False, True, True),
+    # K beyond every distance, with offsets: the backward runs on the slice of the tables the
+    # distances reach (r in [-23, 25]: K' = 25, rows 75..125 of 201); the other rows get 0
+    "unclipped_offsets_gqa": (2, 4, 2, 20, 30, 16, 100, 7, 3, True, True, True, True, True),
     # not causal: rows of the second query tile have keys clamped to both bucket 0 and bucket 2K
     "tiles_two_sided": (1, 2, 2, 70, 150, 16, 5, 0, 0, False, False, False, True, True),
     "tiles_decode_gqa": (2, 2, 1, 65, 130, 8, 3, 40, 0, True, True, False, True, True),

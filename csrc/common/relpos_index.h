@@ -134,6 +134,20 @@ RELPOS_HD int64_t last_bucket(int64_t k_len, int64_t max_distance, int64_t q_off
   return shaw_bucket(0, k_len - 1, max_distance, q_offset, k_offset);
 }
 
+// The max_distance K' <= K that gives every (i, j) of a q_len x k_len problem the table row K
+// gives it, on the slice [K - K', K + K'] of the table: when every |r(i, j)| is below K no
+// bucket is clamped, and row K + r of the table is row K' + r of the slice, with K' the largest
+// |r| (at the ends r(q_len - 1, 0) and r(0, k_len - 1)). Otherwise, or for an empty problem, K.
+RELPOS_HD int64_t used_max_distance(int64_t q_len, int64_t k_len, int64_t max_distance,
+                                    int64_t q_offset, int64_t k_offset) {
+  if (q_len <= 0 || k_len <= 0) return max_distance;
+  const int64_t lo = rel_distance(q_len - 1, 0, q_offset, k_offset);
+  const int64_t hi = rel_distance(0, k_len - 1, q_offset, k_offset);
+  if (lo <= -max_distance || hi >= max_distance) return max_distance;
+  const int64_t a = lo < 0 ? -lo : lo, b = hi < 0 ? -hi : hi;
+  return a > b ? a : b;
+}
+
 // Skew (Music Transformer): x has width q_len + k_len - 1, column c holds relative distance
 // c - (q_len - 1); output column j of row i reads column skew_col(i, j).
 RELPOS_HD int64_t skew_width(int64_t q_len, int64_t k_len) { return q_len + k_len - 1; }
