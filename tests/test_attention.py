@@ -391,6 +391,31 @@ def test_rel_attention_cpu_results_do_not_depend_on_threads(shape):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("tables", [True, False])
+def test_rel_attention_backward_under_deterministic_algorithms(backend, tables):
+    """The CPU backward is deterministic and runs under torch.use_deterministic_algorithms(True).
+    The CUDA backward (the emulator runs the same glue) sums the table gradients with float
+    atomics, so there it raises when rel_k / rel_v are given, and runs without them."""
+    _attention_backend(backend)
+    tensors, kw = make_inputs(CASES["tiles_two_sided"], torch.float32)
+    if not tables:
+        tensors = (*tensors[:3], None, None)
+    out, lse = _call(backend, tensors, kw)
+    ts = [None if x is None else backend.tensor(x) for x in tensors]
+    args = (out, lse, kw["max_distance"], kw["causal"], None, kw["q_offset"], kw["k_offset"], None)
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True)
+    try:
+        if backend.name.startswith("cuda") and tables:
+            with pytest.raises(RuntimeError, match="does not have a deterministic implementation"):
+                backend.op("rel_attention_backward")(torch.ones_like(out), *ts, *args)
+        else:
+            backend.op("rel_attention_backward")(torch.ones_like(out), *ts, *args)
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 def test_gradcheck_rel_attention():
     for name in ("basic", "causal", "padding", "gqa", "fully_masked_rows", "only_rel_v"):
         tensors, kw = make_inputs(CASES[name], torch.float64, requires_grad=True)

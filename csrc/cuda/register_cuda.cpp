@@ -2,6 +2,7 @@
 // csrc/cuda/*.cu as kernels. Host C++ only. With RELPOS_CUDA_EMU the same file is built into the
 // test-only emulator library: CPU tensors, ops registered as relpos_emu::* (glue_config.h), no
 // stream and no device guard; everything else is identical.
+#include <ATen/Context.h>
 #include <torch/library.h>
 
 #include <stdexcept>
@@ -54,6 +55,14 @@ struct CudaBackend {
   static void bucket_sum(const BucketSumParams& p) { run(launch_bucket_sum, p); }
   static void rel_attention(const RelAttentionParams& p) { run(launch_rel_attention, p); }
   static void rel_attention_backward(const RelAttentionBwdParams& p) {
+    // The dq kernel adds the table gradients of its query tile to the per-(b, h) partials with
+    // float atomics, in whatever order the tiles run: not bitwise reproducible. As torch's own
+    // such ops do, say so to torch.use_deterministic_algorithms (raise, or warn with warn_only).
+    if (p.drel_k_partial != nullptr || p.drel_v_partial != nullptr) {
+      at::globalContext().alertNotDeterministic(
+          "relpos::rel_attention_backward on CUDA with rel_k or rel_v (table gradients summed "
+          "with float atomics)");
+    }
     // Scratch of the backward (per-row terms), on the op's device; the caching allocator makes
     // this cheap and keeps it ordered on the current stream.
     const size_t bytes = rel_attention_backward_workspace_bytes(p);

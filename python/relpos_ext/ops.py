@@ -288,7 +288,9 @@ def rel_attention(
     ``s_ij = (q_i . k_j + q_i . rel_k[b(i, j)]) * scale``, ``p = softmax_j(s)``,
     ``out_i = sum_j p_ij (v_j + rel_v[b(i, j)])`` with ``b(i, j) = clamp(r, -K, K) + K``.
     Never holds an ``[Lq, Lk]`` or ``[Lq, Lk, D]`` tensor; the backward recomputes the
-    probabilities from the saved log-sum-exp.
+    probabilities from the saved log-sum-exp. The CPU kernels are deterministic (bitwise, for any
+    thread count); on CUDA the gradients of ``rel_k`` / ``rel_v`` are summed with float atomics,
+    so under ``torch.use_deterministic_algorithms(True)`` that backward raises.
 
     Args:
         q: ``[B, H, Lq, D]``.
