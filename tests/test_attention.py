@@ -249,6 +249,39 @@ def test_rel_attention_non_contiguous_inputs(backend, dtype):
         assert torch.equal(got, want)
 
 
+# (B, H, Hkv, new rows, cached keys, capacity, D): one decoding step, a few rows against a cache
+# long enough for the AVX2 decoding split, a prefill of several query tiles, and one kv head
+KV_CACHE_VIEWS = [(2, 4, 2, 1, 150, 200, 32), (1, 4, 2, 5, 2200, 2300, 64),
+                  (2, 2, 2, 70, 130, 131, 16), (3, 2, 1, 3, 40, 64, 8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", KV_CACHE_VIEWS, ids=["step", "decode_split", "prefill", "hkv1"])
+def test_rel_attention_reads_kv_cache_views_in_place(backend, dtype, shape):
+    """k and v as the first T positions of a preallocated [B, Hkv, capacity, D] cache (slabs
+    capacity * D apart): the forward reads them where they are (no copy_ in the op; the unused
+    positions hold NaN, which must not leak) and gives bitwise the result of packed copies."""
+    _attention_backend(backend)
+    b, h, hk, lq, t, cap, d = shape
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(b, h, lq, d, generator=g).to(dtype)
+    store = [torch.full((b, hk, cap, d), float("nan"), dtype=dtype) for _ in range(2)]
+    for s in store:
+        s[:, :, :t] = torch.randn(b, hk, t, d, generator=g).to(dtype)
+    rk, rv = (torch.randn(h, 2 * 6 + 1, d, generator=g).to(dtype) for _ in range(2))
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    mask[-1, :2] = True
+    q, rk, rv, mask = (backend.tensor(x) for x in (q, rk, rv, mask))
+    k, v = (backend.tensor(s)[:, :, :t] for s in store)
+    assert not k.is_contiguous() or hk * b == 1
+    args = (rk, rv, 6, True, None, t - lq, 0, mask)
+    with torch.profiler.profile() as prof:
+        out, lse = backend.op("rel_attention")(q, k, v, *args)
+    assert not [e.name for e in prof.events() if e.name in ("aten::copy_", "aten::clone")]
+    want_out, want_lse = backend.op("rel_attention")(q, k.contiguous(), v.contiguous(), *args)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
 LOW_PRECISION_CASES = ["padding", "gqa", "D200_gqa4", "tiles_causal_padding", "tiles_two_sided",
                        "decode_gqa_odd_D", "decode_one_row_D45", "decode_five_rows",
                        "decode_split_keys"]
@@ -486,29 +519,37 @@ def test_module_matches_reference_module(gqa, causal):
 
 
 @pytest.mark.parametrize("gqa", [False, True])
-def test_module_kv_cache_decoding(gqa):
-    """A causal sequence fed in pieces through a KVCache (4 rows, then 1, 1, 5) gives the rows of
-    one call on the whole sequence, padding mask included, for the fused module and the reference
-    module alike; the cache holds the projected keys once."""
+@pytest.mark.parametrize("grad", [False, True])
+def test_module_kv_cache_decoding(gqa, grad):
+    """A causal sequence fed in pieces through a KVCache (4 rows, then 1, 1, 5, 13, 16) gives the
+    rows of one call on the whole sequence, padding mask included, for the fused module and the
+    reference module alike; the cache holds the projected keys once. Without gradients it keeps
+    them in a buffer that doubles when full (16 -> 48 positions here), which the layer reads in
+    place; with them, in tensors grown by torch.cat."""
     torch.manual_seed(0)
     m, r = _module_pair(gqa)
-    x = torch.randn(2, 11, 32)
-    mask = torch.zeros(2, 11, dtype=torch.bool)
+    x = torch.randn(2, 40, 32)
+    mask = torch.zeros(2, 40, dtype=torch.bool)
     mask[1, 2] = True
+    mask[0, 30] = True
     for layer in (m, r):
         full, _ = layer(x, key_padding_mask=mask, is_causal=True)
         cache = relpos_ext.nn.KVCache()
-        pieces, start = [], 0
-        with torch.no_grad():
-            for n in (4, 1, 1, 5):
+        pieces, start, capacities = [], 0, []
+        with torch.set_grad_enabled(grad):
+            for n in (4, 1, 1, 5, 13, 16):
                 out, _ = layer(x[:, start:start + n], key_padding_mask=mask[:, :start + n],
                                is_causal=True, cache=cache)
                 pieces.append(out)
                 start += n
-        assert cache.length == 11 and cache.k.shape == (2, 2 if gqa else 4, 11, 8)
+                capacities.append(cache.capacity)
+        assert cache.length == 40 and cache.k.shape == (2, 2 if gqa else 4, 40, 8)
+        want = [4, 5, 6, 11, 24, 40] if grad else [16, 16, 16, 16, 48, 48]
+        assert capacities == want
+        assert cache.k.requires_grad == grad
         torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=1e-5)
         cache.reset()
-        assert cache.length == 0 and cache.k is None
+        assert cache.length == 0 and cache.k is None and cache.capacity == 0
 
 
 def test_module_kv_cache_compiled_decoding():

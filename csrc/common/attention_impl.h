@@ -19,8 +19,9 @@ namespace relpos {
 template <class Backend>
 struct AttentionImpl {
   struct Checked {
-    at::Tensor q, k, v, rel_k, rel_v, mask;  // contiguous; undefined when absent
+    at::Tensor q, k, v, rel_k, rel_v, mask;  // contiguous (k, v: see kv_stride); undefined when absent
     int64_t batch, heads, kv_heads, q_len, k_len, dim;
+    int64_t kv_stride;  // RelAttentionParams::kv_stride
     double scale;
   };
 
@@ -38,11 +39,26 @@ struct AttentionImpl {
                 t->sizes());
   }
 
+  // The distance between the [Lk, D] slabs of a [B, Hkv, Lk, D] tensor whose slabs, in (b, head)
+  // order, each hold Lk rows D apart: a packed tensor (Lk * D), or the first Lk rows of a
+  // preallocated [B, Hkv, capacity, D] KV cache (capacity * D); 0 for any other layout.
+  static int64_t slab_stride(const at::Tensor& t) {
+    const int64_t b = t.size(0), h = t.size(1), l = t.size(2), d = t.size(3);
+    if (t.numel() == 0) return 0;
+    if ((d > 1 && t.stride(3) != 1) || (l > 1 && t.stride(2) != d)) return 0;
+    const int64_t s = h > 1 ? t.stride(1) : (b > 1 ? t.stride(0) : l * d);
+    if (s < l * d || (b > 1 && t.stride(0) != h * s)) return 0;
+    return s;
+  }
+
+  // kv_slabs: the forward reads k and v in place when both are such slabs (slab_stride) with
+  // the same stride, so a decoding step on a cache view copies nothing; otherwise (and always
+  // for the backward) they are made contiguous.
   static Checked check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const std::optional<at::Tensor>& rel_k,
                        const std::optional<at::Tensor>& rel_v, int64_t max_distance,
                        std::optional<double> scale,
-                       const std::optional<at::Tensor>& key_padding_mask) {
+                       const std::optional<at::Tensor>& key_padding_mask, bool kv_slabs = false) {
     check_device<Backend>(q, "q");
     check_device<Backend>(k, "k");
     check_device<Backend>(v, "v");
@@ -73,8 +89,16 @@ struct AttentionImpl {
     }
     Checked c;
     c.q = q.contiguous();
-    c.k = k.contiguous();
-    c.v = v.contiguous();
+    const int64_t slabs = kv_slabs ? slab_stride(k) : 0;
+    if (slabs > 0 && slab_stride(v) == slabs) {
+      c.k = k;
+      c.v = v;
+      c.kv_stride = slabs;
+    } else {
+      c.k = k.contiguous();
+      c.v = v.contiguous();
+      c.kv_stride = k.size(2) * k.size(3);
+    }
     if (rel_k.has_value()) c.rel_k = rel_k->contiguous();
     if (rel_v.has_value()) c.rel_v = rel_v->contiguous();
     if (key_padding_mask.has_value()) c.mask = key_padding_mask->contiguous();
@@ -104,6 +128,7 @@ struct AttentionImpl {
     p.k_len = c.k_len;
     p.dim = c.dim;
     p.max_distance = max_distance;
+    p.kv_stride = c.kv_stride;
     p.q_offset = q_offset;
     p.k_offset = k_offset;
     p.rel_k_per_head = c.rel_k.defined() && c.rel_k.dim() == 3;
@@ -123,7 +148,8 @@ struct AttentionImpl {
       const std::optional<at::Tensor>& rel_k, const std::optional<at::Tensor>& rel_v,
       int64_t max_distance, bool causal, std::optional<double> scale, int64_t q_offset,
       int64_t k_offset, const std::optional<at::Tensor>& key_padding_mask) {
-    const Checked c = check(q, k, v, rel_k, rel_v, max_distance, scale, key_padding_mask);
+    const Checked c = check(q, k, v, rel_k, rel_v, max_distance, scale, key_padding_mask,
+                            /*kv_slabs=*/true);
     at::Tensor out = at::empty({c.batch, c.heads, c.q_len, c.dim}, c.q.options());
     at::Tensor lse = at::empty({c.batch, c.heads, c.q_len}, c.q.options().dtype(acc_type(c.q)));
     if (lse.numel() == 0) return {out, lse};

@@ -80,14 +80,19 @@ constexpr double kLn2 = 0.6931471805599453;
 
 struct RelAttentionParams {
   const void* q;                  // [batch, heads, q_len, dim]
-  const void* k;                  // [batch, kv_heads, k_len, dim]
-  const void* v;                  // [batch, kv_heads, k_len, dim]
+  const void* k;                  // [batch, kv_heads, k_len, dim], slabs kv_stride apart
+  const void* v;                  // [batch, kv_heads, k_len, dim], slabs kv_stride apart
   const void* rel_k;              // [2K+1, dim] or [heads, 2K+1, dim]; null: no key term
   const void* rel_v;              // same; null: no value term
   const bool* key_padding_mask;   // [batch, k_len], true = ignore that key; null: none
   void* out;                      // [batch, heads, q_len, dim]
   void* lse;                      // [batch, heads, q_len]: float32, float64 for Float64
   int64_t batch, heads, kv_heads, q_len, k_len, dim, max_distance, q_offset, k_offset;
+  // Elements from one (b, kv head) slab of k and v to the next: k_len * dim when packed; a
+  // preallocated KV cache [B, Hkv, capacity, D] read up to k_len passes capacity * dim. Rows in
+  // a slab are dim apart. The forward reads any kv_stride >= k_len * dim; the backward is
+  // always given packed k and v.
+  int64_t kv_stride;
   bool rel_k_per_head, rel_v_per_head, causal;
   double scale;
   DType dtype;

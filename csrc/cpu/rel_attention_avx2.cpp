@@ -412,8 +412,8 @@ Head head_of(const RelAttentionParams& p, int64_t b, int64_t h) {
   const int64_t kvh = b * p.kv_heads + h / (p.heads / p.kv_heads);
   Head hd;
   hd.q = static_cast<const char*>(p.q) + (b * p.heads + h) * p.q_len * p.dim * es;
-  hd.k = static_cast<const char*>(p.k) + kvh * p.k_len * p.dim * es;
-  hd.v = static_cast<const char*>(p.v) + kvh * p.k_len * p.dim * es;
+  hd.k = static_cast<const char*>(p.k) + kvh * p.kv_stride * es;
+  hd.v = static_cast<const char*>(p.v) + kvh * p.kv_stride * es;
   hd.rel_k = p.rel_k ? static_cast<const char*>(p.rel_k) + (p.rel_k_per_head ? h * rows * p.dim * es : 0) : nullptr;
   hd.rel_v = p.rel_v ? static_cast<const char*>(p.rel_v) + (p.rel_v_per_head ? h * rows * p.dim * es : 0) : nullptr;
   hd.pad = p.key_padding_mask ? p.key_padding_mask + b * p.k_len : nullptr;

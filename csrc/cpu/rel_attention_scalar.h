@@ -110,7 +110,7 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
   for (int64_t item = begin; item < end; ++item) {
     const int64_t i = item % p.q_len, h = (item / p.q_len) % p.heads, b = item / (p.q_len * p.heads);
     const T* qi = q + item * p.dim;
-    const int64_t kv = (b * p.kv_heads + h / group) * p.k_len * p.dim;
+    const int64_t kv = (b * p.kv_heads + h / group) * p.kv_stride;
     if (kv != kt_of) {  // an item range holds few kv heads: a transpose per head, not per row
       transpose_rows<T, acc_t>(k + kv, p.k_len, p.dim, kt);
       kt_of = kv;
@@ -206,9 +206,10 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
   std::vector<acc_t> wds[kBwdRows], wp[kBwdRows];
   for (int64_t item = begin; item < end; ++item) {
     const int64_t b = item / p.kv_heads, hk = item % p.kv_heads;
-    const int64_t kv = item * p.k_len * D;
-    transpose_rows<T, acc_t>(k + kv, p.k_len, D, kt);
-    transpose_rows<T, acc_t>(v + kv, p.k_len, D, vt);
+    const int64_t kv = item * p.k_len * D;       // dk, dv: packed
+    const T* k_item = k + item * p.kv_stride;    // k, v: slabs kv_stride apart
+    transpose_rows<T, acc_t>(k_item, p.k_len, D, kt);
+    transpose_rows<T, acc_t>(v + item * p.kv_stride, p.k_len, D, vt);
     std::fill(dk_acc.begin(), dk_acc.end(), acc_t(0));
     std::fill(dv_acc.begin(), dv_acc.end(), acc_t(0));
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
@@ -278,7 +279,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
           accumulate_rows<T, acc_t>(dscol.data() + j * kBwdRows, q_blk, nr, D, dk_acc.data() + j * D);
         }
         for (int64_t r = 0; r < nr; ++r) {
-          accumulate_rows<T, acc_t>(dsblk.data() + r * p.k_len, k + kv, p.k_len, D, dqblk.data() + r * D);
+          accumulate_rows<T, acc_t>(dsblk.data() + r * p.k_len, k_item, p.k_len, D, dqblk.data() + r * D);
         }
         // 3. the relative terms of the block's rows, and dq out
         for (int64_t r = 0; r < nr; ++r) {

@@ -251,8 +251,8 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
   const int64_t nq = p.q_len - i0 < Tl::kOwn ? p.q_len - i0 : Tl::kOwn;
   const int64_t D = p.dim, K = p.max_distance, table_rows = num_buckets(K);
   const int64_t kvh = b * p.kv_heads + h / (p.heads / p.kv_heads);
-  const T* k = static_cast<const T*>(p.k) + kvh * p.k_len * D;
-  const T* v = static_cast<const T*>(p.v) + kvh * p.k_len * D;
+  const T* k = static_cast<const T*>(p.k) + kvh * p.kv_stride;
+  const T* v = static_cast<const T*>(p.v) + kvh * p.kv_stride;
   const T* ek = p.rel_k == nullptr ? nullptr
                 : static_cast<const T*>(p.rel_k) + (p.rel_k_per_head ? h * table_rows * D : 0);
   const T* ev = p.rel_v == nullptr ? nullptr
@@ -479,8 +479,8 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
   const int64_t nq = p.q_len - i0 < Tl::kOwn ? p.q_len - i0 : Tl::kOwn;
   const int64_t D = p.dim, K = p.max_distance, table_rows = num_buckets(K);
   const int64_t kvh = b * p.kv_heads + h / (p.heads / p.kv_heads);
-  const T* k = static_cast<const T*>(p.k) + kvh * p.k_len * D;
-  const T* v = static_cast<const T*>(p.v) + kvh * p.k_len * D;
+  const T* k = static_cast<const T*>(p.k) + kvh * p.kv_stride;
+  const T* v = static_cast<const T*>(p.v) + kvh * p.kv_stride;
   const T* ek = p.rel_k == nullptr ? nullptr
                 : static_cast<const T*>(p.rel_k) + (p.rel_k_per_head ? h * table_rows * D : 0);
   const T* ev = p.rel_v == nullptr ? nullptr
@@ -673,8 +673,8 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
   const A scale2 = static_cast<A>(p.scale * kLog2e);  // the softmax is in base 2
   const int n_chunks = static_cast<int>((D + Tl::kDK - 1) / Tl::kDK);
 
-  stage_owned<Tl>(sK, static_cast<const T*>(p.k) + (bkv * p.k_len + j0) * D, nk, D);
-  stage_owned<Tl>(sV, static_cast<const T*>(p.v) + (bkv * p.k_len + j0) * D, nk, D);
+  stage_owned<Tl>(sK, static_cast<const T*>(p.k) + bkv * p.kv_stride + j0 * D, nk, D);
+  stage_owned<Tl>(sV, static_cast<const T*>(p.v) + bkv * p.kv_stride + j0 * D, nk, D);
   __syncthreads();
   const A* my_k = sK + warp * R * Tl::kD;
   const A* my_v = sV + warp * R * Tl::kD;

@@ -80,35 +80,67 @@ class KVCache:
 
     Use one cache per layer and pass it to every call of that layer (``cache=``): each call
     appends the keys and values of its ``query`` rows, which take the positions from
-    :attr:`length` on, and attends to everything cached so far. Tensors are ``[B, Hkv, T, D]``,
-    grown with ``torch.cat``; nothing is detached, so decode under ``torch.no_grad()`` or
-    ``torch.inference_mode()`` unless gradients through the cache are wanted.
+    :attr:`length` on, and attends to everything cached so far. :attr:`k` and :attr:`v` are
+    ``[B, Hkv, T, D]``.
+
+    Under ``torch.no_grad()`` / ``torch.inference_mode()`` (decoding) the positions live in a
+    preallocated ``[B, Hkv, capacity, D]`` buffer that doubles when full: a step writes only its
+    new rows, and ``rel_attention`` reads the ``[:, :, :T]`` views in place, so a step costs
+    O(new rows) in copies instead of the whole cache. When gradients flow into the keys or
+    values, and inside ``torch.compile``, the cache grows with ``torch.cat`` (new tensors, as
+    autograd and tracing need); nothing is detached.
     """
 
     def __init__(self) -> None:
-        self.k: Tensor | None = None
+        self.k: Tensor | None = None  # the cached positions, [B, Hkv, T, D]
         self.v: Tensor | None = None
+        self._k_buf: Tensor | None = None  # k and v are views of these when not None
+        self._v_buf: Tensor | None = None
 
     @property
     def length(self) -> int:
         """Number of cached positions ``T``."""
         return 0 if self.k is None else self.k.shape[2]
 
+    @property
+    def capacity(self) -> int:
+        """Positions the buffer holds before it grows (``length`` when there is no buffer)."""
+        return self._k_buf.shape[2] if self._k_buf is not None else self.length
+
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Add ``[B, Hkv, n, D]`` keys and values; returns all of them, ``[B, Hkv, T + n, D]``."""
-        if self.k is None or self.v is None:
-            self.k, self.v = k, v
-        else:
-            if k.shape[:2] != self.k.shape[:2] or k.shape[3] != self.k.shape[3]:
-                raise ValueError(f"keys of shape {tuple(k.shape)} do not extend the cached "
-                                 f"{tuple(self.k.shape)} ([B, Hkv, T, D])")
-            self.k = torch.cat([self.k, k], dim=2)
-            self.v = torch.cat([self.v, v], dim=2)
+        if self.k is not None and self.v is not None and (
+            k.shape[:2] != self.k.shape[:2] or k.shape[3] != self.k.shape[3]
+        ):
+            raise ValueError(f"keys of shape {tuple(k.shape)} do not extend the cached "
+                             f"{tuple(self.k.shape)} ([B, Hkv, T, D])")
+        tracked = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
+        if tracked or torch.compiler.is_compiling():
+            self._k_buf = self._v_buf = None
+            if self.k is None or self.v is None:
+                self.k, self.v = k, v
+            else:
+                self.k = torch.cat([self.k, k], dim=2)
+                self.v = torch.cat([self.v, v], dim=2)
+            return self.k, self.v
+        t, n = self.length, k.shape[2]
+        if self._k_buf is None or self._v_buf is None or t + n > self._k_buf.shape[2]:
+            capacity = max(2 * (t + n), 16)
+            bufs = []
+            for old, new in ((self.k, k), (self.v, v)):
+                buf = new.new_empty(new.shape[0], new.shape[1], capacity, new.shape[3])
+                if old is not None:
+                    buf[:, :, :t] = old
+                bufs.append(buf)
+            self._k_buf, self._v_buf = bufs
+        self._k_buf[:, :, t:t + n] = k
+        self._v_buf[:, :, t:t + n] = v
+        self.k, self.v = self._k_buf[:, :, :t + n], self._v_buf[:, :, :t + n]
         return self.k, self.v
 
     def reset(self) -> None:
         """Forget every cached position (a new sequence)."""
-        self.k = self.v = None
+        self.k = self.v = self._k_buf = self._v_buf = None
 
 
 class RelativeMultiheadAttention(nn.Module):
