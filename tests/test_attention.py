@@ -552,6 +552,22 @@ def test_module_kv_cache_decoding(gqa, grad):
         assert cache.length == 0 and cache.k is None and cache.capacity == 0
 
 
+def test_module_kv_cache_inference_mode_then_no_grad():
+    """A prompt cached under torch.inference_mode, then steps under torch.no_grad: the buffer made
+    in inference mode cannot be written outside it, so the cache moves to a new one."""
+    torch.manual_seed(0)
+    m = relpos_ext.nn.RelativeMultiheadAttention(32, 4, 3).eval()
+    x = torch.randn(1, 7, 32)
+    full, _ = m(x, is_causal=True)
+    cache = relpos_ext.nn.KVCache()
+    with torch.inference_mode():
+        first, _ = m(x[:, :5], is_causal=True, cache=cache)
+    with torch.no_grad():
+        rest = [m(x[:, i:i + 1], is_causal=True, cache=cache)[0] for i in (5, 6)]
+    assert cache.length == 7 and not cache.k.is_inference()
+    torch.testing.assert_close(torch.cat([first, *rest], 1), full, atol=1e-5, rtol=1e-5)
+
+
 def test_module_kv_cache_compiled_decoding():
     """A decoding step with a KVCache compiles with fullgraph=True (the cache's tensors grow by
     one position per call; dynamic shapes) and matches one eager call on the whole sequence."""

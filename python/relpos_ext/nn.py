@@ -124,7 +124,10 @@ class KVCache:
                 self.v = torch.cat([self.v, v], dim=2)
             return self.k, self.v
         t, n = self.length, k.shape[2]
-        if self._k_buf is None or self._v_buf is None or t + n > self._k_buf.shape[2]:
+        # a buffer made under inference_mode cannot be written outside it: start a new one
+        stale = self._k_buf is not None and self._k_buf.is_inference() and not (
+            torch.is_inference_mode_enabled())
+        if self._k_buf is None or self._v_buf is None or stale or t + n > self._k_buf.shape[2]:
             capacity = max(2 * (t + n), 16)
             bufs = []
             for old, new in ((self.k, k), (self.v, v)):
