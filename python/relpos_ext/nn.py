@@ -116,13 +116,7 @@ class KVCache:
                              f"{tuple(self.k.shape)} ([B, Hkv, T, D])")
         tracked = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
         if tracked or torch.compiler.is_compiling():
-            self._k_buf = self._v_buf = None
-            if self.k is None or self.v is None:
-                self.k, self.v = k, v
-            else:
-                self.k = torch.cat([self.k, k], dim=2)
-                self.v = torch.cat([self.v, v], dim=2)
-            return self.k, self.v
+            return self._append_by_cat(k, v)
         t, n = self.length, k.shape[2]
         # a buffer made under inference_mode cannot be written outside it: start a new one
         stale = self._k_buf is not None and self._k_buf.is_inference() and not (
@@ -139,6 +133,16 @@ class KVCache:
         self._k_buf[:, :, t:t + n] = k
         self._v_buf[:, :, t:t + n] = v
         self.k, self.v = self._k_buf[:, :, :t + n], self._v_buf[:, :, :t + n]
+        return self.k, self.v
+
+    def _append_by_cat(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """append into new tensors (no buffer): what autograd and torch.compile's tracing need."""
+        self._k_buf = self._v_buf = None
+        if self.k is None or self.v is None:
+            self.k, self.v = k, v
+        else:
+            self.k = torch.cat([self.k, k], dim=2)
+            self.v = torch.cat([self.v, v], dim=2)
         return self.k, self.v
 
     def reset(self) -> None:
