@@ -114,6 +114,16 @@ def _call(backend, tensors, kw):
     )
 
 
+def _call_backward(backend, grad, tensors, out, lse, kw):
+    """rel_attention_backward of `_call`'s inputs (tensors, kw) and its results out, lse."""
+    q, k, v, rk, rv = (None if x is None else backend.tensor(x.detach()) for x in tensors)
+    mask = kw["key_padding_mask"]
+    return backend.op("rel_attention_backward")(
+        backend.tensor(grad), q, k, v, rk, rv, out, lse, kw["max_distance"], kw["causal"], None,
+        kw["q_offset"], kw["k_offset"], None if mask is None else backend.tensor(mask),
+    )
+
+
 def _check_forward(backend, dtype, case):
     tensors, kw = make_inputs(case, dtype)
     out, lse = _call(backend, tensors, kw)
@@ -133,12 +143,7 @@ def _check_backward(backend, dtype, case):
     wrt = [x for x in t64 if x is not None]
     expected = iter(torch.autograd.grad(exp_out, wrt, grad.double()))
     out, lse = _call(backend, tensors, kw)
-    q, k, v, rk, rv = (None if x is None else backend.tensor(x.detach()) for x in tensors)
-    mask = kw["key_padding_mask"]
-    grads = backend.op("rel_attention_backward")(
-        backend.tensor(grad), q, k, v, rk, rv, out, lse, kw["max_distance"], kw["causal"], None,
-        kw["q_offset"], kw["k_offset"], None if mask is None else backend.tensor(mask),
-    )
+    grads = _call_backward(backend, grad, tensors, out, lse, kw)
     for got, x in zip(grads, t64):
         if x is None:
             assert got.numel() == 0
@@ -302,17 +307,9 @@ def test_rel_attention_low_precision_rounds_float32_once(backend, dtype, name):
     out32, lse32 = _call(backend, [None if x is None else x.float() for x in tensors], kw)
     assert torch.equal(out, out32.to(dtype)) and torch.equal(lse, lse32)
     grad = torch.randn(out.shape, dtype=torch.float64).to(dtype)
-    mask = kw["key_padding_mask"]
-
-    def backward(ts, g, o):
-        ts = (None if x is None else backend.tensor(x.detach()) for x in ts)
-        return backend.op("rel_attention_backward")(
-            backend.tensor(g), *ts, o, lse, kw["max_distance"], kw["causal"], None,
-            kw["q_offset"], kw["k_offset"], None if mask is None else backend.tensor(mask),
-        )
-
-    got = backward(tensors, grad, out)
-    want = backward([None if x is None else x.float() for x in tensors], grad.float(), out.float())
+    got = _call_backward(backend, grad, tensors, out, lse, kw)
+    want = _call_backward(backend, grad.float(), [None if x is None else x.float() for x in tensors],
+                          out.float(), lse, kw)
     for g, w in zip(got, want):
         assert g.dtype == dtype or g.numel() == 0
         assert torch.equal(g, w.to(dtype))
@@ -337,12 +334,7 @@ def test_rel_attention_sharp_logits(backend, dtype, sharpness):
     assert_close(lse, exp_lse.float(), torch.float32, scale=4 * sharpness)
     grad = torch.randn(exp_out.shape, dtype=torch.float64).to(dtype)
     expected = torch.autograd.grad(exp_out, [x for x in t64 if x is not None], grad.double())
-    q, k, v, rk, rv = (backend.tensor(x.detach()) for x in tensors)
-    mask = backend.tensor(kw["key_padding_mask"])
-    grads = backend.op("rel_attention_backward")(
-        backend.tensor(grad), q, k, v, rk, rv, out, lse, kw["max_distance"],
-        kw["causal"], None, kw["q_offset"], kw["k_offset"], mask,
-    )
+    grads = _call_backward(backend, grad, tensors, out, lse, kw)
     for got, want in zip(grads, expected):
         assert torch.isfinite(got).all()
         # rounding errors of the logits grow with their magnitude
@@ -434,17 +426,15 @@ def test_rel_attention_backward_under_deterministic_algorithms(backend, tables):
     if not tables:
         tensors = (*tensors[:3], None, None)
     out, lse = _call(backend, tensors, kw)
-    ts = [None if x is None else backend.tensor(x) for x in tensors]
-    args = (out, lse, kw["max_distance"], kw["causal"], None, kw["q_offset"], kw["k_offset"], None)
     before = (torch.are_deterministic_algorithms_enabled(),
               torch.is_deterministic_algorithms_warn_only_enabled())
     torch.use_deterministic_algorithms(True)
     try:
         if backend.name.startswith("cuda") and tables:
             with pytest.raises(RuntimeError, match="does not have a deterministic implementation"):
-                backend.op("rel_attention_backward")(torch.ones_like(out), *ts, *args)
+                _call_backward(backend, torch.ones_like(out), tensors, out, lse, kw)
         else:
-            backend.op("rel_attention_backward")(torch.ones_like(out), *ts, *args)
+            _call_backward(backend, torch.ones_like(out), tensors, out, lse, kw)
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
