@@ -661,6 +661,38 @@ inline void grad_row_uniform_(float* sr, float* dpr, int64_t nk, int64_t vis, fl
   dssum += hsum(ds);
 }
 
+// Backward, grad_row_uniform for 8 rows at once (row stride BK) of a tile whose rows all sit in
+// one clamped bucket with every key visible and nk a multiple of 8 (uniform_tile): ck, cv, lse2,
+// di per row (ck / cv null: no such term). The row sums go to psum[u] and dssum[u] as one vector
+// each (hsum8) instead of two horizontal sums per row (L = 2048, H = 8, D = 64, K = 64, one
+// core, medians of 3 alternating pairs: backward 233.6-237.3 -> 230.4-234.0 ms; 2 threads
+// within the noise, 117.6-119.8 -> 117.2-118.5 ms).
+inline void grad_rows8_uniform(float* s, float* dp, int64_t nk, const float* ck, const float* cv,
+                               float scale, const float* lse2, const float* di, float* psum,
+                               float* dssum) {
+  const __m256 vsc = _mm256_set1_ps(scale);
+  __m256 pacc[8], dacc[8];
+  for (int u = 0; u < 8; ++u) {
+    float* sr = s + u * BK;
+    float* dpr = dp + u * BK;
+    const __m256 vck = _mm256_set1_ps((ck != nullptr ? ck[u] : 0.f) - lse2[u]);
+    const __m256 vcd = _mm256_set1_ps((cv != nullptr ? cv[u] : 0.f) - di[u]);
+    __m256 ps = _mm256_setzero_ps(), ds = _mm256_setzero_ps();
+    for (int64_t j = 0; j < nk; j += 8) {
+      const __m256 pj = exp2_256(_mm256_add_ps(_mm256_loadu_ps(sr + j), vck));
+      const __m256 g = _mm256_mul_ps(vsc, _mm256_mul_ps(pj, _mm256_add_ps(_mm256_loadu_ps(dpr + j), vcd)));
+      _mm256_storeu_ps(sr + j, pj);
+      _mm256_storeu_ps(dpr + j, g);
+      ps = _mm256_add_ps(ps, pj);
+      ds = _mm256_add_ps(ds, g);
+    }
+    pacc[u] = ps;
+    dacc[u] = ds;
+  }
+  if (psum != nullptr) _mm256_storeu_ps(psum, _mm256_add_ps(_mm256_loadu_ps(psum), hsum8(pacc)));
+  if (dssum != nullptr) _mm256_storeu_ps(dssum, _mm256_add_ps(_mm256_loadu_ps(dssum), hsum8(dacc)));
+}
+
 inline void grad_row_uniform(float* sr, float* dpr, int64_t nk, int64_t vis, float ck, float cv,
                              float scale, float lse2, float di, float& psum, float& dssum) {
   if (unmasked(nk, vis)) {
@@ -1232,7 +1264,19 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
             const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0), tl = t - r0;
             gemm0(mq, nk, D, qs, D, kt_run + tl * D * BK, BK, s, BK);    // S = Q K^T (base 2)
             gemm0(mq, nk, D, dop, D, vt_run + tl * D * BK, BK, dp, BK);  // dP = dO V^T
-            for (int64_t r = 0; r < mq; ++r) {
+            // every row of the tile on one clamped side: 8 rows at a time, as in the forward
+            int64_t r = 0;
+            if (const int side = uniform_tile(p, hd, i0, mq, j0, nk); side != 0) {
+              const bool lo_side = side == 1;
+              for (; r + 8 <= mq; r += 8) {
+                grad_rows8_uniform(s + r * BK, dp + r * BK, nk,
+                                   hd.rel_k ? (lo_side ? qe_lo : qe_hi) + r : nullptr,
+                                   hd.rel_v ? (lo_side ? de_lo : de_hi) + r : nullptr, scale, lse + r, di + r,
+                                   hd.rel_v ? (lo_side ? p_lo : p_hi) + r : nullptr,
+                                   hd.rel_k ? (lo_side ? ds_lo : ds_hi) + r : nullptr);
+              }
+            }
+            for (; r < mq; ++r) {
               const int64_t i = i0 + r;
               float* sr = s + r * BK;
               float* dpr = dp + r * BK;
