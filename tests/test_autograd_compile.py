@@ -128,3 +128,89 @@ def test_shaw_module_matches_reference(cpu_isa, causal, per_head):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     got.sum().backward()
     assert m.rel_k.grad is not None and m.rel_v.grad is not None
+
+
+# --------------------------------------------------------------------------------- autocast
+# Under torch.autocast the ops with several floating inputs cast them to the autocast dtype
+# (csrc/autocast.cpp): the results and the gradients of the float32 leaves must be exactly those
+# of casting by hand outside autocast.
+def _attention_inputs():
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 9, 16, requires_grad=True)
+    k = torch.randn(2, 2, 11, 16, requires_grad=True)
+    v = torch.randn(2, 2, 11, 16, requires_grad=True)
+    rel_k = torch.randn(4, 7, 16, requires_grad=True)  # per-head
+    rel_v = torch.randn(7, 16, requires_grad=True)
+    mask = torch.zeros(2, 11, dtype=torch.bool)
+    mask[1, 8:] = True
+    return (q, k, v, rel_k, rel_v), mask
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_rel_attention_casts_like_by_hand(cpu_isa, dtype):
+    leaves, mask = _attention_inputs()
+    kwargs = dict(max_distance=3, causal=True, q_offset=2, key_padding_mask=mask, return_lse=True)
+    with torch.autocast("cpu", dtype=dtype):
+        out, lse = relpos_ext.rel_attention(*leaves, **kwargs)
+    want, want_lse = relpos_ext.rel_attention(*(t.to(dtype) for t in leaves), **kwargs)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    go = torch.randn_like(want)
+    grads = torch.autograd.grad(out, leaves, go)
+    want_grads = torch.autograd.grad(want, leaves, go)
+    for g, w in zip(grads, want_grads):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_rel_logits_casts_like_by_hand(cpu_isa, dtype):
+    q = torch.randn(2, 3, 6, 8, requires_grad=True)
+    table = torch.randn(3, 5, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=dtype):
+        got = relpos_ext.rel_logits(q, table, 2, 7, 1, 0)
+    want = relpos_ext.rel_logits(q.to(dtype), table.to(dtype), 2, 7, 1, 0)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    go = torch.randn_like(want)
+    grads = torch.autograd.grad(got, (q, table), go)
+    for g, w in zip(grads, torch.autograd.grad(want, (q, table), go)):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_autocast_leaves_float64_alone():
+    q = torch.randn(1, 2, 5, 8, dtype=torch.float64)
+    table = torch.randn(5, 8, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = relpos_ext.rel_attention(q, q, q, table, table, 2)
+    assert out.dtype == torch.float64
+    want = relpos_ext.rel_attention(q, q, q, table, table, 2)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_autocast_registered_for_cuda_too():
+    # the same template as the CPU kernels; it cannot run without a CUDA device
+    for op in ("relpos::rel_attention", "relpos::rel_logits"):
+        for key in ("AutocastCPU", "AutocastCUDA"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(op, key), (op, key)
+
+
+def test_autocast_module_compiled_fullgraph_dynamic(cpu_isa):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = relpos_ext.nn.RelativeMultiheadAttention(32, 4, 3, batch_first=True)
+    compiled = torch.compile(m, fullgraph=True, dynamic=True)
+    for length in (6, 9):
+        x = torch.randn(2, length, 32)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            eager, _ = m(x, x, x, need_weights=False)
+            got, _ = compiled(x, x, x, need_weights=False)
+        assert got.dtype == eager.dtype == torch.bfloat16
+        torch.testing.assert_close(got, eager, rtol=2e-2, atol=2e-2)
+        want_grads = torch.autograd.grad(eager.float().sum(), (m.rel_k, m.rel_v))
+        grads = torch.autograd.grad(got.float().sum(), (m.rel_k, m.rel_v))
+        for g, w in zip(grads, want_grads):
+            assert g.dtype == torch.float32
+            torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)

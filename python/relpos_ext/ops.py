@@ -175,7 +175,8 @@ def rel_logits(
 
     Args:
         q: ``[B, H, Lq, D]``.
-        table: ``[2K+1, D]`` or ``[H, 2K+1, D]``, same dtype and device as ``q``.
+        table: ``[2K+1, D]`` or ``[H, 2K+1, D]``, same dtype and device as ``q`` (under
+            ``torch.autocast`` both are cast to the autocast dtype first).
         max_distance: ``K``.
         k_len: number of keys ``Lk``.
         q_offset, k_offset: absolute position of query 0 and key 0.
@@ -290,7 +291,9 @@ def rel_attention(
     Never holds an ``[Lq, Lk]`` or ``[Lq, Lk, D]`` tensor; the backward recomputes the
     probabilities from the saved log-sum-exp. The CPU kernels are deterministic (bitwise, for any
     thread count); on CUDA the gradients of ``rel_k`` / ``rel_v`` are summed with float atomics,
-    so under ``torch.use_deterministic_algorithms(True)`` that backward raises.
+    so under ``torch.use_deterministic_algorithms(True)`` that backward raises. Under
+    ``torch.autocast`` the floating inputs are cast to the autocast dtype first (float64 excepted),
+    as for ``F.scaled_dot_product_attention``; float32 tables then get float32 gradients.
 
     Args:
         q: ``[B, H, Lq, D]``.
