@@ -112,6 +112,9 @@ struct RelAttentionBwdParams {
   void* dv;                       // [batch, kv_heads, k_len, dim]
   void* drel_k_partial;           // [batch, heads, 2K+1, dim] acc type, or null
   void* drel_v_partial;           // [batch, heads, 2K+1, dim] acc type, or null
+  // CUDA only: one dq block per (b, h) over its query tiles in order, so that the table-gradient
+  // atomics add in a fixed order (set under torch.use_deterministic_algorithms; CPU ignores it)
+  bool serial_q_tiles = false;
 };
 
 }  // namespace relpos

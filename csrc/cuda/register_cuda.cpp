@@ -54,15 +54,14 @@ struct CudaBackend {
   static void rel_logits(const RelLogitsParams& p) { run(launch_rel_logits, p); }
   static void bucket_sum(const BucketSumParams& p) { run(launch_bucket_sum, p); }
   static void rel_attention(const RelAttentionParams& p) { run(launch_rel_attention, p); }
-  static void rel_attention_backward(const RelAttentionBwdParams& p) {
+  static void rel_attention_backward(const RelAttentionBwdParams& params) {
     // The dq kernel adds the table gradients of its query tile to the per-(b, h) partials with
-    // float atomics, in whatever order the tiles run: not bitwise reproducible. As torch's own
-    // such ops do, say so to torch.use_deterministic_algorithms (raise, or warn with warn_only).
-    if (p.drel_k_partial != nullptr || p.drel_v_partial != nullptr) {
-      at::globalContext().alertNotDeterministic(
-          "relpos::rel_attention_backward on CUDA with rel_k or rel_v (table gradients summed "
-          "with float atomics)");
-    }
+    // float atomics, in whatever order the tiles run: not bitwise reproducible. Under
+    // torch.use_deterministic_algorithms it runs one block per (b, h) over its query tiles in
+    // order instead (serial_q_tiles): the same sums in a fixed order, with far fewer blocks.
+    RelAttentionBwdParams p = params;
+    p.serial_q_tiles = (p.drel_k_partial != nullptr || p.drel_v_partial != nullptr) &&
+                       at::globalContext().deterministicAlgorithms();
     // Scratch of the backward (per-row terms), on the op's device; the caching allocator makes
     // this cheap and keeps it ordered on the current stream.
     const size_t bytes = rel_attention_backward_workspace_bytes(p);

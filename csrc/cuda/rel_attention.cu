@@ -65,8 +65,9 @@ void launch_rel_attention_backward(const RelAttentionBwdParams& p, void* workspa
            dim3(32 * kRowsWarps, 1, 1), 0, stream, p, ws);
     dispatch_head_dim(f.dim, [&]<int kDC>() {
       using Tl = AttnTile<A, kDC>;
-      const int64_t q_blocks = f.batch * f.heads * cdiv(f.q_len, Tl::kOwn);
-      launch(rel_attention_bwd_dq_kernel<T, kDC>,
+      const int64_t q_blocks = f.batch * f.heads * (p.serial_q_tiles ? 1 : cdiv(f.q_len, Tl::kOwn));
+      launch(p.serial_q_tiles ? rel_attention_bwd_dq_kernel<T, kDC, true>
+                              : rel_attention_bwd_dq_kernel<T, kDC, false>,
              dim3(grid_x(q_blocks, "rel_attention_backward"), 1, 1), dim3(Tl::kThreads, 1, 1),
              Tl::dq_smem() * sizeof(A), stream, p, static_cast<const A*>(ws));
       const int64_t k_blocks = f.batch * f.kv_heads * cdiv(f.k_len, Tl::kOwn);

@@ -16,7 +16,8 @@
 // register accumulators (column d = lane + 32 c of each owned row). The other side streams in tiles
 // of 32, one per lane: lane l computes the dot products of its key (or query) with the warp's 4 rows
 // over chunks of kDK columns staged in shared memory. Head dims up to 256, any value (zero-padded).
-// Backward (all deterministic except the table-gradient partials, which take float atomics):
+// Backward (all deterministic except the table-gradient partials, which take float atomics, in a
+// fixed order only with RelAttentionBwdParams::serial_q_tiles):
 //   rows kernel  per query row: D_i = dO_i . O_i and the four clamped-bucket dots -> workspace
 //   dq kernel    per query tile, loops over key tiles: dq, and drel_k/drel_v partials (atomicAdd)
 //   dkdv kernel  per key tile of one kv head, loops over the group's query heads and query tiles
@@ -449,13 +450,14 @@ RELPOS_DEVICE ProbGrad<A> prob_grad(bool visible, bool has_k, bool has_v, int64_
 }
 
 // ---- backward: dq and the table gradients ------------------------------------------------------
-// Grid: batch * heads * ceil(q_len / kOwn) blocks. Shared memory: sQ, sdO [kOwn][kD] |
+// One query tile (tile) of one (b, h) (bh); the dq kernel below runs one per block, or, with
+// bp.serial_q_tiles, all the tiles of its (b, h) in order. Shared memory: sQ, sdO [kOwn][kD] |
 // sK, sV [32][kLd] chunks | sEk, sEv [kBand][kLd] band chunks | sP, sDS [kOwn][33] | sLo [kOwn][4]
 // (per row: clamped ds mass lo/hi, clamped p mass lo/hi) | sRow [kOwn][1 + kRowTerms] (lse in base 2, ws row). dq accumulates in registers; the table
 // gradients of the band go straight to drel_*_partial with atomicAdd (rows shared by query tiles).
 template <typename T, int kDC>
-__global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
-    rel_attention_bwd_dq_kernel(RelAttentionBwdParams bp, const acc_t<T>* ws) {
+__device__ void bwd_dq_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws, int64_t bh,
+                            int64_t tile) {
   using A = acc_t<T>;
   using Tl = AttnTile<A, kDC>;
   constexpr int R = Tl::kRows, C = Tl::kChunks * Tl::kCPC;
@@ -473,9 +475,8 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
   A* sRow = sLo + 4 * Tl::kOwn;
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t q_tiles = (p.q_len + Tl::kOwn - 1) / Tl::kOwn;
-  const int64_t bh = blockIdx.x / q_tiles, h = bh % p.heads, b = bh / p.heads;
-  const int64_t i0 = (blockIdx.x % q_tiles) * Tl::kOwn;
+  const int64_t h = bh % p.heads, b = bh / p.heads;
+  const int64_t i0 = tile * Tl::kOwn;
   const int64_t nq = p.q_len - i0 < Tl::kOwn ? p.q_len - i0 : Tl::kOwn;
   const int64_t D = p.dim, K = p.max_distance, table_rows = num_buckets(K);
   const int64_t kvh = b * p.kv_heads + h / (p.heads / p.kv_heads);
@@ -636,6 +637,29 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
     if (pv != nullptr) {
       atomicAdd(pv + d, v_lo);
       atomicAdd(pv + (table_rows - 1) * D + d, v_hi);
+    }
+  }
+}
+
+// Grid: batch * heads * ceil(q_len / kOwn) blocks, one query tile each; or, kSerial (set from
+// bp.serial_q_tiles: torch.use_deterministic_algorithms with tables), batch * heads blocks that
+// each take their (b, h)'s query tiles in order. Within a block every table-gradient entry is
+// added to by one thread at a time, between barriers, so one block per (b, h) adds in a fixed
+// order and the table gradients come out bitwise the same on every run, with far fewer blocks in
+// flight. Two instantiations rather than one loop: a loop over tiles costs the one-tile form
+// 25-37 registers (ptxas, sm_80 and sm_90), for D <= 64 161-168 -> 192-194, which at 128 threads
+// a block leaves registers for 2 blocks per SM instead of 3.
+template <typename T, int kDC, bool kSerial>
+__global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
+    rel_attention_bwd_dq_kernel(RelAttentionBwdParams bp, const acc_t<T>* ws) {
+  using Tl = AttnTile<acc_t<T>, kDC>;
+  const int64_t q_tiles = (bp.fwd.q_len + Tl::kOwn - 1) / Tl::kOwn;
+  if constexpr (!kSerial) {
+    bwd_dq_tile<T, kDC>(bp, ws, blockIdx.x / q_tiles, blockIdx.x % q_tiles);
+  } else {
+    for (int64_t t = 0; t < q_tiles; ++t) {
+      bwd_dq_tile<T, kDC>(bp, ws, blockIdx.x, t);
+      __syncthreads();  // the next tile restages the shared memory this one read last
     }
   }
 }

@@ -290,8 +290,10 @@ def rel_attention(
     ``out_i = sum_j p_ij (v_j + rel_v[b(i, j)])`` with ``b(i, j) = clamp(r, -K, K) + K``.
     Never holds an ``[Lq, Lk]`` or ``[Lq, Lk, D]`` tensor; the backward recomputes the
     probabilities from the saved log-sum-exp. The CPU kernels are deterministic (bitwise, for any
-    thread count); on CUDA the gradients of ``rel_k`` / ``rel_v`` are summed with float atomics,
-    so under ``torch.use_deterministic_algorithms(True)`` that backward raises. Under
+    thread count); on CUDA the gradients of ``rel_k`` / ``rel_v`` are summed with float atomics
+    in whatever order the query tiles run, except under ``torch.use_deterministic_algorithms``,
+    where one block per (batch, head) adds its query tiles' shares in order (bitwise
+    reproducible, with far fewer blocks in flight). Under
     ``torch.autocast`` the floating inputs are cast to the autocast dtype first (float64 excepted),
     as for ``F.scaled_dot_product_attention``; float32 tables then get float32 gradients.
 
