@@ -510,6 +510,29 @@ def test_module_matches_reference_module(gqa, causal):
             pm.grad = pr.grad = None
 
 
+def test_module_kdim_vdim_cross_attention():
+    """kdim / vdim as in nn.MultiheadAttention: a memory of other widths, matched by the reference
+    module with the same state; self-attention is refused with a clear error."""
+    kw = dict(embed_dim=32, num_heads=4, max_distance=3, num_kv_heads=2, kdim=24, vdim=40)
+    m = relpos_ext.nn.RelativeMultiheadAttention(**kw)
+    r = ref.RelativeMultiheadAttentionReference(**kw)
+    r.load_state_dict(m.state_dict())
+    assert m.k_proj.in_features == 24 and m.v_proj.in_features == 40
+    x, mem_k, mem_v = torch.randn(2, 7, 32), torch.randn(2, 9, 24), torch.randn(2, 9, 40)
+    mask = torch.zeros(2, 9, dtype=torch.bool)
+    mask[0, :2] = True
+    got, _ = m(x, mem_k, mem_v, mask)
+    exp, _ = r(x, mem_k, mem_v, mask)
+    torch.testing.assert_close(got, exp, atol=1e-5, rtol=1e-5)
+    got.square().sum().backward()
+    exp.square().sum().backward()
+    for (name, pm), pr in zip(m.named_parameters(), r.parameters()):
+        torch.testing.assert_close(pm.grad, pr.grad, atol=1e-4, rtol=1e-4, msg=name)
+    for args in ((x,), (x, mem_k)):
+        with pytest.raises(ValueError, match="key and value must both be given"):
+            m(*args)
+
+
 @pytest.mark.parametrize("gqa", [False, True])
 @pytest.mark.parametrize("grad", [False, True])
 def test_module_kv_cache_decoding(gqa, grad):

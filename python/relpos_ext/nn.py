@@ -166,6 +166,9 @@ class RelativeMultiheadAttention(nn.Module):
         per_head_tables: ``[H, 2K+1, D]`` tables instead of one shared ``[2K+1, D]``.
         bias: bias in the projections.
         batch_first: must be True (inputs are ``[B, L, E]``); kept for nn.MultiheadAttention parity.
+        kdim, vdim: feature sizes of ``key`` and ``value`` (default ``E``), as in
+            nn.MultiheadAttention: cross-attention to a memory of another width. When either
+            differs from ``E``, ``key`` and ``value`` must be passed (no self-attention, no cache).
     """
 
     def __init__(
@@ -179,6 +182,8 @@ class RelativeMultiheadAttention(nn.Module):
         per_head_tables: bool = False,
         bias: bool = True,
         batch_first: bool = True,
+        kdim: int | None = None,
+        vdim: int | None = None,
     ) -> None:
         super().__init__()
         if not batch_first:
@@ -196,8 +201,10 @@ class RelativeMultiheadAttention(nn.Module):
         self.batch_first = True
         kv_dim = num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
-        self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias)
-        self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias)
+        self.kdim = embed_dim if kdim is None else kdim
+        self.vdim = embed_dim if vdim is None else vdim
+        self.k_proj = nn.Linear(self.kdim, kv_dim, bias=bias)
+        self.v_proj = nn.Linear(self.vdim, kv_dim, bias=bias)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
         shape = ((num_heads,) if per_head_tables else ()) + (2 * max_distance + 1, self.head_dim)
         self.rel_k = nn.Parameter(torch.randn(shape) * self.head_dim**-0.5) if rel_keys else None
@@ -248,6 +255,9 @@ class RelativeMultiheadAttention(nn.Module):
         """
         if need_weights:
             raise ValueError("need_weights=True is not supported: the attention matrix is never formed")
+        if (key is None or value is None) and not self.kdim == self.vdim == self.embed_dim:
+            raise ValueError(f"with kdim={self.kdim}, vdim={self.vdim} and embed_dim="
+                             f"{self.embed_dim}, key and value must both be given")
         if cache is not None:
             if key is not None or value is not None:
                 raise ValueError("cache= is for self-attention: key and value must be None")
