@@ -533,6 +533,31 @@ def test_module_kdim_vdim_cross_attention():
             m(*args)
 
 
+@pytest.mark.parametrize("cls", ["RelativeMultiheadAttention", "ShawRelativeAttention"])
+def test_module_device_dtype_factory_kwargs(cls):
+    """device= / dtype= as in nn.MultiheadAttention: every parameter is made there and in that
+    dtype (meta: nothing allocated), and a float64 layer computes in float64, matching a float32
+    one holding the same state."""
+    make = getattr(relpos_ext.nn, cls)
+    kw = dict(embed_dim=16, num_heads=2, max_distance=3)
+    meta = make(**kw, device="meta", dtype=torch.bfloat16)
+    params = dict(meta.named_parameters())
+    assert {"rel_k", "rel_v"} <= set(params)
+    for name, prm in params.items():
+        assert prm.device.type == "meta" and prm.dtype == torch.bfloat16, name
+    m64 = make(**kw, dtype=torch.float64)
+    for name, p64 in m64.named_parameters():
+        assert p64.dtype == torch.float64 and p64.device.type == "cpu", name
+    m32 = make(**kw)
+    m32.load_state_dict({n: t.float() for n, t in m64.state_dict().items()})
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    y64 = m64(x)
+    y32 = m32(x.float())
+    y64, y32 = (y[0] if isinstance(y, tuple) else y for y in (y64, y32))
+    assert y64.dtype == torch.float64
+    torch.testing.assert_close(y64.float(), y32, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("gqa", [False, True])
 @pytest.mark.parametrize("grad", [False, True])
 def test_module_kv_cache_decoding(gqa, grad):

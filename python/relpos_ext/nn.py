@@ -12,6 +12,14 @@ from . import ops
 __all__ = ["KVCache", "RelativeMultiheadAttention", "ShawRelativeAttention"]
 
 
+def _table(
+    shape: tuple[int, ...], device: torch.device | str | None, dtype: torch.dtype | None
+) -> nn.Parameter:
+    """A learnable relative-embedding table, N(0, 1/D) like the layers' initialisation before."""
+    table = torch.randn(shape, device=device, dtype=dtype)
+    return nn.Parameter(table * shape[-1] ** -0.5)
+
+
 class ShawRelativeAttention(nn.Module):
     """Multi-head self-attention with Shaw et al. (2018) relative key and value embeddings.
 
@@ -26,6 +34,7 @@ class ShawRelativeAttention(nn.Module):
         causal: mask keys after the query.
         rel_values: also add the relative value term ``sum_j p_ij EV[b(i, j)]``.
         per_head_tables: one table per head (``[H, 2K+1, D]``) instead of one shared table.
+        device, dtype: where and in what dtype the parameters are made (as ``nn.Linear``).
     """
 
     def __init__(
@@ -37,8 +46,11 @@ class ShawRelativeAttention(nn.Module):
         rel_values: bool = True,
         per_head_tables: bool = False,
         bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        factory = {"device": device, "dtype": dtype}
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         if max_distance < 0:
@@ -46,12 +58,12 @@ class ShawRelativeAttention(nn.Module):
         self.embed_dim, self.num_heads, self.max_distance = embed_dim, num_heads, max_distance
         self.head_dim = embed_dim // num_heads
         self.causal = causal
-        self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=bias)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         shape = (num_heads,) if per_head_tables else ()
         shape = (*shape, 2 * max_distance + 1, self.head_dim)
-        self.rel_k = nn.Parameter(torch.randn(shape) * self.head_dim**-0.5)
-        self.rel_v = nn.Parameter(torch.randn(shape) * self.head_dim**-0.5) if rel_values else None
+        self.rel_k = _table(shape, **factory)
+        self.rel_v = _table(shape, **factory) if rel_values else None
 
     def forward(self, x: Tensor) -> Tensor:
         """x: ``[B, L, E]`` -> ``[B, L, E]``."""
@@ -169,6 +181,8 @@ class RelativeMultiheadAttention(nn.Module):
         kdim, vdim: feature sizes of ``key`` and ``value`` (default ``E``), as in
             nn.MultiheadAttention: cross-attention to a memory of another width. When either
             differs from ``E``, ``key`` and ``value`` must be passed (no self-attention, no cache).
+        device, dtype: where and in what dtype the parameters are made, as in
+            nn.MultiheadAttention (e.g. ``device="cuda", dtype=torch.bfloat16``).
     """
 
     def __init__(
@@ -184,8 +198,11 @@ class RelativeMultiheadAttention(nn.Module):
         batch_first: bool = True,
         kdim: int | None = None,
         vdim: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        factory = {"device": device, "dtype": dtype}
         if not batch_first:
             raise ValueError("RelativeMultiheadAttention supports batch_first=True only")
         if embed_dim % num_heads != 0:
@@ -200,15 +217,15 @@ class RelativeMultiheadAttention(nn.Module):
         self.head_dim = embed_dim // num_heads
         self.batch_first = True
         kv_dim = num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.kdim = embed_dim if kdim is None else kdim
         self.vdim = embed_dim if vdim is None else vdim
-        self.k_proj = nn.Linear(self.kdim, kv_dim, bias=bias)
-        self.v_proj = nn.Linear(self.vdim, kv_dim, bias=bias)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.k_proj = nn.Linear(self.kdim, kv_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(self.vdim, kv_dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         shape = ((num_heads,) if per_head_tables else ()) + (2 * max_distance + 1, self.head_dim)
-        self.rel_k = nn.Parameter(torch.randn(shape) * self.head_dim**-0.5) if rel_keys else None
-        self.rel_v = nn.Parameter(torch.randn(shape) * self.head_dim**-0.5) if rel_values else None
+        self.rel_k = _table(shape, **factory) if rel_keys else None
+        self.rel_v = _table(shape, **factory) if rel_values else None
 
     def _heads(self, x: Tensor, heads: int) -> Tensor:
         batch, length, _ = x.shape
