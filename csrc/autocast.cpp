@@ -46,7 +46,8 @@ using RelAttentionSig = std::tuple<Tensor, Tensor>(
     const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& rel_k,
     const std::optional<Tensor>& rel_v, c10::SymInt max_distance, bool causal,
     std::optional<double> scale, c10::SymInt q_offset, c10::SymInt k_offset,
-    const std::optional<Tensor>& key_padding_mask);
+    const std::optional<Tensor>& key_padding_mask, double dropout_p,
+    const std::optional<Tensor>& dropout_seed);
 
 template <c10::DeviceType kDevice>
 void register_autocast(torch::Library& m) {

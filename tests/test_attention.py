@@ -105,12 +105,19 @@ def _f64(x):
     return None if x is None else x.detach().double().requires_grad_()
 
 
+def _dropout_args(kw):
+    """The op's trailing (dropout_p, dropout_seed) from kw (the seed a CPU int64 tensor), or ()."""
+    if kw.get("dropout_p", 0.0) == 0.0:
+        return ()
+    return kw["dropout_p"], torch.tensor([kw["dropout_seed"]], dtype=torch.int64)
+
+
 def _call(backend, tensors, kw):
     q, k, v, rk, rv = (None if x is None else backend.tensor(x.detach()) for x in tensors)
     mask = kw["key_padding_mask"]
     return backend.op("rel_attention")(
         q, k, v, rk, rv, kw["max_distance"], kw["causal"], None, kw["q_offset"], kw["k_offset"],
-        None if mask is None else backend.tensor(mask),
+        None if mask is None else backend.tensor(mask), *_dropout_args(kw),
     )
 
 
@@ -121,11 +128,14 @@ def _call_backward(backend, grad, tensors, out, lse, kw):
     return backend.op("rel_attention_backward")(
         backend.tensor(grad), q, k, v, rk, rv, out, lse, kw["max_distance"], kw["causal"], None,
         kw["q_offset"], kw["k_offset"], None if mask is None else backend.tensor(mask),
+        *_dropout_args(kw),
     )
 
 
-def _check_forward(backend, dtype, case):
+def _check_forward(backend, dtype, case, extra=None):
+    """extra: more keyword arguments of the op and the reference (dropout_p, dropout_seed)."""
     tensors, kw = make_inputs(case, dtype)
+    kw.update(extra or {})
     out, lse = _call(backend, tensors, kw)
     exp_out, exp_lse = ref.shaw_attention(*(_f64(x) for x in tensors), **kw, return_lse=True)
     assert out.shape == exp_out.shape and lse.shape == exp_lse.shape
@@ -135,8 +145,9 @@ def _check_forward(backend, dtype, case):
     assert_close(lse, exp_lse.to(lse_dtype), lse_dtype, scale=4 if dtype == lse_dtype else 1000)
 
 
-def _check_backward(backend, dtype, case):
+def _check_backward(backend, dtype, case, extra=None):
     tensors, kw = make_inputs(case, dtype)
+    kw.update(extra or {})
     t64 = [_f64(x) for x in tensors]
     exp_out = ref.shaw_attention(*t64, **kw)
     grad = torch.randn(exp_out.shape, dtype=torch.float64).to(dtype)
@@ -220,6 +231,57 @@ def test_rel_attention_random_long_cases(backend, seed):
     case = random_long_case(seed)
     _check_forward(backend, torch.float32, case)
     _check_backward(backend, torch.float32, case)
+
+
+# ------------------------------------------------------------------------------------ dropout
+# cases that reach every kernel path: tiles on both clamped sides, padding, GQA, fully masked
+# rows, decoding rows and the AVX2 split of a long cache, the AVX2 backward's key runs
+DROPOUT_CASES = ["basic", "gqa", "fully_masked_rows", "tiles_causal_padding", "tiles_two_sided",
+                 "tiles_unclipped", "unclipped_offsets_gqa", "D200_gqa4", "odd_D_offsets",
+                 "decode_one_row_D45", "decode_split_keys", "bwd_key_runs", "only_rel_v",
+                 "no_rel", "L1", "no_keys"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("name", DROPOUT_CASES)
+def test_rel_attention_dropout(backend, dtype, name):
+    """dropout_p = 0.3: forward and backward against the reference drawing the same mask
+    (reference.dropout_keep) from the same seed."""
+    _attention_backend(backend)
+    kw = dict(dropout_p=0.3, dropout_seed=2**40 + 12345 + len(name))
+    _check_forward(backend, dtype, CASES[name], kw)
+    _check_backward(backend, dtype, CASES[name], kw)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_rel_attention_dropout_random_cases(backend, seed):
+    """Seeded random configurations (float32) with a random dropout_p in (0, 1] and seed."""
+    _attention_backend(backend)
+    r = random.Random(1000 + seed)
+    kw = dict(dropout_p=r.choice([0.05, 0.5, 0.9, 1.0]), dropout_seed=r.randint(-2**63, 2**63 - 1))
+    case = random_case(100 + seed)
+    _check_forward(backend, torch.float32, case, kw)
+    _check_backward(backend, torch.float32, case, kw)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_rel_attention_dropout_mask_is_the_reference_mask(backend, p):
+    """The kept set itself, bit for bit: with q = k = 0 and no key table every visible key has
+    probability 1 / Lk, and with v_j the j-th unit vector (D = Lk), out[i, j] (1 - p) Lk is 1 for a
+    kept key and 0 for a dropped one; it must equal reference.dropout_keep everywhere. Two
+    batches, two heads, several query and key tiles."""
+    _attention_backend(backend)
+    b, h, lq, lk, seed = 2, 2, 70, 130, 987654321
+    q = torch.zeros(b, h, lq, lk)
+    v = torch.eye(lk).expand(b, h, lk, lk).contiguous()
+    rel_v = torch.zeros(5, lk)  # the value term's buckets on top, with zero rows
+    out, _ = backend.op("rel_attention")(
+        backend.tensor(q), backend.tensor(torch.zeros(b, h, lk, lk)), backend.tensor(v), None, backend.tensor(rel_v), 2, False, None, 0, 0, None, p,
+        torch.tensor([seed]))
+    got = (out.cpu().double() * (1 - p) * lk).round()
+    keep = ref.dropout_keep(seed, b, h, lq, lk, p)
+    assert torch.equal(got, keep.double())
+    assert abs(keep.double().mean().item() - (1 - p)) < 0.02  # 36400 draws: 7 sigma
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -441,7 +503,11 @@ def test_rel_attention_backward_under_deterministic_algorithms(backend, tables):
         torch.testing.assert_close(g.cpu(), w.cpu(), rtol=1e-5, atol=1e-6)
 
 
-def test_gradcheck_rel_attention():
+@pytest.mark.parametrize("dropout_p", [0.0, 0.4])
+def test_gradcheck_rel_attention(dropout_p):
+    """gradcheck through the autograd wrapper; with dropout a fixed seed, so every call of the
+    function draws the same mask."""
+    seed = torch.tensor([77], dtype=torch.int64)
     for name in ("basic", "causal", "padding", "gqa", "fully_masked_rows", "only_rel_v"):
         tensors, kw = make_inputs(CASES[name], torch.float64, requires_grad=True)
         args = [x for x in tensors if x is not None]
@@ -450,17 +516,18 @@ def test_gradcheck_rel_attention():
         def fn(*a, kw=kw, has=has):
             it = iter(a)
             full = [next(it) if h else None for h in has]
-            return relpos_ext.rel_attention(*full, **kw)
+            return relpos_ext.rel_attention(*full, **kw, dropout_p=dropout_p, dropout_seed=seed)
 
         assert torch.autograd.gradcheck(fn, args), name
 
 
+@pytest.mark.parametrize("dropout", [(), (0.25, torch.tensor([5]))])
 @pytest.mark.parametrize("requires_grad", [False, True])
-def test_opcheck_rel_attention(requires_grad):
+def test_opcheck_rel_attention(requires_grad, dropout):
     for name in ("basic", "gqa", "only_rel_k"):
         tensors, kw = make_inputs(CASES[name], torch.float32, requires_grad=requires_grad)
         args = (*tensors, kw["max_distance"], kw["causal"], None, kw["q_offset"], kw["k_offset"],
-                kw["key_padding_mask"])
+                kw["key_padding_mask"], *dropout)
         torch.library.opcheck(torch.ops.relpos.rel_attention.default, args)
         out, lse = torch.ops.relpos.rel_attention.default(*args)
         # The backward op has no derivative of its own (double backward raises), so check it
@@ -468,6 +535,27 @@ def test_opcheck_rel_attention(requires_grad):
         plain = [None if x is None else x.detach() for x in tensors]
         bargs = (torch.randn_like(out), *plain, out.detach(), lse, *args[5:])
         torch.library.opcheck(torch.ops.relpos.rel_attention_backward.default, bargs)
+
+
+def test_rel_attention_dropout_seed_from_the_generator():
+    """Without dropout_seed the wrapper draws one from torch's default generator: the same
+    torch.manual_seed gives the same output, successive calls differ, and the output is the
+    reference's with the seed drawn the same way. dropout_p = 0 gives the undropped output
+    bitwise, seed or none."""
+    tensors, kw = make_inputs(CASES["tiles_causal_padding"], torch.float32)
+    torch.manual_seed(3)
+    a = relpos_ext.rel_attention(*tensors, **kw, dropout_p=0.2)
+    b = relpos_ext.rel_attention(*tensors, **kw, dropout_p=0.2)
+    torch.manual_seed(3)
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    torch.manual_seed(3)
+    a2 = relpos_ext.rel_attention(*tensors, **kw, dropout_p=0.2)
+    assert torch.equal(a, a2) and not torch.equal(a, b)
+    exp = ref.shaw_attention(*(_f64(x) for x in tensors), **kw, dropout_p=0.2, dropout_seed=seed)
+    assert_close(a, exp, torch.float32, scale=4)
+    plain = relpos_ext.rel_attention(*tensors, **kw)
+    zero = relpos_ext.rel_attention(*tensors, **kw, dropout_p=0.0, dropout_seed=seed)
+    assert torch.equal(plain, zero)
 
 
 def test_double_backward_raises_clearly():
@@ -660,6 +748,67 @@ def test_module_compile_training_step():
         torch.testing.assert_close(pm, pe, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("gqa", [False, True])
+def test_module_dropout_matches_reference_module(gqa):
+    """dropout=0.3 in training mode: the fused module and the reference module, seeded alike,
+    draw the same mask (outputs and every parameter's gradient match); in eval() there is no
+    dropout; the mask changes from call to call."""
+    m, r = _module_pair(gqa)
+    m.dropout = r.dropout = 0.3
+    x = torch.randn(2, 70, 32)
+    torch.manual_seed(11)
+    got, _ = m(x, is_causal=True)
+    torch.manual_seed(11)
+    exp, _ = r(x, is_causal=True)
+    torch.testing.assert_close(got, exp, atol=1e-5, rtol=1e-5)
+    got.square().sum().backward()
+    exp.square().sum().backward()
+    for (name, pm), pr in zip(m.named_parameters(), r.parameters()):
+        torch.testing.assert_close(pm.grad, pr.grad, atol=1e-4, rtol=1e-4, msg=name)
+    assert not torch.equal(m(x)[0], m(x)[0])
+    m.eval()
+    m.dropout = 0.0
+    undropped = m(x)[0]
+    m.dropout = 0.3
+    assert torch.equal(m(x)[0], undropped)
+
+
+def test_module_dropout_compiled_training_step():
+    """torch.compile(fullgraph=True) of a training step with dropout: no graph break (the seed
+    is drawn inside the graph), a loss that changes with the mask, finite table gradients."""
+    torch._dynamo.reset()
+    m = relpos_ext.nn.RelativeMultiheadAttention(32, 4, 3, dropout=0.5)
+    step = torch.compile(lambda x: m(x, is_causal=True)[0].square().mean(), fullgraph=True)
+    x = torch.randn(2, 9, 32)
+    losses = []
+    for _ in range(3):
+        loss = step(x)
+        loss.backward()
+        losses.append(loss.item())
+    assert len(set(losses)) == 3
+    assert torch.isfinite(m.rel_k.grad).all() and m.rel_k.grad.abs().sum() > 0
+
+
+def test_dropout_keep_statistics():
+    """reference.dropout_keep (the kernels' mask): the kept fraction is 1 - p within 6 sigma for
+    several p, seeds and shapes; adjacent rows, keys and heads are uncorrelated; another seed
+    gives another mask; p = 0 keeps all, p = 1 nothing."""
+    n = 4 * 8 * 64 * 512
+    for p in (0.05, 0.1, 0.5, 0.9):
+        for seed in (0, 1, -1, 2**40 + 3):
+            keep = ref.dropout_keep(seed, 4, 8, 64, 512, p).double()
+            assert abs(keep.mean().item() - (1 - p)) < 6 * (p * (1 - p) / n) ** 0.5, (p, seed)
+    keep = ref.dropout_keep(9, 2, 4, 128, 256, 0.5).double() - 0.5
+    for a, b in ((keep[..., 1:, :], keep[..., :-1, :]), (keep[..., 1:], keep[..., :-1]),
+                 (keep[:, 1:], keep[:, :-1]), (keep[1:], keep[:-1])):
+        corr = (a * b).mean().item() / 0.25
+        assert abs(corr) < 6 / a.numel() ** 0.5
+    other = ref.dropout_keep(10, 2, 4, 128, 256, 0.5).double() - 0.5
+    assert abs((keep * other).mean().item() / 0.25) < 6 / keep.numel() ** 0.5
+    assert ref.dropout_keep(5, 1, 2, 3, 4, 0.0).all()
+    assert not ref.dropout_keep(5, 1, 2, 3, 4, 1.0).any()
+
+
 # ------------------------------------------------------------------------------------ errors
 def _bad(**over):
     tensors, kw = make_inputs(CASES["basic"], torch.float32)
@@ -680,6 +829,13 @@ BAD = [
     ("table D", _bad(rel_v=torch.randn(5, 8)), r"rel_v's last dim must equal q's head dim"),
     ("q 3-D", _bad(q=torch.randn(2, 5, 16)), r"q must be \[B, H, Lq, D\]"),
     ("negative K", _bad(max_distance=-1, rel_k=None, rel_v=None), r"max_distance must be >= 0"),
+    ("dropout_p > 1", _bad(dropout_p=1.5), r"dropout_p must be in \[0, 1\]"),
+    ("dropout_p < 0", _bad(dropout_p=-0.1, dropout_seed=torch.tensor([1])), r"dropout_p must be in \[0, 1\]"),
+    ("dropout seed dtype", _bad(dropout_p=0.1, dropout_seed=torch.tensor([1.0])), r"dropout_seed must be a CPU int64 tensor of one element"),
+    ("dropout seed size", _bad(dropout_p=0.1, dropout_seed=torch.tensor([1, 2])), r"dropout_seed must be a CPU int64 tensor of one element"),
+    ("dropout no seed", lambda: torch.ops.relpos.rel_attention.default(
+        *make_inputs(CASES["basic"], torch.float32)[0], 2, False, None, 0, 0, None, 0.1, None),
+     r"dropout_p > 0 needs dropout_seed"),
 ]
 
 

@@ -54,6 +54,9 @@ def test_module_bad_config():
         relpos_ext.nn.ShawRelativeAttention(30, 4, 2)
     with pytest.raises(ValueError, match="max_distance"):
         relpos_ext.nn.ShawRelativeAttention(32, 4, -1)
+    for cls in (relpos_ext.nn.ShawRelativeAttention, relpos_ext.nn.RelativeMultiheadAttention):
+        with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\]"):
+            cls(32, 4, 2, dropout=1.5)
 
 
 def test_build_info():

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <tuple>
@@ -139,6 +140,26 @@ struct AttentionImpl {
     return p;
   }
 
+  // dropout_p in [0, 1]; above 0 it needs the seed: a CPU int64 tensor of one element, read
+  // here (the ops take it as a tensor so that torch.compile traces its drawing).
+  static DropoutParams dropout(double dropout_p, const std::optional<at::Tensor>& seed) {
+    TORCH_CHECK(dropout_p >= 0.0 && dropout_p <= 1.0, "dropout_p must be in [0, 1]; got ",
+                dropout_p);
+    DropoutParams d;
+    if (dropout_p == 0.0) return d;
+    TORCH_CHECK(seed.has_value(), "dropout_p > 0 needs dropout_seed, an int64 tensor of one "
+                "element (relpos_ext.rel_attention draws one from torch's generator)");
+    TORCH_CHECK(seed->scalar_type() == at::kLong && seed->numel() == 1 && seed->device().is_cpu(),
+                "dropout_seed must be a CPU int64 tensor of one element; got ",
+                seed->scalar_type(), " ", seed->sizes(), " on ", seed->device());
+    d.on = true;
+    d.seed = static_cast<uint64_t>(seed->item<int64_t>());
+    const double t = std::floor(dropout_p * 2147483648.0);  // p * 2^31
+    d.threshold = static_cast<uint32_t>(std::min(t, 2147483647.0));
+    d.keep_scale = dropout_p < 1.0 ? 1.0 / (1.0 - dropout_p) : 0.0;
+    return d;
+  }
+
   static at::ScalarType acc_type(const at::Tensor& q) {
     return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   }
@@ -147,13 +168,16 @@ struct AttentionImpl {
       const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const std::optional<at::Tensor>& rel_k, const std::optional<at::Tensor>& rel_v,
       int64_t max_distance, bool causal, std::optional<double> scale, int64_t q_offset,
-      int64_t k_offset, const std::optional<at::Tensor>& key_padding_mask) {
+      int64_t k_offset, const std::optional<at::Tensor>& key_padding_mask, double dropout_p,
+      const std::optional<at::Tensor>& dropout_seed) {
     const Checked c = check(q, k, v, rel_k, rel_v, max_distance, scale, key_padding_mask,
                             /*kv_slabs=*/true);
+    const DropoutParams drop = dropout(dropout_p, dropout_seed);
     at::Tensor out = at::empty({c.batch, c.heads, c.q_len, c.dim}, c.q.options());
     at::Tensor lse = at::empty({c.batch, c.heads, c.q_len}, c.q.options().dtype(acc_type(c.q)));
     if (lse.numel() == 0) return {out, lse};
     RelAttentionParams p = params(c, max_distance, causal, q_offset, k_offset);
+    p.dropout = drop;
     p.out = out.data_ptr();
     p.lse = lse.data_ptr();
     Backend::rel_attention(p);
@@ -166,8 +190,10 @@ struct AttentionImpl {
                          const std::optional<at::Tensor>& rel_v, const at::Tensor& out,
                          const at::Tensor& logsumexp, int64_t max_distance, bool causal,
                          std::optional<double> scale, int64_t q_offset, int64_t k_offset,
-                         const std::optional<at::Tensor>& key_padding_mask) {
+                         const std::optional<at::Tensor>& key_padding_mask, double dropout_p,
+                         const std::optional<at::Tensor>& dropout_seed) {
     const Checked c = check(q, k, v, rel_k, rel_v, max_distance, scale, key_padding_mask);
+    const DropoutParams drop = dropout(dropout_p, dropout_seed);
     TORCH_CHECK(grad_out.sizes() == c.q.sizes() && out.sizes() == c.q.sizes(),
                 "grad_out and out must have the shape of q ", c.q.sizes(), "; got ",
                 grad_out.sizes(), " and ", out.sizes());
@@ -203,6 +229,7 @@ struct AttentionImpl {
     if (c.batch * c.heads * c.q_len * c.k_len * c.dim > 0) {
       RelAttentionBwdParams p{};
       p.fwd = params(cu, used, causal, q_offset, k_offset);
+      p.fwd.dropout = drop;
       p.fwd.out = o.data_ptr();
       p.fwd.lse = l.data_ptr();
       p.grad_out = go.data_ptr();

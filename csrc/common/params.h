@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "common/dropout.h"
+
 namespace relpos {
 
 enum class DType : int { Float32 = 0, Float64 = 1, Float16 = 2, BFloat16 = 3 };
@@ -96,6 +98,10 @@ struct RelAttentionParams {
   bool rel_k_per_head, rel_v_per_head, causal;
   double scale;
   DType dtype;
+  // Attention dropout (common/dropout.h): out_i = sum_j p_ij keep_ij / (1 - p) (v_j + rel_v[b]),
+  // lse without dropout. The backward reads the same mask: dv_j and drel_v take p_ij keep_ij /
+  // (1 - p), and dp_ij = keep_ij / (1 - p) dout_i . (v_j + rel_v[b]) in ds_ij.
+  DropoutParams dropout;
 };
 
 // rel_attention_backward: gradients of all five inputs, recomputing p from lse.

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <limits>
 
+#include "common/dropout.h"
 #include "common/params.h"
 #include "common/relpos_index.h"
 #include "cpu/kernels.h"
@@ -503,6 +504,68 @@ void softmax_grad_row(const float* pr, float* dp, int64_t n, float di, float sca
   for (; j < n; ++j) dp[j] = scale * pr[j] * (dp[j] - di);
 }
 
+// ---- attention dropout (common/dropout.h), 8 keys at a time with the hash in 32-bit lanes
+inline __m256i dropout_mix8(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x7FEB352Du)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846CA68Bu)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+// The dropout of one query row: factors(j0) gives, for keys j0 .. j0 + 7, keep_scale where the
+// key is kept and 0 where it is dropped (bitwise dropout_kept's decision).
+struct RowDropout {
+  uint32_t key = 0;
+  __m256i bound, step, lanes;
+  __m256 keep_scale;
+  RowDropout(const RelAttentionParams& p, int64_t b, int64_t h, int64_t i) {
+    key = dropout_row_key(dropout_head_key(p.dropout.seed, b * p.heads + h), i);
+    // kept <=> (u >> 1) >= threshold <=> (u >> 1) > threshold - 1, as signed 32-bit lanes
+    bound = _mm256_set1_epi32(static_cast<int>(p.dropout.threshold) - 1);
+    lanes = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                               _mm256_set1_epi32(static_cast<int>(kDropoutKeyMul)));
+    keep_scale = _mm256_set1_ps(static_cast<float>(p.dropout.keep_scale));
+  }
+  __m256 factors(int64_t j0) const {
+    const uint32_t base = key + static_cast<uint32_t>(j0) * kDropoutKeyMul;
+    const __m256i u = dropout_mix8(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(base)), lanes));
+    const __m256i kept = _mm256_cmpgt_epi32(_mm256_srli_epi32(u, 1), bound);
+    return _mm256_and_ps(_mm256_castsi256_ps(kept), keep_scale);
+  }
+};
+
+// x[j] *= the dropout factor of key j0 + j, over a row of n probabilities.
+void dropout_row(const RowDropout& dr, int64_t j0, float* x, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_loadu_ps(x + j), dr.factors(j0 + j)));
+  if (j < n) {
+    const __m256i mk = tail_mask(n - j);
+    _mm256_maskstore_ps(x + j, mk, _mm256_mul_ps(_mm256_maskload_ps(x + j, mk), dr.factors(j0 + j)));
+  }
+}
+
+// softmax_grad_row under dropout: dS = scale * P * (f dP - d_i) in dp and P *= f in pr, with f
+// the dropout factors of keys j0 ..; dV and drel_v then take the dropped P.
+void softmax_grad_row_dropout(const RowDropout& dr, int64_t j0, float* pr, float* dp, int64_t n,
+                              float di, float scale) {
+  const __m256 vd = _mm256_set1_ps(di), vsc = _mm256_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 f = dr.factors(j0 + j), pv = _mm256_loadu_ps(pr + j);
+    const __m256 g = _mm256_sub_ps(_mm256_mul_ps(f, _mm256_loadu_ps(dp + j)), vd);
+    _mm256_storeu_ps(dp + j, _mm256_mul_ps(vsc, _mm256_mul_ps(pv, g)));
+    _mm256_storeu_ps(pr + j, _mm256_mul_ps(pv, f));
+  }
+  if (j < n) {
+    const __m256i mk = tail_mask(n - j);
+    const __m256 f = dr.factors(j0 + j), pv = _mm256_maskload_ps(pr + j, mk);
+    const __m256 g = _mm256_sub_ps(_mm256_mul_ps(f, _mm256_maskload_ps(dp + j, mk)), vd);
+    _mm256_maskstore_ps(dp + j, mk, _mm256_mul_ps(vsc, _mm256_mul_ps(pv, g)));
+    _mm256_maskstore_ps(pr + j, mk, _mm256_mul_ps(pv, f));
+  }
+}
+
 // ---- one-pass rows: the common case of a row whose keys in this tile all share one clamped
 // bucket (far from the diagonal: rel = a constant per row) and no padding mask. Lanes from
 // `vis` (the causal limit) to the 8-aligned end of the row are masked; the s / dp buffers are
@@ -820,6 +883,7 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
   // tiles, which would be built for a single tile of at most kAttentionFewQueries rows.
   const bool few_q = p.q_len <= kAttentionFewQueries;
   const bool stream = few_q && p.k_len * D * es >= kStreamBytes;  // prefetch K and V rows
+  const bool drop_on = p.dropout.on;
   Buffers buf;
   float* qf = buf.take(BQ * D);
   float* qs = buf.take(BQ * D);
@@ -913,7 +977,8 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
         const int64_t i = i0 + r;
         float* sr = s + r * BK;
         const RowSplit sp = split_row(p, i, j0, nk, band);
-        const bool uni = uniform_row(sp, j0, nk, hd);
+        // under dropout the bucket sums need the dropped probabilities: the general path
+        const bool uni = !drop_on && uniform_row(sp, j0, nk, hd);
         const bool lo_side = sp.a == j0 + nk;  // uniform: all keys in bucket 0 (else 2K)
         const float c = uni && hd.rel_k ? (lo_side ? qe_lo[r] : qe_hi[r]) : 0.f;
         float rs;
@@ -950,7 +1015,8 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
           rs = exp_sum_row(sr, nk, mt);
         } else {
           exp_row(sr, nk, mt);
-          rs = sum_row(sr, nk);
+          rs = sum_row(sr, nk);  // the normaliser is the one without dropout
+          if (drop_on) dropout_row(RowDropout(p, b, h, i), j0, sr, nk);
         }
         l[r] = l[r] * alpha + rs;
         if (alpha != 1.f) scale_row(alpha, acc + r * D, D);
@@ -968,7 +1034,7 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       };
       int64_t r = 0;
       // Every row of the tile on one clamped side: 8 rows at a time, in one pass each
-      if (const int side = uniform_tile(p, hd, i0, mq, j0, nk); side != 0) {
+      if (const int side = drop_on ? 0 : uniform_tile(p, hd, i0, mq, j0, nk); side != 0) {
         const float* c = hd.rel_k ? (side == 1 ? qe_lo : qe_hi) : nullptr;
         float* ws = hd.rel_v ? (side == 1 ? w_lo : w_hi) : nullptr;
         for (; r + 8 <= mq; r += 8) {
@@ -1123,6 +1189,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
   const bool dq_own = chunks == 1 && !f32;
   const float scale = static_cast<float>(p.scale), scale2 = scale * kLog2e;
   const int64_t gq = group * p.q_len;
+  const bool drop_on = p.dropout.on;  // the general row path, with dropout factors
   Buffers buf;
   float* dk_run = buf.take(run_keys * D);  // dK, dV of the run's keys over the group's heads
   float* dv_run = buf.take(run_keys * D);
@@ -1266,7 +1333,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
             gemm0(mq, nk, D, dop, D, vt_run + tl * D * BK, BK, dp, BK);  // dP = dO V^T
             // every row of the tile on one clamped side: 8 rows at a time, as in the forward
             int64_t r = 0;
-            if (const int side = uniform_tile(p, hd, i0, mq, j0, nk); side != 0) {
+            if (const int side = drop_on ? 0 : uniform_tile(p, hd, i0, mq, j0, nk); side != 0) {
               const bool lo_side = side == 1;
               for (; r + 8 <= mq; r += 8) {
                 grad_rows8_uniform(s + r * BK, dp + r * BK, nk,
@@ -1281,7 +1348,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
               float* sr = s + r * BK;
               float* dpr = dp + r * BK;
               const RowSplit sp = split_row(p, i, j0, nk, band);
-              if (uniform_row(sp, j0, nk, hd)) {
+              if (!drop_on && uniform_row(sp, j0, nk, hd)) {
                 const bool lo_side = sp.a == j0 + nk;
                 const float ck = hd.rel_k ? (lo_side ? qe_lo[r] : qe_hi[r]) : 0.f;
                 const float cv = hd.rel_v ? (lo_side ? de_lo[r] : de_hi[r]) : 0.f;
@@ -1295,7 +1362,11 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
               if (hd.rel_v) add_rel_logits(dpr, j0, nk, sp, de_lo[r], de_hi[r], de + r * band.n);
               mask_logits(p, hd, i, j0, nk, sr);  // P = 2^(S - lse), all in base 2
               exp_row(sr, nk, lse[r]);
-              softmax_grad_row(sr, dpr, nk, di[r], scale);  // dS = scale P (dP - D_i)
+              if (drop_on) {  // dS = scale P (f dP - D_i), then P *= f
+                softmax_grad_row_dropout(RowDropout(p, b, h, i), j0, sr, dpr, nk, di[r], scale);
+              } else {
+                softmax_grad_row(sr, dpr, nk, di[r], scale);  // dS = scale P (dP - D_i)
+              }
               if (hd.rel_v) add_bucket_mass(sr, j0, nk, sp, p_lo[r], p_hi[r], wp + r * band.n);
               if (hd.rel_k) add_bucket_mass(dpr, j0, nk, sp, ds_lo[r], ds_hi[r], wds + r * band.n);
             }

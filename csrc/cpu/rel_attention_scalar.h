@@ -16,6 +16,7 @@
 #include <limits>
 #include <vector>
 
+#include "common/dropout.h"
 #include "common/params.h"
 #include "common/relpos_index.h"
 
@@ -26,6 +27,21 @@ inline bool key_visible(const RelAttentionParams& p, int64_t b, int64_t i, int64
   if (p.causal && p.k_offset + j > p.q_offset + i) return false;
   return p.key_padding_mask == nullptr || !p.key_padding_mask[b * p.k_len + j];
 }
+
+// Attention dropout of row (b, h, i) (common/dropout.h): factor(j) is keep_scale for a kept key,
+// 0 for a dropped one, 1 when dropout is off.
+template <typename acc_t>
+struct RowDropout {
+  const DropoutParams& d;
+  uint32_t row_key = 0;
+  RowDropout(const RelAttentionParams& p, int64_t b, int64_t h, int64_t i) : d(p.dropout) {
+    if (d.on) row_key = dropout_row_key(dropout_head_key(d.seed, b * p.heads + h), i);
+  }
+  acc_t factor(int64_t j) const {
+    if (!d.on) return acc_t(1);
+    return dropout_kept(row_key, j, d.threshold) ? static_cast<acc_t>(d.keep_scale) : acc_t(0);
+  }
+};
 
 template <typename T, typename acc_t>
 acc_t dot(const T* a, const T* b, int64_t n) {
@@ -147,14 +163,16 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
     acc_t l = 0;
     std::fill(acc.begin(), acc.end(), acc_t(0));
     w.assign(nb, acc_t(0));
-    for (int64_t j = 0; j < p.k_len; ++j) {  // s becomes the row of probabilities
+    const RowDropout<acc_t> drop(p, b, h, i);
+    for (int64_t j = 0; j < p.k_len; ++j) {  // s becomes the row of (dropped) probabilities
       if (s[j] == -std::numeric_limits<acc_t>::infinity()) {  // masked
         s[j] = acc_t(0);
         continue;
       }
-      const acc_t pij = std::exp(s[j] - m);
+      const acc_t e = std::exp(s[j] - m);
+      l += e;  // the normaliser is the one without dropout
+      const acc_t pij = drop.d.on ? e * drop.factor(j) : e;
       s[j] = pij;
-      l += pij;
       if (rel_v != nullptr) w[shaw_bucket(i, j, p.max_distance, p.q_offset, p.k_offset) - b_lo] += pij;
     }
     accumulate_rows<T, acc_t>(s.data(), v + kv, p.k_len, p.dim, acc.data());  // P V
@@ -248,6 +266,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
           const acc_t di = dot<T, acc_t>(doi, out + row * D, D);
           scores_row<T, acc_t>(qi, kt.data(), p.k_len, p.k_len, D, pr);             // q_i . k_j, then P
           scores_row<T, acc_t>(doi, vt.data(), p.k_len, p.k_len, D, dprow.data());  // dO_i . v_j
+          const RowDropout<acc_t> drop(p, b, h, i);
           for (int64_t j = 0; j < p.k_len; ++j) {
             if (!key_visible(p, b, i, j)) {
               pr[j] = dsr[j] = acc_t(0);
@@ -255,9 +274,12 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
             }
             const int64_t c = shaw_bucket(i, j, p.max_distance, p.q_offset, p.k_offset) - b_lo;
             const acc_t sij = pr[j] + (ek ? qe[c] : acc_t(0));
-            const acc_t pij = std::exp(sij * scale - li);
+            const acc_t e = std::exp(sij * scale - li);
+            // with dropout: dv and drel_v take the dropped p, ds = p (keep / (1 - p) dp - d_i)
+            const acc_t f = drop.d.on ? drop.factor(j) : acc_t(1);
+            const acc_t pij = e * f;
             const acc_t dpij = dprow[j] + (ev ? de[c] : acc_t(0));
-            const acc_t dsij = pij * (dpij - di);
+            const acc_t dsij = e * (drop.d.on ? f * dpij - di : dpij - di);
             wds[r][c] += dsij;
             wp[r][c] += pij;
             pr[j] = pij;

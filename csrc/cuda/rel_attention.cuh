@@ -27,6 +27,7 @@
 
 #include <cstdint>
 
+#include "common/dropout.h"
 #include "common/params.h"
 #include "common/relpos_index.h"
 #include "cuda/device.cuh"
@@ -75,6 +76,17 @@ RELPOS_DEVICE bool attn_visible(const RelAttentionParams& p, int64_t b, int64_t 
   if (i >= p.q_len || j >= p.k_len) return false;
   if (p.causal && p.k_offset + j > p.q_offset + i) return false;
   return p.key_padding_mask == nullptr || !p.key_padding_mask[b * p.k_len + j];
+}
+
+// Attention dropout (common/dropout.h): the factor of (row key of query i, key j), keep_scale
+// when kept and 0 when dropped; 1 when dropout is off.
+RELPOS_DEVICE uint32_t attn_dropout_key(const RelAttentionParams& p, int64_t bh, int64_t i) {
+  return p.dropout.on ? dropout_row_key(dropout_head_key(p.dropout.seed, bh), i) : 0u;
+}
+template <typename A>
+RELPOS_DEVICE A attn_dropout(const RelAttentionParams& p, uint32_t row_key, int64_t j) {
+  if (!p.dropout.on) return A(1);
+  return dropout_kept(row_key, j, p.dropout.threshold) ? static_cast<A>(p.dropout.keep_scale) : A(0);
 }
 
 // Keys a query tile [i0, i0 + nq) can see: [0, end).
@@ -337,7 +349,8 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
         alpha = exp2_acc(m[rr] - mn);
       }
       m[rr] = mn;
-      l[rr] = l[rr] * alpha + pr;
+      l[rr] = l[rr] * alpha + pr;  // the normaliser is the one without dropout
+      if (p.dropout.on) pr *= attn_dropout<A>(p, attn_dropout_key(p, bh, i), j);
       w_lo[rr] = w_lo[rr] * alpha + (j < in.begin ? pr : A(0));
       w_hi[rr] = w_hi[rr] * alpha + (j >= in.end ? pr : A(0));
       RELPOS_UNROLL
@@ -428,7 +441,8 @@ __global__ void rel_attention_bwd_rows_kernel(RelAttentionBwdParams bp, acc_t<T>
   }
 }
 
-// p_ij and ds_ij = p_ij (dp_ij - D_i) of one (query row, key) pair from the accumulated dots.
+// p_ij and ds_ij = p_ij (dp_ij - D_i) of one (query row, key) pair from the accumulated dots;
+// under dropout (factor f: keep_scale or 0) p_ij f and p_ij (f dp_ij - D_i).
 template <typename A>
 struct ProbGrad {
   A p, ds;
@@ -437,7 +451,7 @@ struct ProbGrad {
 template <typename A>
 RELPOS_DEVICE ProbGrad<A> prob_grad(bool visible, bool has_k, bool has_v, int64_t j,
                                     int64_t in_begin, int64_t in_end, A s, A se, A dp, A dpe,
-                                    const A* row, A lse2, A scale2) {
+                                    const A* row, A lse2, A scale2, bool drop, A f) {
   ProbGrad<A> r{0, 0};
   if (!visible) return r;
   const bool lo = j < in_begin, hi = j >= in_end;
@@ -445,7 +459,12 @@ RELPOS_DEVICE ProbGrad<A> prob_grad(bool visible, bool has_k, bool has_v, int64_
   const A de = has_v ? (lo ? row[kRowDeLo] : (hi ? row[kRowDeHi] : dpe)) : A(0);
   // base 2 (scale2 = scale * log2 e, lse2 = lse * log2 e); lse = +inf (no visible key) gives 0
   r.p = exp2_acc((s + qe) * scale2 - lse2);
-  r.ds = r.p * (dp + de - row[kRowDi]);
+  if (drop) {
+    r.ds = r.p * (f * (dp + de) - row[kRowDi]);
+    r.p *= f;
+  } else {
+    r.ds = r.p * (dp + de - row[kRowDi]);
+  }
   return r;
 }
 
@@ -549,7 +568,8 @@ __device__ void bwd_dq_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws,
       const A* row = sRow + (warp * R + rr) * (1 + kRowTerms);
       const ProbGrad<A> g = prob_grad(attn_visible(p, b, i, j), ek != nullptr, ev != nullptr, j,
                                       in.begin, in.end, s[rr], se[rr], dp[rr], dpe[rr], row + 1,
-                                      row[0], scale2);
+                                      row[0], scale2, p.dropout.on,
+                                      attn_dropout<A>(p, attn_dropout_key(p, bh, i), j));
       const bool lo = j < in.begin, hi = j >= in.end;
       m_lo[rr][0] += lo ? g.ds : A(0);
       m_lo[rr][1] += hi ? g.ds : A(0);
@@ -731,6 +751,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
       RELPOS_UNROLL
       for (int t = 0; t < kRowTerms; ++t) row[t] = valid ? ws[(bh * p.q_len + i) * kRowTerms + t] : A(0);
       const KeySpan in = inner_keys(i, p.k_len, K, p.q_offset, p.k_offset);
+      const uint32_t drop_key = attn_dropout_key(p, bh, i);  // this lane's query row
       const BucketSpan band = tile_inner_buckets(i0, nq, j0, nk, K, p.q_offset, p.k_offset);
       const int nb = static_cast<int>(band.end - band.begin);
       const bool k_band = ek != nullptr && nb > 0, v_band = ev != nullptr && nb > 0;
@@ -758,7 +779,8 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
         const int64_t j = j0 + warp * R + rr;
         const ProbGrad<A> pg = prob_grad(attn_visible(p, b, i, j), ek != nullptr, ev != nullptr, j,
                                          in.begin, in.end, s[rr], se[rr], dp[rr], dpe[rr], row,
-                                         lse2, scale2);
+                                         lse2, scale2, p.dropout.on,
+                                         attn_dropout<A>(p, drop_key, j));
         sP[(warp * R + rr) * Tl::kLdP + lane] = pg.p;
         sDS[(warp * R + rr) * Tl::kLdP + lane] = pg.ds;
       }

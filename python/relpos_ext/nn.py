@@ -34,6 +34,7 @@ class ShawRelativeAttention(nn.Module):
         causal: mask keys after the query.
         rel_values: also add the relative value term ``sum_j p_ij EV[b(i, j)]``.
         per_head_tables: one table per head (``[H, 2K+1, D]``) instead of one shared table.
+        dropout: dropout on the attention probabilities in training mode (both terms).
         device, dtype: where and in what dtype the parameters are made (as ``nn.Linear``).
     """
 
@@ -46,11 +47,15 @@ class ShawRelativeAttention(nn.Module):
         rel_values: bool = True,
         per_head_tables: bool = False,
         bias: bool = True,
+        dropout: float = 0.0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype}
+        if not 0.0 <= dropout <= 1.0:
+            raise ValueError(f"dropout must be in [0, 1], got {dropout}")
+        self.dropout = dropout
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         if max_distance < 0:
@@ -78,6 +83,7 @@ class ShawRelativeAttention(nn.Module):
             mask = torch.ones(length, length, dtype=torch.bool, device=x.device).triu(1)
             logits = logits.masked_fill(mask, float("-inf"))
         p = torch.softmax(logits, dim=-1)
+        p = nn.functional.dropout(p, self.dropout, self.training)
         out = torch.matmul(p, v)
         if self.rel_v is not None:
             a = ops.rel_gather(self.rel_v, length, length, self.max_distance)
@@ -181,6 +187,9 @@ class RelativeMultiheadAttention(nn.Module):
         kdim, vdim: feature sizes of ``key`` and ``value`` (default ``E``), as in
             nn.MultiheadAttention: cross-attention to a memory of another width. When either
             differs from ``E``, ``key`` and ``value`` must be passed (no self-attention, no cache).
+        dropout: attention dropout in training mode, as nn.MultiheadAttention's ``dropout``:
+            fused into the kernels (``rel_attention(dropout_p=...)``), a fresh seed per call from
+            torch's default generator; off in ``eval()``.
         device, dtype: where and in what dtype the parameters are made, as in
             nn.MultiheadAttention (e.g. ``device="cuda", dtype=torch.bfloat16``).
     """
@@ -198,11 +207,15 @@ class RelativeMultiheadAttention(nn.Module):
         batch_first: bool = True,
         kdim: int | None = None,
         vdim: int | None = None,
+        dropout: float = 0.0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype}
+        if not 0.0 <= dropout <= 1.0:
+            raise ValueError(f"dropout must be in [0, 1], got {dropout}")
+        self.dropout = dropout
         if not batch_first:
             raise ValueError("RelativeMultiheadAttention supports batch_first=True only")
         if embed_dim % num_heads != 0:
@@ -240,11 +253,13 @@ class RelativeMultiheadAttention(nn.Module):
         causal: bool,
         q_offset: int,
         k_offset: int,
+        dropout_p: float = 0.0,
+        dropout_seed: Tensor | None = None,
     ) -> Tensor:
         """The attention core on ``[B, H, L, D]`` heads (overridden by the reference module)."""
         return ops.rel_attention(
             q, k, v, self.rel_k, self.rel_v, self.max_distance, causal, None, q_offset, k_offset,
-            key_padding_mask,
+            key_padding_mask, dropout_p=dropout_p, dropout_seed=dropout_seed,
         )
 
     def forward(
@@ -291,6 +306,8 @@ class RelativeMultiheadAttention(nn.Module):
         if cache is not None:
             q_offset = cache.length  # the new rows follow the cached positions
             k, v = cache.append(k, v)
-        z = self.attend(q, k, v, key_padding_mask, is_causal, q_offset, k_offset)
+        dropout_p = self.dropout if self.training else 0.0
+        seed = ops._draw_dropout_seed() if dropout_p > 0 else None
+        z = self.attend(q, k, v, key_padding_mask, is_causal, q_offset, k_offset, dropout_p, seed)
         batch, q_len = query.shape[0], query.shape[1]
         return self.out_proj(z.transpose(1, 2).reshape(batch, q_len, self.embed_dim)), None

@@ -283,6 +283,8 @@ def rel_attention(
     k_offset: IntLike = 0,
     key_padding_mask: Tensor | None = None,
     return_lse: bool = False,
+    dropout_p: float = 0.0,
+    dropout_seed: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Fused Shaw et al. (2018) attention with relative key and value embeddings, O(L) memory.
 
@@ -307,14 +309,31 @@ def rel_attention(
         q_offset, k_offset: absolute positions of query 0 and key 0 (decoding with a cache).
         key_padding_mask: ``[B, Lk]`` bool, True = ignore that key (as nn.MultiheadAttention).
         return_lse: also return the log-sum-exp ``[B, H, Lq]`` (float32; float64 for float64).
+        dropout_p: attention dropout in ``[0, 1]``, as ``F.scaled_dot_product_attention``'s: each
+            probability ``p_ij`` (of both the key/value and the relative value term) is zeroed
+            with probability ``dropout_p`` and the kept ones are scaled by ``1 / (1 - dropout_p)``;
+            the log-sum-exp is the one without dropout. The mask is a counter-based hash of
+            ``(dropout_seed, b, h, i, j)`` (:func:`relpos_ext.reference.dropout_keep`), recomputed
+            by the backward, never stored. Pass 0 at inference.
+        dropout_seed: a CPU int64 tensor of one element choosing the mask; by default one is
+            drawn from torch's default generator (so ``torch.manual_seed`` makes it repeatable).
 
     Returns:
         ``out [B, H, Lq, D]`` (rows with no visible key are 0), or ``(out, lse)``.
     """
+    if dropout_p > 0 and dropout_seed is None:
+        dropout_seed = _draw_dropout_seed()
     out, lse = torch.ops.relpos.rel_attention.default(
-        q, k, v, rel_k, rel_v, max_distance, causal, scale, q_offset, k_offset, key_padding_mask
+        q, k, v, rel_k, rel_v, max_distance, causal, scale, q_offset, k_offset, key_padding_mask,
+        dropout_p, dropout_seed,
     )
     return (out, lse) if return_lse else out
+
+
+def _draw_dropout_seed() -> Tensor:
+    """A fresh dropout seed for :func:`rel_attention`: a CPU int64 tensor of one element drawn
+    from torch's default CPU generator (traced, not a graph break, under ``torch.compile``)."""
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64, device="cpu")
 
 
 def rel_attention_backward(
@@ -332,11 +351,14 @@ def rel_attention_backward(
     q_offset: IntLike = 0,
     k_offset: IntLike = 0,
     key_padding_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
-    """Gradients ``(dq, dk, dv, drel_k, drel_v)`` of :func:`rel_attention` (None for absent tables)."""
+    """Gradients ``(dq, dk, dv, drel_k, drel_v)`` of :func:`rel_attention` (None for absent tables);
+    ``dropout_p`` / ``dropout_seed`` must be those of the forward."""
     dq, dk, dv, drk, drv = torch.ops.relpos.rel_attention_backward.default(
         grad_out, q, k, v, rel_k, rel_v, out, lse, max_distance, causal, scale, q_offset,
-        k_offset, key_padding_mask,
+        k_offset, key_padding_mask, dropout_p, dropout_seed,
     )
     return dq, dk, dv, (drk if rel_k is not None else None), (drv if rel_v is not None else None)
 
@@ -347,7 +369,8 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 
 @torch.library.register_fake("relpos::rel_attention")
 def _rel_attention_fake(q, k, v, rel_k, rel_v, max_distance, causal=False, scale=None,
-                        q_offset=0, k_offset=0, key_padding_mask=None):
+                        q_offset=0, k_offset=0, key_padding_mask=None, dropout_p=0.0,
+                        dropout_seed=None):
     torch._check(q.dim() == 4 and k.dim() == 4, lambda: "q and k must be 4-D")
     torch._check(v.shape == k.shape, lambda: "v must have the shape of k")
     torch._check(k.dtype == q.dtype and v.dtype == q.dtype, lambda: "k/v dtype must match q")
@@ -362,7 +385,8 @@ def _rel_attention_fake(q, k, v, rel_k, rel_v, max_distance, causal=False, scale
 
 @torch.library.register_fake("relpos::rel_attention_backward")
 def _rel_attention_backward_fake(grad_out, q, k, v, rel_k, rel_v, out, lse, max_distance,
-                                 causal, scale, q_offset, k_offset, key_padding_mask):
+                                 causal, scale, q_offset, k_offset, key_padding_mask,
+                                 dropout_p=0.0, dropout_seed=None):
     def like(t):
         return torch.empty_like(t, memory_format=torch.contiguous_format)
 
@@ -373,21 +397,22 @@ def _rel_attention_backward_fake(grad_out, q, k, v, rel_k, rel_v, out, lse, max_
 
 
 def _rel_attention_setup(ctx, inputs, output) -> None:
-    q, k, v, rel_k, rel_v, ctx.max_distance, ctx.causal, ctx.scale, ctx.q_offset, ctx.k_offset, mask = inputs
+    (q, k, v, rel_k, rel_v, ctx.max_distance, ctx.causal, ctx.scale, ctx.q_offset, ctx.k_offset,
+     mask, ctx.dropout_p, seed) = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, rel_k, rel_v, out, lse, mask)
+    ctx.save_for_backward(q, k, v, rel_k, rel_v, out, lse, mask, seed)
 
 
 def _rel_attention_bwd(ctx, grad_out: Tensor, _grad_lse: Tensor | None):
-    # saved_tensors gives back None for the absent tables / mask
-    q, k, v, rel_k, rel_v, out, lse, mask = ctx.saved_tensors
+    # saved_tensors gives back None for the absent tables / mask / seed
+    q, k, v, rel_k, rel_v, out, lse, mask, seed = ctx.saved_tensors
     dq, dk, dv, drk, drv = torch.ops.relpos.rel_attention_backward.default(
         grad_out.contiguous(), q, k, v, rel_k, rel_v, out, lse, ctx.max_distance, ctx.causal,
-        ctx.scale, ctx.q_offset, ctx.k_offset, mask,
+        ctx.scale, ctx.q_offset, ctx.k_offset, mask, ctx.dropout_p, seed,
     )
     return (dq, dk, dv, drk if rel_k is not None else None, drv if rel_v is not None else None,
-            None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None)
 
 
 torch.library.register_autograd(

@@ -19,6 +19,7 @@ __all__ = [
     "skew_t2t",
     "rel_logits",
     "rel_logits_gather",
+    "dropout_keep",
     "shaw_attention",
     "shaw_attention_gather",
     "RelativeMultiheadAttentionReference",
@@ -131,6 +132,52 @@ def rel_logits_gather(
     return torch.gather(qe, -1, b.expand(*qe.shape[:-1], k_len))
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """``x * c mod 2^32`` for int64 tensors holding uint32 values, in halves of c so that no
+    int64 product overflows."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """The 32-bit finaliser of csrc/common/dropout.h on int64 tensors holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def dropout_keep(
+    seed: int | Tensor,
+    batch: int,
+    heads: int,
+    q_len: int,
+    k_len: int,
+    dropout_p: float,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Which attention probabilities ``rel_attention`` keeps under dropout: ``[B, H, Lq, Lk]`` bool.
+
+    The counter-based hash of csrc/common/dropout.h, in int64 arithmetic: ``(seed, b * H + h, i,
+    j)`` -> 32 bits ``u``; kept iff ``u >> 1 >= min(floor(p * 2^31), 2^31 - 1)``. The same mask
+    in the forward and the backward, whatever the tiling.
+    """
+    seed = int(seed.reshape(()).item()) if isinstance(seed, Tensor) else int(seed)
+    seed &= (1 << 64) - 1
+    lo, hi = seed & _MASK32, seed >> 32
+    threshold = min(math.floor(dropout_p * 2.0**31), 2**31 - 1)
+    bh = torch.arange(batch * heads, dtype=torch.int64, device=device)
+    head = _mix32((_mix32(bh ^ hi) + lo) & _MASK32)
+    i = torch.arange(q_len, dtype=torch.int64, device=device)
+    row = _mix32(head[:, None] ^ _mul32(i, 0x9E3779B9)[None, :])  # [B*H, Lq]
+    j = torch.arange(k_len, dtype=torch.int64, device=device)
+    u = _mix32((row[:, :, None] + _mul32(j, 0x85EBCA6B)) & _MASK32)
+    return ((u >> 1) >= threshold).view(batch, heads, q_len, k_len)
+
+
 def shaw_attention(
     q: Tensor,
     k: Tensor,
@@ -144,6 +191,8 @@ def shaw_attention(
     k_offset: int = 0,
     key_padding_mask: Tensor | None = None,
     return_lse: bool = False,
+    dropout_p: float = 0.0,
+    dropout_seed: int | Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Shaw et al. 2018 attention with relative keys and values, fully materialised.
 
@@ -152,7 +201,9 @@ def shaw_attention(
     tables ``[2K+1, D]`` or ``[H, 2K+1, D]``; key_padding_mask ``[B, Lk]`` bool, True = ignore.
     Causal masking keeps key j for query i iff ``k_offset + j <= q_offset + i``. Rows with no
     visible key give zeros (and ``lse = +inf``). With return_lse, also returns the
-    log-sum-exp of the scaled logits, ``[B, H, Lq]``.
+    log-sum-exp of the scaled logits, ``[B, H, Lq]``. With ``dropout_p > 0`` the probabilities
+    ``p`` of both terms are multiplied by ``dropout_keep(dropout_seed, ...) / (1 - p)`` (0 for
+    ``p = 1``); the log-sum-exp is the one without dropout.
     """
     q_len, k_len, dim = q.shape[2], k.shape[2], q.shape[3]
     group = q.shape[1] // k.shape[1] if k.shape[1] else 1  # no heads at all: nothing to repeat
@@ -175,6 +226,11 @@ def shaw_attention(
     lse = torch.logsumexp(logits, dim=-1)
     any_visible = visible.any(-1, keepdim=True)
     p = torch.softmax(logits.masked_fill(~any_visible, 0.0), dim=-1) * any_visible
+    if dropout_p > 0:
+        if dropout_seed is None:
+            raise ValueError("dropout_p > 0 needs dropout_seed")
+        keep = dropout_keep(dropout_seed, q.shape[0], q.shape[1], q_len, k_len, dropout_p, q.device)
+        p = p * keep * (1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0)
     out = torch.matmul(p, v)
     if rel_v is not None:
         a = rel_gather(rel_v, q_len, k_len, max_distance, q_offset, k_offset)
@@ -238,8 +294,9 @@ class RelativeMultiheadAttentionReference(_reference_module_base()):
     Same parameters and projections; plain PyTorch attention, O(L^2 D) memory. For tests.
     """
 
-    def attend(self, q, k, v, key_padding_mask, causal, q_offset, k_offset):
+    def attend(self, q, k, v, key_padding_mask, causal, q_offset, k_offset, dropout_p=0.0,
+               dropout_seed=None):
         return shaw_attention(
             q, k, v, self.rel_k, self.rel_v, self.max_distance, causal, None, q_offset, k_offset,
-            key_padding_mask,
+            key_padding_mask, dropout_p=dropout_p, dropout_seed=dropout_seed,
         )
