@@ -249,6 +249,7 @@ def shaw_attention_gather(
     rel_v: Tensor | None,
     max_distance: int,
     causal: bool = False,
+    dropout_p: float = 0.0,
 ) -> Tensor:
     """Shaw et al. (2018) attention in lean eager PyTorch: ``[L, L]`` tensors, never ``[L, L, D]``.
 
@@ -259,7 +260,9 @@ def shaw_attention_gather(
     Keys: ``q @ rel_k^T`` (``[B, H, L, 2K+1]``) then ``torch.gather`` by bucket. Values: the
     transpose, ``out_i += sum_b W[i, b] rel_v[b]`` where ``W[i, b]`` is the probability mass of
     row i in bucket b, summed with ``scatter_add`` (DESIGN.md §1). The softmax still holds the
-    ``[B, H, L, L]`` logits and probabilities, plus the ``[L, L]`` int64 bucket index.
+    ``[B, H, L, L]`` logits and probabilities, plus the ``[L, L]`` int64 bucket index. With
+    ``dropout_p > 0``, ``F.dropout`` on the probabilities (torch's own mask, not
+    :func:`dropout_keep`'s): the eager baseline of ``benchmarks/bench_dropout.py``.
     """
     length = q.shape[2]
     q = q * q.shape[-1] ** -0.5  # scale q, not the [L, L] logits: one [L, L] temporary fewer
@@ -273,6 +276,8 @@ def shaw_attention_gather(
         after = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
         logits = logits.masked_fill(after, float("-inf"))
     p = torch.softmax(logits, dim=-1)
+    if dropout_p > 0:
+        p = torch.nn.functional.dropout(p, dropout_p, training=True)
     out = torch.matmul(p, v)
     if rel_v is not None:
         w = p.new_zeros((*p.shape[:-1], rel_v.shape[-2]))  # [B, H, L, 2K+1]

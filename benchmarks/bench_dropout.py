@@ -1,0 +1,147 @@
+#!/usr/bin/env python
+"""Benchmark ``relpos_ext.rel_attention`` with attention dropout, forward+backward (training).
+
+For ``q, k, v [B=1, H=8, L, D=64]`` and shared tables ``rel_k, rel_v [2K+1, D]`` (the shapes of
+``bench_attention.py``), the time of one forward+backward (gradients w.r.t. ``q, k, v`` and, where
+there are tables, ``rel_k, rel_v``) of:
+
+* ``ours p=0`` -- ``relpos_ext.rel_attention`` without dropout (what dropout costs on top);
+* ``ours`` -- ``relpos_ext.rel_attention(..., dropout_p=p)``: the mask hashed in the kernels,
+  recomputed by the backward, never stored;
+* ``eager`` -- ``reference.shaw_attention_gather(..., dropout_p=p)``: bench_attention's (3) with
+  ``F.dropout`` on the ``[B, H, L, L]`` probabilities;
+* ``compiled`` -- ``torch.compile(fullgraph=True)`` of that, compile time excluded;
+* ``sdpa`` -- ``F.scaled_dot_product_attention(q, k, v, dropout_p=p)``, no relative terms.
+
+Each measurement runs in a forked child (``_common.measure_call``); then ``--rounds`` interleaved
+pairs of ``ours`` and ``eager`` at each L give the speed-up as a median of ratios.
+
+Usage::
+
+    PYTHONPATH=build/dev-bench/stage python benchmarks/bench_dropout.py        # ~3 min
+    python benchmarks/bench_dropout.py -L 1024 --dropout 0.3 --out /tmp/d.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import relpos_ext
+from relpos_ext.reference import shaw_attention_gather
+
+from _common import (  # benchmarks/_common.py, beside this script
+    RESULTS, add_common_args, check_platform, in_child, measure_call, print_environment,
+    timestamp, write_json,
+)
+from bench_attention import BATCH, DIM, HEADS, _child_setup, _make_inputs
+
+METHODS = ("ours p=0", "ours", "eager", "compiled", "sdpa")
+TABLES = ("ours p=0", "ours", "eager", "compiled")  # gradients w.r.t. rel_k and rel_v too
+
+
+def method_fn(method: str, k: int, p: float) -> Callable[..., Tensor]:
+    """``f(q, k, v, rel_k, rel_v) -> [B, H, L, D]`` for ``method`` with dropout ``p``."""
+    if method == "ours p=0":
+        return lambda q, k_, v, rk, rv: relpos_ext.rel_attention(q, k_, v, rk, rv, k)
+    if method == "ours":
+        return lambda q, k_, v, rk, rv: relpos_ext.rel_attention(q, k_, v, rk, rv, k, dropout_p=p)
+    if method == "eager":
+        return lambda q, k_, v, rk, rv: shaw_attention_gather(q, k_, v, rk, rv, k, dropout_p=p)
+    if method == "compiled":
+        compiled = torch.compile(shaw_attention_gather, fullgraph=True)
+        return lambda q, k_, v, rk, rv: compiled(q, k_, v, rk, rv, k, dropout_p=p)
+    if method == "sdpa":
+        return lambda q, k_, v, rk, rv: F.scaled_dot_product_attention(q, k_, v, dropout_p=p)
+    raise ValueError(f"unknown method {method!r}")
+
+
+def _runner(method: str, length: int, k: int, p: float) -> Callable[[], object]:
+    fn = method_fn(method, k, p)
+    inputs, go = _make_inputs(length, k, grad=True)
+    wrt = inputs if method in TABLES else inputs[:3]
+    return lambda: torch.autograd.grad(fn(*inputs), wrt, go)
+
+
+def measure(method: str, length: int, k: int, p: float, args: argparse.Namespace) -> dict:
+    """Runs in a forked child: the warm-up (compiling, for `compiled`), then time and memory."""
+    _child_setup(args.threads, compiles=method == "compiled")
+    run = _runner(method, length, k, p)
+    run()
+    return measure_call(run, args, trim=True)
+
+
+def paired_rounds(length: int, k: int, p: float, args: argparse.Namespace) -> dict:
+    """Runs in a forked child: `args.rounds` interleaved timings of ours and eager; the ratios."""
+    _child_setup(args.threads, compiles=False)
+    runs = {m: _runner(m, length, k, p) for m in ("ours", "eager")}
+    for run in runs.values():
+        run()
+    ratios = []
+    for _ in range(args.rounds):
+        t = {}
+        for m, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            t[m] = time.perf_counter() - t0
+        ratios.append(t["eager"] / t["ours"])
+    return {"eager_over_ours": ratios}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", "-L", type=int, nargs="+", default=[512, 1024, 2048])
+    p.add_argument("--max-distance", "-K", type=int, default=64, help="K (default 64)")
+    p.add_argument("--dropout", type=float, default=0.1, help="dropout_p (default 0.1)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="interleaved ours/eager pairs per L for the median ratio (default 5)")
+    add_common_args(p, RESULTS / "bench_dropout.json", rep_budget_s=10.0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    check_platform("bench_dropout.py")
+    info, mach = print_environment(args.threads)
+    k, p = args.max_distance, args.dropout
+    print(f"shape: B={BATCH} H={HEADS} D={DIM} Lq=Lk=L, K={k}, float32, dropout_p={p}; "
+          "forward+backward")
+    rows = []
+    print(f"{'L':>5}  " + "".join(f"{m:>12}" for m in METHODS) + "   eager/ours (pairs)")
+    for length in args.lengths:
+        row = {"L": length, "time_ms": {}, "peak_extra_mib": {}}
+        for method in METHODS:
+            res = in_child(measure, method, length, k, p, args)
+            row["time_ms"][method] = res.get("time_ms")
+            row["peak_extra_mib"][method] = res.get("peak_extra_bytes", 0) / 2**20
+            if "error" in res:
+                row.setdefault("errors", {})[method] = res["error"]
+        pairs = in_child(paired_rounds, length, k, p, args) if args.rounds > 0 else {}
+        row["eager_over_ours_pairs"] = pairs.get("eager_over_ours")
+        ratio = statistics.median(row["eager_over_ours_pairs"]) if row["eager_over_ours_pairs"] else None
+        row["eager_over_ours_median"] = ratio
+        cells = "".join(f"{row['time_ms'][m]:>12.1f}" if row["time_ms"][m] else f"{'error':>12}"
+                        for m in METHODS)
+        print(f"{length:>5}  {cells}   {ratio:.2f}" if ratio else f"{length:>5}  {cells}", flush=True)
+        rows.append(row)
+    write_json({
+        "benchmark": "bench_dropout", "timestamp": timestamp(), "torch_version": torch.__version__,
+        "build_info": info, "machine": mach,
+        "config": {"batch": BATCH, "heads": HEADS, "dim": DIM, "dtype": "float32",
+                   "max_distance": k, "dropout_p": p, "lengths": args.lengths,
+                   "rounds": args.rounds, "threads": args.threads},
+        "methods": list(METHODS), "rows": rows,
+    }, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
