@@ -773,6 +773,57 @@ def test_module_dropout_matches_reference_module(gqa):
     assert torch.equal(m(x)[0], undropped)
 
 
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_module_need_weights(gqa, dropout):
+    """need_weights=True returns the probabilities the fused kernel applied (dropout included):
+    with average_attn_weights=False, [B, H, Lq, Lk] weights w give the layer's output as
+    out_proj(sum_j w_ij (v_j + rel_v[b(i, j)])); averaged, their mean over heads, [B, Lq, Lk], as
+    nn.MultiheadAttention. Without dropout each row sums to 1, or 0 when no key is visible."""
+    m, _ = _module_pair(gqa)
+    m.dropout = dropout
+    x, mem = torch.randn(2, 7, 32), torch.randn(2, 9, 32)
+    mask = torch.zeros(2, 9, dtype=torch.bool)
+    mask[1, -3:] = True
+    mask[0, :] = True  # batch 0 sees no key at all
+    for args, causal in (((x,), True), ((x, mem, mem, mask), False)):
+        torch.manual_seed(4)
+        out, w = m(*args, is_causal=causal, need_weights=True, average_attn_weights=False)
+        torch.manual_seed(4)
+        out_avg, w_avg = m(*args, is_causal=causal, need_weights=True)
+        assert w.shape == (2, 4, 7, args[-1].shape[1] if len(args) > 1 else 7)
+        assert torch.equal(out, out_avg)
+        torch.testing.assert_close(w_avg, w.mean(dim=1))
+        kv = args[2] if len(args) > 1 else x
+        v = m._heads(m.v_proj(kv), m.num_kv_heads).repeat_interleave(4 // m.num_kv_heads, dim=1)
+        a = ref.rel_gather(m.rel_v, 7, v.shape[2], m.max_distance)
+        z = w @ v + torch.einsum("bhij,ijd->bhid" if a.dim() == 3 else "bhij,hijd->bhid", w, a)
+        exp = m.out_proj(z.transpose(1, 2).reshape(2, 7, 32))
+        torch.testing.assert_close(out, exp, atol=1e-5, rtol=1e-5)
+        if dropout == 0:
+            sums = w.sum(-1)
+            want = torch.ones_like(sums)
+            if len(args) > 1:
+                want[0] = 0
+            torch.testing.assert_close(sums, want)
+
+
+def test_module_need_weights_compiled_fullgraph():
+    """need_weights=True, with dropout, compiles with fullgraph=True (the mask is drawn and
+    hashed in the graph); without dropout it equals eager."""
+    torch._dynamo.reset()
+    m = relpos_ext.nn.RelativeMultiheadAttention(32, 4, 3)
+    x = torch.randn(2, 9, 32)
+    compiled = torch.compile(lambda x: m(x, is_causal=True, need_weights=True), fullgraph=True)
+    got, w = compiled(x)
+    exp, w_exp = m(x, is_causal=True, need_weights=True)
+    torch.testing.assert_close(got, exp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w, w_exp, atol=1e-6, rtol=1e-5)
+    m.dropout = 0.5
+    got, w = compiled(x)
+    assert w.shape == (2, 9, 9) and torch.isfinite(got).all()
+
+
 def test_module_dropout_compiled_training_step():
     """torch.compile(fullgraph=True) of a training step with dropout: no graph break (the seed
     is drawn inside the graph), a loss that changes with the mask, finite table gradients."""

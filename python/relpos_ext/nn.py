@@ -273,20 +273,23 @@ class RelativeMultiheadAttention(nn.Module):
         q_offset: int = 0,
         k_offset: int = 0,
         cache: KVCache | None = None,
-    ) -> tuple[Tensor, None]:
-        """query ``[B, Lq, E]``, key/value ``[B, Lk, E]`` (default: query) -> ``([B, Lq, E], None)``.
+        average_attn_weights: bool = True,
+    ) -> tuple[Tensor, Tensor | None]:
+        """query ``[B, Lq, E]``, key/value ``[B, Lk, E]`` (default: query) -> ``([B, Lq, E], weights)``.
 
         key_padding_mask: ``[B, Lk]`` bool, True = ignore (as nn.MultiheadAttention).
         is_causal: key j visible to query i iff ``k_offset + j <= q_offset + i``.
-        need_weights must be False: the fused kernel never forms the attention matrix.
+        need_weights: also return the attention weights, as nn.MultiheadAttention does (after
+        dropout): ``[B, Lq, Lk]`` averaged over heads, or ``[B, H, Lq, Lk]`` with
+        ``average_attn_weights=False``. The fused kernel never forms them, so they come from a
+        separate eager pass with O(Lq Lk) memory (``rel_logits`` for the key term); the default
+        False skips it and returns None, which is what makes the layer O(L) in memory.
         cache: self-attention decoding (key, value None; offsets 0): the query rows are the
         positions after the ``cache.length`` cached ones; their keys and values are appended to
         the cache and the rows attend to all of it (``key_padding_mask``, if any, is
         ``[B, cache.length]`` after the append). With ``is_causal=True``, feeding a sequence in
         pieces gives the rows of one call on the whole sequence.
         """
-        if need_weights:
-            raise ValueError("need_weights=True is not supported: the attention matrix is never formed")
         if (key is None or value is None) and not self.kdim == self.vdim == self.embed_dim:
             raise ValueError(f"with kdim={self.kdim}, vdim={self.vdim} and embed_dim="
                              f"{self.embed_dim}, key and value must both be given")
@@ -309,5 +312,50 @@ class RelativeMultiheadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         seed = ops._draw_dropout_seed() if dropout_p > 0 else None
         z = self.attend(q, k, v, key_padding_mask, is_causal, q_offset, k_offset, dropout_p, seed)
+        weights = None
+        if need_weights:
+            weights = self.attention_weights(q, k, key_padding_mask, is_causal, q_offset, k_offset,
+                                             dropout_p, seed)
+            if average_attn_weights:
+                weights = weights.mean(dim=1)
         batch, q_len = query.shape[0], query.shape[1]
-        return self.out_proj(z.transpose(1, 2).reshape(batch, q_len, self.embed_dim)), None
+        return self.out_proj(z.transpose(1, 2).reshape(batch, q_len, self.embed_dim)), weights
+
+    def attention_weights(
+        self,
+        q: Tensor,
+        k: Tensor,
+        key_padding_mask: Tensor | None,
+        causal: bool,
+        q_offset: int,
+        k_offset: int,
+        dropout_p: float = 0.0,
+        dropout_seed: Tensor | None = None,
+    ) -> Tensor:
+        """The probabilities ``[B, H, Lq, Lk]`` the attention core applies to ``q`` ``[B, H, Lq, D]``
+        and ``k`` ``[B, Hkv, Lk, D]`` (dropout mask and ``1 / (1 - p)`` included), in eager
+        PyTorch: ``[L, L]`` tensors, the key term by ``rel_logits``. Rows with no visible key
+        are 0."""
+        q_len, k_len = q.shape[2], k.shape[2]
+        k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+        logits = torch.matmul(q, k.transpose(-1, -2))
+        if self.rel_k is not None:
+            logits = logits + ops.rel_logits(q.contiguous(), self.rel_k, self.max_distance, k_len,
+                                             q_offset, k_offset)
+        visible = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device)
+        if causal:
+            pos_q = torch.arange(q_len, device=q.device) + q_offset
+            pos_k = torch.arange(k_len, device=q.device) + k_offset
+            visible = pos_k[None, :] <= pos_q[:, None]
+        visible = visible.expand(q.shape[0], 1, q_len, k_len)
+        if key_padding_mask is not None:
+            visible = visible & ~key_padding_mask[:, None, None, :]
+        logits = (logits * self.head_dim**-0.5).masked_fill(~visible, float("-inf"))
+        weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # no visible key: NaN -> 0
+        if dropout_p > 0:
+            from .reference import dropout_keep  # the kernels' mask, in PyTorch
+
+            keep = dropout_keep(dropout_seed, q.shape[0], q.shape[1], q_len, k_len, dropout_p,
+                                q.device)
+            weights = weights * keep * (1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0)
+        return weights

@@ -165,9 +165,11 @@ def dropout_keep(
     j)`` -> 32 bits ``u``; kept iff ``u >> 1 >= min(floor(p * 2^31), 2^31 - 1)``. The same mask
     in the forward and the backward, whatever the tiling.
     """
-    seed = int(seed.reshape(()).item()) if isinstance(seed, Tensor) else int(seed)
-    seed &= (1 << 64) - 1
-    lo, hi = seed & _MASK32, seed >> 32
+    if not isinstance(seed, Tensor):  # as the op takes it: int64, two's complement
+        seed = torch.tensor((int(seed) + 2**63) % 2**64 - 2**63, dtype=torch.int64)
+    seed = seed.reshape(())  # tensor arithmetic only: no .item(), traceable
+    seed = seed if device is None else seed.to(device)
+    lo, hi = seed & _MASK32, (seed >> 32) & _MASK32
     threshold = min(math.floor(dropout_p * 2.0**31), 2**31 - 1)
     bh = torch.arange(batch * heads, dtype=torch.int64, device=device)
     head = _mix32((_mix32(bh ^ hi) + lo) & _MASK32)
