@@ -336,26 +336,21 @@ class RelativeMultiheadAttention(nn.Module):
         and ``k`` ``[B, Hkv, Lk, D]`` (dropout mask and ``1 / (1 - p)`` included), in eager
         PyTorch: ``[L, L]`` tensors, the key term by ``rel_logits``. Rows with no visible key
         are 0."""
+        from . import reference  # late: reference's module subclasses this one
+
         q_len, k_len = q.shape[2], k.shape[2]
         k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
         logits = torch.matmul(q, k.transpose(-1, -2))
         if self.rel_k is not None:
             logits = logits + ops.rel_logits(q.contiguous(), self.rel_k, self.max_distance, k_len,
                                              q_offset, k_offset)
-        visible = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device)
-        if causal:
-            pos_q = torch.arange(q_len, device=q.device) + q_offset
-            pos_k = torch.arange(k_len, device=q.device) + k_offset
-            visible = pos_k[None, :] <= pos_q[:, None]
-        visible = visible.expand(q.shape[0], 1, q_len, k_len)
-        if key_padding_mask is not None:
-            visible = visible & ~key_padding_mask[:, None, None, :]
+        visible = reference.visible_keys(q.shape[0], q_len, k_len, causal, q_offset, k_offset,
+                                         key_padding_mask, q.device)
         logits = (logits * self.head_dim**-0.5).masked_fill(~visible, float("-inf"))
         weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # no visible key: NaN -> 0
         if dropout_p > 0:
-            from .reference import dropout_keep  # the kernels' mask, in PyTorch
-
-            keep = dropout_keep(dropout_seed, q.shape[0], q.shape[1], q_len, k_len, dropout_p,
-                                q.device)
+            # the kernels' mask, in PyTorch
+            keep = reference.dropout_keep(dropout_seed, q.shape[0], q.shape[1], q_len, k_len,
+                                          dropout_p, q.device)
             weights = weights * keep * (1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0)
         return weights

@@ -20,6 +20,7 @@ __all__ = [
     "rel_logits",
     "rel_logits_gather",
     "dropout_keep",
+    "visible_keys",
     "shaw_attention",
     "shaw_attention_gather",
     "RelativeMultiheadAttentionReference",
@@ -180,6 +181,29 @@ def dropout_keep(
     return ((u >> 1) >= threshold).view(batch, heads, q_len, k_len)
 
 
+def visible_keys(
+    batch: int,
+    q_len: int,
+    k_len: int,
+    causal: bool = False,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    key_padding_mask: Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """``[B, 1, Lq, Lk]`` bool: key j visible to query i (causal: ``k_offset + j <= q_offset + i``;
+    key_padding_mask ``[B, Lk]``, True = ignore)."""
+    visible = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    if causal:
+        pos_q = torch.arange(q_len, device=device) + q_offset
+        pos_k = torch.arange(k_len, device=device) + k_offset
+        visible = pos_k[None, :] <= pos_q[:, None]
+    visible = visible.expand(batch, 1, q_len, k_len)
+    if key_padding_mask is not None:
+        visible = visible & ~key_padding_mask[:, None, None, :]
+    return visible
+
+
 def shaw_attention(
     q: Tensor,
     k: Tensor,
@@ -216,14 +240,8 @@ def shaw_attention(
     if rel_k is not None:
         logits = logits + rel_logits(q, rel_k, max_distance, k_len, q_offset, k_offset)
     logits = logits * scale
-    visible = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device)
-    if causal:
-        pos_q = torch.arange(q_len, device=q.device) + q_offset
-        pos_k = torch.arange(k_len, device=q.device) + k_offset
-        visible = pos_k[None, :] <= pos_q[:, None]
-    visible = visible.expand(q.shape[0], 1, q_len, k_len)
-    if key_padding_mask is not None:
-        visible = visible & ~key_padding_mask[:, None, None, :]
+    visible = visible_keys(q.shape[0], q_len, k_len, causal, q_offset, k_offset,
+                           key_padding_mask, q.device)
     logits = logits.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)
     any_visible = visible.any(-1, keepdim=True)
