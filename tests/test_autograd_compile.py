@@ -130,6 +130,19 @@ def test_shaw_module_matches_reference(cpu_isa, causal, per_head):
     assert m.rel_k.grad is not None and m.rel_v.grad is not None
 
 
+def test_shaw_module_dropout():
+    """dropout= drops attention probabilities in training mode only: two training calls differ,
+    eval() calls equal the module without dropout."""
+    m = relpos_ext.nn.ShawRelativeAttention(32, 4, 3, dropout=0.5)
+    x = torch.randn(2, 9, 32)
+    assert not torch.equal(m(x), m(x))
+    m.eval()
+    undropped = m(x)
+    m.dropout = 0.0
+    m.train()
+    assert torch.equal(m(x), undropped)
+
+
 # --------------------------------------------------------------------------------- autocast
 # Under torch.autocast the ops with several floating inputs cast them to the autocast dtype
 # (csrc/autocast.cpp): the results and the gradients of the float32 leaves must be exactly those
