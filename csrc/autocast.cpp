@@ -47,7 +47,7 @@ using RelAttentionSig = std::tuple<Tensor, Tensor>(
     const std::optional<Tensor>& rel_v, c10::SymInt max_distance, bool causal,
     std::optional<double> scale, c10::SymInt q_offset, c10::SymInt k_offset,
     const std::optional<Tensor>& key_padding_mask, double dropout_p,
-    const std::optional<Tensor>& dropout_seed);
+    const std::optional<Tensor>& dropout_seed, const std::optional<Tensor>& attn_mask);
 
 template <c10::DeviceType kDevice>
 void register_autocast(torch::Library& m) {

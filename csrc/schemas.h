@@ -28,10 +28,10 @@
   X("rel_attention(Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, "              \
     "SymInt max_distance, bool causal=False, float? scale=None, SymInt q_offset=0, "          \
     "SymInt k_offset=0, Tensor? key_padding_mask=None, float dropout_p=0.0, "                 \
-    "Tensor? dropout_seed=None) -> (Tensor, Tensor)")                                         \
+    "Tensor? dropout_seed=None, Tensor? attn_mask=None) -> (Tensor, Tensor)")                 \
   /* (dq, dk, dv, drel_k, drel_v); a table gradient is empty when that table is None */       \
   X("rel_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? rel_k, "   \
     "Tensor? rel_v, Tensor out, Tensor logsumexp, SymInt max_distance, bool causal, "          \
     "float? scale, SymInt q_offset, SymInt k_offset, Tensor? key_padding_mask, "              \
-    "float dropout_p=0.0, Tensor? dropout_seed=None) "                                        \
+    "float dropout_p=0.0, Tensor? dropout_seed=None, Tensor? attn_mask=None) "                \
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")

@@ -105,11 +105,14 @@ def _f64(x):
     return None if x is None else x.detach().double().requires_grad_()
 
 
-def _dropout_args(kw):
-    """The op's trailing (dropout_p, dropout_seed) from kw (the seed a CPU int64 tensor), or ()."""
-    if kw.get("dropout_p", 0.0) == 0.0:
-        return ()
-    return kw["dropout_p"], torch.tensor([kw["dropout_seed"]], dtype=torch.int64)
+def _extra_args(backend, kw):
+    """The op's trailing (dropout_p, dropout_seed, attn_mask) from kw (the seed a CPU int64
+    tensor), as far as kw sets them."""
+    p, mask = kw.get("dropout_p", 0.0), kw.get("attn_mask")
+    seed = torch.tensor([kw["dropout_seed"]], dtype=torch.int64) if p > 0 else None
+    if mask is not None:
+        return p, seed, backend.tensor(mask)
+    return (p, seed) if p > 0 else ()
 
 
 def _call(backend, tensors, kw):
@@ -117,7 +120,7 @@ def _call(backend, tensors, kw):
     mask = kw["key_padding_mask"]
     return backend.op("rel_attention")(
         q, k, v, rk, rv, kw["max_distance"], kw["causal"], None, kw["q_offset"], kw["k_offset"],
-        None if mask is None else backend.tensor(mask), *_dropout_args(kw),
+        None if mask is None else backend.tensor(mask), *_extra_args(backend, kw),
     )
 
 
@@ -128,7 +131,7 @@ def _call_backward(backend, grad, tensors, out, lse, kw):
     return backend.op("rel_attention_backward")(
         backend.tensor(grad), q, k, v, rk, rv, out, lse, kw["max_distance"], kw["causal"], None,
         kw["q_offset"], kw["k_offset"], None if mask is None else backend.tensor(mask),
-        *_dropout_args(kw),
+        *_extra_args(backend, kw),
     )
 
 
@@ -282,6 +285,51 @@ def test_rel_attention_dropout_mask_is_the_reference_mask(backend, p):
     keep = ref.dropout_keep(seed, b, h, lq, lk, p)
     assert torch.equal(got, keep.double())
     assert abs(keep.double().mean().item() - (1 - p)) < 0.02  # 36400 draws: 7 sigma
+
+
+# ------------------------------------------------------------------------------- attn_mask
+def random_attn_mask(case, form: str, seed: int) -> torch.Tensor:
+    """A random bool attention mask for `case` (True = ignore, a third of the keys) in one of the
+    accepted shapes: "2d" [Lq, Lk], "b1" [B, 1, Lq, Lk], "1h" [1, H, Lq, Lk], "bh" [B, H, Lq, Lk];
+    the first query row of every head and batch entry is hidden from all keys."""
+    b, h, lq, lk = case[0], case[1], case[3], case[4]
+    shape = {"2d": (lq, lk), "b1": (b, 1, lq, lk), "1h": (1, h, lq, lk), "bh": (b, h, lq, lk)}[form]
+    mask = torch.rand(shape, generator=torch.Generator().manual_seed(seed)) < 1 / 3
+    if lq > 0:
+        mask[..., 0, :] = True
+    return mask
+
+
+ATTN_MASK_CASES = ["basic", "gqa", "fully_masked_rows", "tiles_causal_padding", "tiles_two_sided",
+                   "unclipped_offsets_gqa", "odd_D_offsets", "decode_one_row_D45",
+                   "decode_split_keys", "L1", "no_keys"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("form", ["2d", "b1", "1h", "bh"])
+@pytest.mark.parametrize("name", ATTN_MASK_CASES)
+def test_rel_attention_attn_mask(backend, dtype, form, name):
+    """A random attention mask in each accepted shape, on top of the case's causal limit and
+    padding: forward and backward against the reference."""
+    _attention_backend(backend)
+    extra = dict(attn_mask=random_attn_mask(CASES[name], form, len(name)))
+    _check_forward(backend, dtype, CASES[name], extra)
+    _check_backward(backend, dtype, CASES[name], extra)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rel_attention_attn_mask_random_cases(backend, seed):
+    """Seeded random configurations (float32 or bfloat16) with a random mask shape, and dropout
+    on half of them."""
+    _attention_backend(backend)
+    r = random.Random(2000 + seed)
+    case = random_case(200 + seed)
+    extra = dict(attn_mask=random_attn_mask(case, r.choice(["2d", "b1", "1h", "bh"]), seed))
+    if seed % 2:
+        extra.update(dropout_p=0.2, dropout_seed=seed)
+    dtype = torch.bfloat16 if seed % 3 == 2 else torch.float32
+    _check_forward(backend, dtype, case, extra)
+    _check_backward(backend, dtype, case, extra)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -521,13 +569,16 @@ def test_gradcheck_rel_attention(dropout_p):
         assert torch.autograd.gradcheck(fn, args), name
 
 
-@pytest.mark.parametrize("dropout", [(), (0.25, torch.tensor([5]))])
+@pytest.mark.parametrize("extra", ["none", "dropout", "attn_mask"])
 @pytest.mark.parametrize("requires_grad", [False, True])
-def test_opcheck_rel_attention(requires_grad, dropout):
+def test_opcheck_rel_attention(requires_grad, extra):
     for name in ("basic", "gqa", "only_rel_k"):
         tensors, kw = make_inputs(CASES[name], torch.float32, requires_grad=requires_grad)
+        lq, lk = tensors[0].shape[2], tensors[1].shape[2]
+        trailing = {"none": (), "dropout": (0.25, torch.tensor([5])),
+                    "attn_mask": (0.0, None, torch.eye(lq, lk, dtype=torch.bool))}[extra]
         args = (*tensors, kw["max_distance"], kw["causal"], None, kw["q_offset"], kw["k_offset"],
-                kw["key_padding_mask"], *dropout)
+                kw["key_padding_mask"], *trailing)
         torch.library.opcheck(torch.ops.relpos.rel_attention.default, args)
         out, lse = torch.ops.relpos.rel_attention.default(*args)
         # The backward op has no derivative of its own (double backward raises), so check it
@@ -808,6 +859,34 @@ def test_module_need_weights(gqa, dropout):
             torch.testing.assert_close(sums, want)
 
 
+@pytest.mark.parametrize("form", ["2d", "bh3d"])
+def test_module_attn_mask(form):
+    """attn_mask as nn.MultiheadAttention takes it ([Lq, Lk] or [B * H, Lq, Lk], bool, True =
+    ignore), with padding and is_causal: outputs, weights and every parameter's gradient match
+    the reference module; need_weights' rows are 0 on the masked keys. A float mask, or a 3-D
+    one of the wrong size, is refused."""
+    m, r = _module_pair(True)
+    x, mem = torch.randn(2, 7, 32), torch.randn(2, 9, 32)
+    kpm = torch.zeros(2, 9, dtype=torch.bool)
+    kpm[1, -2:] = True
+    g = torch.Generator().manual_seed(1)
+    mask = torch.rand((7, 9) if form == "2d" else (2 * 4, 7, 9), generator=g) < 0.3
+    got, w = m(x, mem, mem, kpm, need_weights=True, attn_mask=mask, average_attn_weights=False,
+               is_causal=True, k_offset=-3)
+    exp, _ = r(x, mem, mem, kpm, attn_mask=mask, is_causal=True, k_offset=-3)
+    torch.testing.assert_close(got, exp, atol=1e-5, rtol=1e-5)
+    hidden = mask if form == "2d" else mask.view(2, 4, 7, 9)
+    assert (w.masked_select(hidden.expand_as(w)) == 0).all()
+    got.square().sum().backward()
+    exp.square().sum().backward()
+    for (name, pm), pr in zip(m.named_parameters(), r.parameters()):
+        torch.testing.assert_close(pm.grad, pr.grad, atol=1e-4, rtol=1e-4, msg=name)
+    with pytest.raises(ValueError, match="attn_mask must be bool"):
+        m(x, mem, mem, attn_mask=torch.zeros(7, 9))
+    with pytest.raises(ValueError, match=r"a 3-D attn_mask must be \[B \* H, Lq, Lk\]"):
+        m(x, mem, mem, attn_mask=torch.zeros(4, 7, 9, dtype=torch.bool))
+
+
 def test_module_need_weights_compiled_fullgraph():
     """need_weights=True, with dropout, compiles with fullgraph=True (the mask is drawn and
     hashed in the graph); without dropout it equals eager."""
@@ -884,6 +963,10 @@ BAD = [
     ("dropout_p < 0", _bad(dropout_p=-0.1, dropout_seed=torch.tensor([1])), r"dropout_p must be in \[0, 1\]"),
     ("dropout seed dtype", _bad(dropout_p=0.1, dropout_seed=torch.tensor([1.0])), r"dropout_seed must be a CPU int64 tensor of one element"),
     ("dropout seed size", _bad(dropout_p=0.1, dropout_seed=torch.tensor([1, 2])), r"dropout_seed must be a CPU int64 tensor of one element"),
+    ("attn_mask dtype", _bad(attn_mask=torch.zeros(5, 5)), r"attn_mask must be bool"),
+    ("attn_mask shape", _bad(attn_mask=torch.zeros(5, 4, dtype=torch.bool)), r"attn_mask must be \[Lq, Lk\] or \[B or 1, H or 1, Lq, Lk\]"),
+    ("attn_mask heads", _bad(attn_mask=torch.zeros(1, 3, 5, 5, dtype=torch.bool)), r"attn_mask must be \[Lq, Lk\]"),
+    ("attn_mask 3-D", _bad(attn_mask=torch.zeros(2, 5, 5, dtype=torch.bool)), r"attn_mask must be \[Lq, Lk\]"),
     ("dropout no seed", lambda: torch.ops.relpos.rel_attention.default(
         *make_inputs(CASES["basic"], torch.float32)[0], 2, False, None, 0, 0, None, 0.1, None),
      r"dropout_p > 0 needs dropout_seed"),

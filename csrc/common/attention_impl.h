@@ -21,6 +21,8 @@ template <class Backend>
 struct AttentionImpl {
   struct Checked {
     at::Tensor q, k, v, rel_k, rel_v, mask;  // contiguous (k, v: see kv_stride); undefined when absent
+    at::Tensor attn_mask;  // [1 or B, 1 or H, Lq, Lk], contiguous; undefined when absent
+    int64_t attn_mask_b_stride = 0, attn_mask_h_stride = 0;  // 0 where broadcast
     int64_t batch, heads, kv_heads, q_len, k_len, dim;
     int64_t kv_stride;  // RelAttentionParams::kv_stride
     double scale;
@@ -59,7 +61,8 @@ struct AttentionImpl {
                        const std::optional<at::Tensor>& rel_k,
                        const std::optional<at::Tensor>& rel_v, int64_t max_distance,
                        std::optional<double> scale,
-                       const std::optional<at::Tensor>& key_padding_mask, bool kv_slabs = false) {
+                       const std::optional<at::Tensor>& key_padding_mask,
+                       const std::optional<at::Tensor>& attn_mask, bool kv_slabs = false) {
     check_device<Backend>(q, "q");
     check_device<Backend>(k, "k");
     check_device<Backend>(v, "v");
@@ -89,6 +92,22 @@ struct AttentionImpl {
                   m.sizes());
     }
     Checked c;
+    if (attn_mask.has_value()) {
+      const at::Tensor& m = *attn_mask;
+      check_device<Backend>(m, "attn_mask");
+      TORCH_CHECK(m.scalar_type() == at::kBool, "attn_mask must be bool (true = ignore); got ",
+                  m.scalar_type());
+      const bool ok = (m.dim() == 2 || m.dim() == 4) && m.size(-2) == q.size(2) &&
+                      m.size(-1) == k.size(2) &&
+                      (m.dim() == 2 || ((m.size(0) == 1 || m.size(0) == q.size(0)) &&
+                                        (m.size(1) == 1 || m.size(1) == q.size(1))));
+      TORCH_CHECK(ok, "attn_mask must be [Lq, Lk] or [B or 1, H or 1, Lq, Lk] with Lq = ", q.size(2),
+                  ", Lk = ", k.size(2), ", B = ", q.size(0), ", H = ", q.size(1), "; got ",
+                  m.sizes());
+      c.attn_mask = (m.dim() == 2 ? m.unsqueeze(0).unsqueeze(0) : m).contiguous();
+      c.attn_mask_b_stride = c.attn_mask.size(0) == 1 ? 0 : c.attn_mask.stride(0);
+      c.attn_mask_h_stride = c.attn_mask.size(1) == 1 ? 0 : c.attn_mask.stride(1);
+    }
     c.q = q.contiguous();
     const int64_t slabs = kv_slabs ? slab_stride(k) : 0;
     if (slabs > 0 && slab_stride(v) == slabs) {
@@ -122,6 +141,9 @@ struct AttentionImpl {
     p.rel_k = c.rel_k.defined() ? c.rel_k.data_ptr() : nullptr;
     p.rel_v = c.rel_v.defined() ? c.rel_v.data_ptr() : nullptr;
     p.key_padding_mask = c.mask.defined() ? static_cast<const bool*>(c.mask.data_ptr()) : nullptr;
+    p.attn_mask = c.attn_mask.defined() ? static_cast<const bool*>(c.attn_mask.data_ptr()) : nullptr;
+    p.attn_mask_b_stride = c.attn_mask_b_stride;
+    p.attn_mask_h_stride = c.attn_mask_h_stride;
     p.batch = c.batch;
     p.heads = c.heads;
     p.kv_heads = c.kv_heads;
@@ -169,9 +191,9 @@ struct AttentionImpl {
       const std::optional<at::Tensor>& rel_k, const std::optional<at::Tensor>& rel_v,
       int64_t max_distance, bool causal, std::optional<double> scale, int64_t q_offset,
       int64_t k_offset, const std::optional<at::Tensor>& key_padding_mask, double dropout_p,
-      const std::optional<at::Tensor>& dropout_seed) {
+      const std::optional<at::Tensor>& dropout_seed, const std::optional<at::Tensor>& attn_mask) {
     const Checked c = check(q, k, v, rel_k, rel_v, max_distance, scale, key_padding_mask,
-                            /*kv_slabs=*/true);
+                            attn_mask, /*kv_slabs=*/true);
     const DropoutParams drop = dropout(dropout_p, dropout_seed);
     at::Tensor out = at::empty({c.batch, c.heads, c.q_len, c.dim}, c.q.options());
     at::Tensor lse = at::empty({c.batch, c.heads, c.q_len}, c.q.options().dtype(acc_type(c.q)));
@@ -191,8 +213,10 @@ struct AttentionImpl {
                          const at::Tensor& logsumexp, int64_t max_distance, bool causal,
                          std::optional<double> scale, int64_t q_offset, int64_t k_offset,
                          const std::optional<at::Tensor>& key_padding_mask, double dropout_p,
-                         const std::optional<at::Tensor>& dropout_seed) {
-    const Checked c = check(q, k, v, rel_k, rel_v, max_distance, scale, key_padding_mask);
+                         const std::optional<at::Tensor>& dropout_seed,
+                         const std::optional<at::Tensor>& attn_mask) {
+    const Checked c = check(q, k, v, rel_k, rel_v, max_distance, scale, key_padding_mask,
+                            attn_mask);
     const DropoutParams drop = dropout(dropout_p, dropout_seed);
     TORCH_CHECK(grad_out.sizes() == c.q.sizes() && out.sizes() == c.q.sizes(),
                 "grad_out and out must have the shape of q ", c.q.sizes(), "; got ",

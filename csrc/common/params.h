@@ -68,7 +68,8 @@ struct BucketSumParams {
 namespace relpos {
 
 // rel_attention (Shaw et al. 2018 with relative keys and values), per (b, h, i):
-//   s_ij = (q_i . k_j + q_i . rel_k[b(i, j)]) * scale,  masked where causal / key padding
+//   s_ij = (q_i . k_j + q_i . rel_k[b(i, j)]) * scale,  masked where causal / key padding /
+//   attention mask
 //   p_ij = softmax_j(s_ij),  out_i = sum_j p_ij (v_j + rel_v[b(i, j)]),  lse_i = log sum_j e^s_ij
 // k and v may have fewer heads (grouped-query attention): query head h reads kv head
 // h / (heads / kv_heads). Rows with no visible key get out = 0 and lse = +inf (so that the
@@ -87,6 +88,10 @@ struct RelAttentionParams {
   const void* rel_k;              // [2K+1, dim] or [heads, 2K+1, dim]; null: no key term
   const void* rel_v;              // same; null: no value term
   const bool* key_padding_mask;   // [batch, k_len], true = ignore that key; null: none
+  // [batch or 1, heads or 1, q_len, k_len], true = query i of head h ignores key j; null: none.
+  // A broadcast dimension has stride 0: attn_mask_hides below is the one place that reads it.
+  const bool* attn_mask;
+  int64_t attn_mask_b_stride, attn_mask_h_stride;
   void* out;                      // [batch, heads, q_len, dim]
   void* lse;                      // [batch, heads, q_len]: float32, float64 for Float64
   int64_t batch, heads, kv_heads, q_len, k_len, dim, max_distance, q_offset, k_offset;
@@ -110,6 +115,12 @@ struct RelAttentionParams {
 //   drel_k[b] = scale sum_{b(i,j)=b} ds_ij q_i,  drel_v[b] = sum_{b(i,j)=b} p_ij dout_i
 // Work items are (b, kv head) so that dk/dv of a kv head have one writer. The table gradients
 // are written per (b, h) into drel_*_partial (acc type) and summed by the glue in a fixed order.
+RELPOS_HD bool attn_mask_hides(const RelAttentionParams& p, int64_t b, int64_t h, int64_t i,
+                                int64_t j) {
+  return p.attn_mask != nullptr &&
+         p.attn_mask[b * p.attn_mask_b_stride + h * p.attn_mask_h_stride + i * p.k_len + j];
+}
+
 struct RelAttentionBwdParams {
   RelAttentionParams fwd;         // inputs as in the forward (fwd.out and fwd.lse are read)
   const void* grad_out;           // [batch, heads, q_len, dim]

@@ -406,6 +406,7 @@ struct Head {
   const char* rel_k;   // table rows of head h (or the shared table); null when absent
   const char* rel_v;
   const bool* pad;     // key padding row of batch b, or null
+  const bool* amask;   // attention mask of (b, h), [q_len, k_len] rows (broadcast resolved), or null
 };
 
 Head head_of(const RelAttentionParams& p, int64_t b, int64_t h) {
@@ -418,6 +419,7 @@ Head head_of(const RelAttentionParams& p, int64_t b, int64_t h) {
   hd.rel_k = p.rel_k ? static_cast<const char*>(p.rel_k) + (p.rel_k_per_head ? h * rows * p.dim * es : 0) : nullptr;
   hd.rel_v = p.rel_v ? static_cast<const char*>(p.rel_v) + (p.rel_v_per_head ? h * rows * p.dim * es : 0) : nullptr;
   hd.pad = p.key_padding_mask ? p.key_padding_mask + b * p.k_len : nullptr;
+  hd.amask = p.attn_mask ? &p.attn_mask[b * p.attn_mask_b_stride + h * p.attn_mask_h_stride] : nullptr;
   return hd;
 }
 
@@ -457,7 +459,7 @@ RowSplit split_row(const RelAttentionParams& p, int64_t i, int64_t j0, int64_t n
 }
 
 // Mask a row of logits for query i over keys [j0, j0 + nk): keys after the causal limit
-// (k_offset + j > q_offset + i) and padded keys become -inf.
+// (k_offset + j > q_offset + i), padded keys and keys the attention mask hides become -inf.
 void mask_logits(const RelAttentionParams& p, const Head& hd, int64_t i, int64_t j0, int64_t nk,
                  float* sr) {
   int64_t vis = nk;
@@ -466,6 +468,12 @@ void mask_logits(const RelAttentionParams& p, const Head& hd, int64_t i, int64_t
   if (hd.pad != nullptr) {
     for (int64_t j = 0; j < vis; ++j) {
       if (hd.pad[j0 + j]) sr[j] = kNegInf;
+    }
+  }
+  if (hd.amask != nullptr) {
+    const bool* row = hd.amask + i * p.k_len + j0;
+    for (int64_t j = 0; j < vis; ++j) {
+      if (row[j]) sr[j] = kNegInf;
     }
   }
 }
@@ -567,11 +575,12 @@ void softmax_grad_row_dropout(const RowDropout& dr, int64_t j0, float* pr, float
 }
 
 // ---- one-pass rows: the common case of a row whose keys in this tile all share one clamped
-// bucket (far from the diagonal: rel = a constant per row) and no padding mask. Lanes from
-// `vis` (the causal limit) to the 8-aligned end of the row are masked; the s / dp buffers are
-// BK wide, so whole 8-lane chunks stay inside them (lanes past nk are written, never read).
+// bucket (far from the diagonal: rel = a constant per row) and no padding or attention mask.
+// Lanes from `vis` (the causal limit) to the 8-aligned end of the row are masked; the s / dp
+// buffers are BK wide, so whole 8-lane chunks stay inside them (lanes past nk are written, never
+// read).
 inline bool uniform_row(const RowSplit& sp, int64_t j0, int64_t nk, const Head& hd) {
-  return hd.pad == nullptr && (sp.a == j0 + nk || sp.e == j0);
+  return hd.pad == nullptr && hd.amask == nullptr && (sp.a == j0 + nk || sp.e == j0);
 }
 
 inline int64_t visible_keys(const RelAttentionParams& p, int64_t i, int64_t j0, int64_t nk) {
@@ -580,11 +589,15 @@ inline int64_t visible_keys(const RelAttentionParams& p, int64_t i, int64_t j0, 
 
 // The clamped bucket shared by every row of the query tile [i0, i0 + mq) over the key tile
 // [j0, j0 + nk), when each row is a uniform_row on the same side with all nk keys visible, no
-// padding mask and nk a multiple of 8: 1 for bucket 0, 2 for bucket 2K; else 0. A row's inside
-// window and its causal limit only move right as the row grows, so the first and last rows decide.
+// padding or attention mask and nk a multiple of 8: 1 for bucket 0, 2 for bucket 2K; else 0. A
+// row's inside window and its causal limit only move right as the row grows, so the first and
+// last rows decide.
 inline int uniform_tile(const RelAttentionParams& p, const Head& hd, int64_t i0, int64_t mq,
                         int64_t j0, int64_t nk) {
-  if (hd.pad != nullptr || mq <= 0 || nk % 8 != 0 || visible_keys(p, i0, j0, nk) < nk) return 0;
+  if (hd.pad != nullptr || hd.amask != nullptr || mq <= 0 || nk % 8 != 0 ||
+      visible_keys(p, i0, j0, nk) < nk) {
+    return 0;
+  }
   const int64_t K = p.max_distance;
   if (inner_keys(i0, p.k_len, K, p.q_offset, p.k_offset).begin >= j0 + nk) return 1;
   if (inner_keys(i0 + mq - 1, p.k_len, K, p.q_offset, p.k_offset).end <= j0) return 2;

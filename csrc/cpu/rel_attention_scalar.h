@@ -22,9 +22,10 @@
 
 namespace relpos::cpu::scalar {
 
-// Keys visible from query row i: causal positions and the padding mask.
-inline bool key_visible(const RelAttentionParams& p, int64_t b, int64_t i, int64_t j) {
+// Keys visible from query row i of head h: causal positions, the padding and attention masks.
+inline bool key_visible(const RelAttentionParams& p, int64_t b, int64_t h, int64_t i, int64_t j) {
   if (p.causal && p.k_offset + j > p.q_offset + i) return false;
+  if (attn_mask_hides(p, b, h, i, j)) return false;
   return p.key_padding_mask == nullptr || !p.key_padding_mask[b * p.k_len + j];
 }
 
@@ -145,7 +146,7 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
     }
     acc_t m = -std::numeric_limits<acc_t>::infinity();
     for (int64_t j = 0; j < p.k_len; ++j) {
-      if (!key_visible(p, b, i, j)) {
+      if (!key_visible(p, b, h, i, j)) {
         s[j] = -std::numeric_limits<acc_t>::infinity();
         continue;
       }
@@ -268,7 +269,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
           scores_row<T, acc_t>(doi, vt.data(), p.k_len, p.k_len, D, dprow.data());  // dO_i . v_j
           const RowDropout<acc_t> drop(p, b, h, i);
           for (int64_t j = 0; j < p.k_len; ++j) {
-            if (!key_visible(p, b, i, j)) {
+            if (!key_visible(p, b, h, i, j)) {
               pr[j] = dsr[j] = acc_t(0);
               continue;
             }

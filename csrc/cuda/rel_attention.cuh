@@ -71,10 +71,13 @@ RELPOS_DEVICE double exp2_acc(double x) { return exp2(x); }
 RELPOS_DEVICE float log_acc(float x) { return logf(x); }
 RELPOS_DEVICE double log_acc(double x) { return log(x); }
 
-// Key j visible from query row i (both in range): causal positions and the padding mask.
-RELPOS_DEVICE bool attn_visible(const RelAttentionParams& p, int64_t b, int64_t i, int64_t j) {
+// Key j visible from query row i of head h (both in range): causal positions, the padding and
+// attention masks.
+RELPOS_DEVICE bool attn_visible(const RelAttentionParams& p, int64_t b, int64_t h, int64_t i,
+                                int64_t j) {
   if (i >= p.q_len || j >= p.k_len) return false;
   if (p.causal && p.k_offset + j > p.q_offset + i) return false;
+  if (attn_mask_hides(p, b, h, i, j)) return false;
   return p.key_padding_mask == nullptr || !p.key_padding_mask[b * p.k_len + j];
 }
 
@@ -336,7 +339,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
       const int64_t i = i0 + warp * R + rr;
       const KeySpan in = inner_keys(i, p.k_len, K, p.q_offset, p.k_offset);
       A x = -INFINITY;
-      if (attn_visible(p, b, i, j)) {
+      if (attn_visible(p, b, h, i, j)) {
         const A* qe = sQe + (warp * R + rr) * 2;
         const A rel = ek == nullptr ? A(0) : (j < in.begin ? qe[0] : (j >= in.end ? qe[1] : se[rr]));
         x = (s[rr] + rel) * scale2;
@@ -566,7 +569,7 @@ __device__ void bwd_dq_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws,
       const int64_t i = i0 + warp * R + rr;
       const KeySpan in = inner_keys(i, p.k_len, K, p.q_offset, p.k_offset);
       const A* row = sRow + (warp * R + rr) * (1 + kRowTerms);
-      const ProbGrad<A> g = prob_grad(attn_visible(p, b, i, j), ek != nullptr, ev != nullptr, j,
+      const ProbGrad<A> g = prob_grad(attn_visible(p, b, h, i, j), ek != nullptr, ev != nullptr, j,
                                       in.begin, in.end, s[rr], se[rr], dp[rr], dpe[rr], row + 1,
                                       row[0], scale2, p.dropout.on,
                                       attn_dropout<A>(p, attn_dropout_key(p, bh, i), j));
@@ -777,7 +780,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
       RELPOS_UNROLL
       for (int rr = 0; rr < R; ++rr) {
         const int64_t j = j0 + warp * R + rr;
-        const ProbGrad<A> pg = prob_grad(attn_visible(p, b, i, j), ek != nullptr, ev != nullptr, j,
+        const ProbGrad<A> pg = prob_grad(attn_visible(p, b, h, i, j), ek != nullptr, ev != nullptr, j,
                                          in.begin, in.end, s[rr], se[rr], dp[rr], dpe[rr], row,
                                          lse2, scale2, p.dropout.on,
                                          attn_dropout<A>(p, drop_key, j));

@@ -255,11 +255,12 @@ class RelativeMultiheadAttention(nn.Module):
         k_offset: int,
         dropout_p: float = 0.0,
         dropout_seed: Tensor | None = None,
+        attn_mask: Tensor | None = None,
     ) -> Tensor:
         """The attention core on ``[B, H, L, D]`` heads (overridden by the reference module)."""
         return ops.rel_attention(
             q, k, v, self.rel_k, self.rel_v, self.max_distance, causal, None, q_offset, k_offset,
-            key_padding_mask, dropout_p=dropout_p, dropout_seed=dropout_seed,
+            key_padding_mask, dropout_p=dropout_p, dropout_seed=dropout_seed, attn_mask=attn_mask,
         )
 
     def forward(
@@ -269,15 +270,19 @@ class RelativeMultiheadAttention(nn.Module):
         value: Tensor | None = None,
         key_padding_mask: Tensor | None = None,
         need_weights: bool = False,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
         is_causal: bool = False,
         q_offset: int = 0,
         k_offset: int = 0,
         cache: KVCache | None = None,
-        average_attn_weights: bool = True,
     ) -> tuple[Tensor, Tensor | None]:
         """query ``[B, Lq, E]``, key/value ``[B, Lk, E]`` (default: query) -> ``([B, Lq, E], weights)``.
 
         key_padding_mask: ``[B, Lk]`` bool, True = ignore (as nn.MultiheadAttention).
+        attn_mask: bool ``[Lq, Lk]`` or ``[B * H, Lq, Lk]`` (nn.MultiheadAttention's shapes;
+        ``[B, H, Lq, Lk]`` too), True = query i ignores key j; float (additive) masks are not
+        supported. Read by the fused kernel, combined with ``is_causal`` and the padding.
         is_causal: key j visible to query i iff ``k_offset + j <= q_offset + i``.
         need_weights: also return the attention weights, as nn.MultiheadAttention does (after
         dropout): ``[B, Lq, Lk]`` averaged over heads, or ``[B, H, Lq, Lk]`` with
@@ -309,13 +314,24 @@ class RelativeMultiheadAttention(nn.Module):
         if cache is not None:
             q_offset = cache.length  # the new rows follow the cached positions
             k, v = cache.append(k, v)
+        if attn_mask is not None:
+            if attn_mask.dtype != torch.bool:
+                raise ValueError(f"attn_mask must be bool (True = ignore), got {attn_mask.dtype}: "
+                                 "additive float masks are not supported")
+            if attn_mask.dim() == 3:  # nn.MultiheadAttention's [B * H, Lq, Lk]
+                if attn_mask.shape[0] != q.shape[0] * self.num_heads:
+                    raise ValueError(f"a 3-D attn_mask must be [B * H, Lq, Lk] = "
+                                     f"[{q.shape[0] * self.num_heads}, ...]; got "
+                                     f"{tuple(attn_mask.shape)}")
+                attn_mask = attn_mask.view(q.shape[0], self.num_heads, *attn_mask.shape[1:])
         dropout_p = self.dropout if self.training else 0.0
         seed = ops._draw_dropout_seed() if dropout_p > 0 else None
-        z = self.attend(q, k, v, key_padding_mask, is_causal, q_offset, k_offset, dropout_p, seed)
+        z = self.attend(q, k, v, key_padding_mask, is_causal, q_offset, k_offset, dropout_p, seed,
+                        attn_mask)
         weights = None
         if need_weights:
             weights = self.attention_weights(q, k, key_padding_mask, is_causal, q_offset, k_offset,
-                                             dropout_p, seed)
+                                             dropout_p, seed, attn_mask)
             if average_attn_weights:
                 weights = weights.mean(dim=1)
         batch, q_len = query.shape[0], query.shape[1]
@@ -331,6 +347,7 @@ class RelativeMultiheadAttention(nn.Module):
         k_offset: int,
         dropout_p: float = 0.0,
         dropout_seed: Tensor | None = None,
+        attn_mask: Tensor | None = None,
     ) -> Tensor:
         """The probabilities ``[B, H, Lq, Lk]`` the attention core applies to ``q`` ``[B, H, Lq, D]``
         and ``k`` ``[B, Hkv, Lk, D]`` (dropout mask and ``1 / (1 - p)`` included), in eager
@@ -345,7 +362,7 @@ class RelativeMultiheadAttention(nn.Module):
             logits = logits + ops.rel_logits(q.contiguous(), self.rel_k, self.max_distance, k_len,
                                              q_offset, k_offset)
         visible = reference.visible_keys(q.shape[0], q_len, k_len, causal, q_offset, k_offset,
-                                         key_padding_mask, q.device)
+                                         key_padding_mask, q.device, attn_mask)
         logits = (logits * self.head_dim**-0.5).masked_fill(~visible, float("-inf"))
         weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # no visible key: NaN -> 0
         if dropout_p > 0:

@@ -285,6 +285,7 @@ def rel_attention(
     return_lse: bool = False,
     dropout_p: float = 0.0,
     dropout_seed: Tensor | None = None,
+    attn_mask: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Fused Shaw et al. (2018) attention with relative key and value embeddings, O(L) memory.
 
@@ -317,6 +318,10 @@ def rel_attention(
             by the backward, never stored. Pass 0 at inference.
         dropout_seed: a CPU int64 tensor of one element choosing the mask; by default one is
             drawn from torch's default generator (so ``torch.manual_seed`` makes it repeatable).
+        attn_mask: bool ``[Lq, Lk]`` or ``[B or 1, H or 1, Lq, Lk]``, True = query i ignores
+            key j (nn.MultiheadAttention's convention, the opposite of SDPA's bool mask), on top
+            of ``causal`` and ``key_padding_mask``; read tile by tile, never copied beyond
+            ``contiguous()``. Any pattern: prefix-LM, packed documents, local windows.
 
     Returns:
         ``out [B, H, Lq, D]`` (rows with no visible key are 0), or ``(out, lse)``.
@@ -325,7 +330,7 @@ def rel_attention(
         dropout_seed = _draw_dropout_seed()
     out, lse = torch.ops.relpos.rel_attention.default(
         q, k, v, rel_k, rel_v, max_distance, causal, scale, q_offset, k_offset, key_padding_mask,
-        dropout_p, dropout_seed,
+        dropout_p, dropout_seed, attn_mask,
     )
     return (out, lse) if return_lse else out
 
@@ -353,12 +358,13 @@ def rel_attention_backward(
     key_padding_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     dropout_seed: Tensor | None = None,
+    attn_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """Gradients ``(dq, dk, dv, drel_k, drel_v)`` of :func:`rel_attention` (None for absent tables);
-    ``dropout_p`` / ``dropout_seed`` must be those of the forward."""
+    the masks and ``dropout_p`` / ``dropout_seed`` must be those of the forward."""
     dq, dk, dv, drk, drv = torch.ops.relpos.rel_attention_backward.default(
         grad_out, q, k, v, rel_k, rel_v, out, lse, max_distance, causal, scale, q_offset,
-        k_offset, key_padding_mask, dropout_p, dropout_seed,
+        k_offset, key_padding_mask, dropout_p, dropout_seed, attn_mask,
     )
     return dq, dk, dv, (drk if rel_k is not None else None), (drv if rel_v is not None else None)
 
@@ -370,7 +376,7 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 @torch.library.register_fake("relpos::rel_attention")
 def _rel_attention_fake(q, k, v, rel_k, rel_v, max_distance, causal=False, scale=None,
                         q_offset=0, k_offset=0, key_padding_mask=None, dropout_p=0.0,
-                        dropout_seed=None):
+                        dropout_seed=None, attn_mask=None):
     torch._check(q.dim() == 4 and k.dim() == 4, lambda: "q and k must be 4-D")
     torch._check(v.shape == k.shape, lambda: "v must have the shape of k")
     torch._check(k.dtype == q.dtype and v.dtype == q.dtype, lambda: "k/v dtype must match q")
@@ -386,7 +392,7 @@ def _rel_attention_fake(q, k, v, rel_k, rel_v, max_distance, causal=False, scale
 @torch.library.register_fake("relpos::rel_attention_backward")
 def _rel_attention_backward_fake(grad_out, q, k, v, rel_k, rel_v, out, lse, max_distance,
                                  causal, scale, q_offset, k_offset, key_padding_mask,
-                                 dropout_p=0.0, dropout_seed=None):
+                                 dropout_p=0.0, dropout_seed=None, attn_mask=None):
     def like(t):
         return torch.empty_like(t, memory_format=torch.contiguous_format)
 
@@ -398,21 +404,21 @@ def _rel_attention_backward_fake(grad_out, q, k, v, rel_k, rel_v, out, lse, max_
 
 def _rel_attention_setup(ctx, inputs, output) -> None:
     (q, k, v, rel_k, rel_v, ctx.max_distance, ctx.causal, ctx.scale, ctx.q_offset, ctx.k_offset,
-     mask, ctx.dropout_p, seed) = inputs
+     mask, ctx.dropout_p, seed, attn_mask) = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, rel_k, rel_v, out, lse, mask, seed)
+    ctx.save_for_backward(q, k, v, rel_k, rel_v, out, lse, mask, seed, attn_mask)
 
 
 def _rel_attention_bwd(ctx, grad_out: Tensor, _grad_lse: Tensor | None):
-    # saved_tensors gives back None for the absent tables / mask / seed
-    q, k, v, rel_k, rel_v, out, lse, mask, seed = ctx.saved_tensors
+    # saved_tensors gives back None for the absent tables / masks / seed
+    q, k, v, rel_k, rel_v, out, lse, mask, seed, attn_mask = ctx.saved_tensors
     dq, dk, dv, drk, drv = torch.ops.relpos.rel_attention_backward.default(
         grad_out.contiguous(), q, k, v, rel_k, rel_v, out, lse, ctx.max_distance, ctx.causal,
-        ctx.scale, ctx.q_offset, ctx.k_offset, mask, ctx.dropout_p, seed,
+        ctx.scale, ctx.q_offset, ctx.k_offset, mask, ctx.dropout_p, seed, attn_mask,
     )
     return (dq, dk, dv, drk if rel_k is not None else None, drv if rel_v is not None else None,
-            None, None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None, None)
 
 
 torch.library.register_autograd(

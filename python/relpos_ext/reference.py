@@ -190,9 +190,11 @@ def visible_keys(
     k_offset: int = 0,
     key_padding_mask: Tensor | None = None,
     device: torch.device | str | None = None,
+    attn_mask: Tensor | None = None,
 ) -> Tensor:
-    """``[B, 1, Lq, Lk]`` bool: key j visible to query i (causal: ``k_offset + j <= q_offset + i``;
-    key_padding_mask ``[B, Lk]``, True = ignore)."""
+    """``[B, 1 or H, Lq, Lk]`` bool: key j visible to query i (causal: ``k_offset + j <= q_offset
+    + i``; key_padding_mask ``[B, Lk]`` and attn_mask ``[Lq, Lk]`` or ``[B or 1, H or 1, Lq,
+    Lk]``, True = ignore)."""
     visible = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
     if causal:
         pos_q = torch.arange(q_len, device=device) + q_offset
@@ -201,6 +203,8 @@ def visible_keys(
     visible = visible.expand(batch, 1, q_len, k_len)
     if key_padding_mask is not None:
         visible = visible & ~key_padding_mask[:, None, None, :]
+    if attn_mask is not None:
+        visible = visible & ~attn_mask
     return visible
 
 
@@ -219,12 +223,14 @@ def shaw_attention(
     return_lse: bool = False,
     dropout_p: float = 0.0,
     dropout_seed: int | Tensor | None = None,
+    attn_mask: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Shaw et al. 2018 attention with relative keys and values, fully materialised.
 
     ``e = (q k^T + q . EK[b]) * scale``, ``p = softmax(e)``, ``z = p v + sum_j p_ij EV[b(i, j)]``.
     q: ``[B, H, Lq, D]``; k, v: ``[B, Hkv, Lk, D]`` (Hkv divides H: grouped-query attention);
-    tables ``[2K+1, D]`` or ``[H, 2K+1, D]``; key_padding_mask ``[B, Lk]`` bool, True = ignore.
+    tables ``[2K+1, D]`` or ``[H, 2K+1, D]``; key_padding_mask ``[B, Lk]`` and attn_mask
+    ``[Lq, Lk]`` or ``[B or 1, H or 1, Lq, Lk]``, bool, True = ignore.
     Causal masking keeps key j for query i iff ``k_offset + j <= q_offset + i``. Rows with no
     visible key give zeros (and ``lse = +inf``). With return_lse, also returns the
     log-sum-exp of the scaled logits, ``[B, H, Lq]``. With ``dropout_p > 0`` the probabilities
@@ -241,7 +247,7 @@ def shaw_attention(
         logits = logits + rel_logits(q, rel_k, max_distance, k_len, q_offset, k_offset)
     logits = logits * scale
     visible = visible_keys(q.shape[0], q_len, k_len, causal, q_offset, k_offset,
-                           key_padding_mask, q.device)
+                           key_padding_mask, q.device, attn_mask)
     logits = logits.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)
     any_visible = visible.any(-1, keepdim=True)
@@ -320,8 +326,8 @@ class RelativeMultiheadAttentionReference(_reference_module_base()):
     """
 
     def attend(self, q, k, v, key_padding_mask, causal, q_offset, k_offset, dropout_p=0.0,
-               dropout_seed=None):
+               dropout_seed=None, attn_mask=None):
         return shaw_attention(
             q, k, v, self.rel_k, self.rel_v, self.max_distance, causal, None, q_offset, k_offset,
-            key_padding_mask, dropout_p=dropout_p, dropout_seed=dropout_seed,
+            key_padding_mask, dropout_p=dropout_p, dropout_seed=dropout_seed, attn_mask=attn_mask,
         )
