@@ -291,8 +291,11 @@ def test_rel_attention_dropout_mask_is_the_reference_mask(backend, p):
 def random_attn_mask(case, form: str, seed: int) -> torch.Tensor:
     """A random bool attention mask for `case` (True = ignore, a third of the keys) in one of the
     accepted shapes: "2d" [Lq, Lk], "b1" [B, 1, Lq, Lk], "1h" [1, H, Lq, Lk], "bh" [B, H, Lq, Lk];
-    the first query row of every head and batch entry is hidden from all keys."""
+    the first query row of every head and batch entry is hidden from all keys. "docs": [Lq, Lk]
+    block diagonal (three packed documents), where the kernels skip the tiles it hides whole."""
     b, h, lq, lk = case[0], case[1], case[3], case[4]
+    if form == "docs":  # packed documents: three blocks on the diagonal, whole tiles hidden
+        return (torch.arange(lq)[:, None] * 3 // max(lq, 1)) != (torch.arange(lk)[None, :] * 3 // max(lk, 1))
     shape = {"2d": (lq, lk), "b1": (b, 1, lq, lk), "1h": (1, h, lq, lk), "bh": (b, h, lq, lk)}[form]
     mask = torch.rand(shape, generator=torch.Generator().manual_seed(seed)) < 1 / 3
     if lq > 0:
@@ -302,11 +305,11 @@ def random_attn_mask(case, form: str, seed: int) -> torch.Tensor:
 
 ATTN_MASK_CASES = ["basic", "gqa", "fully_masked_rows", "tiles_causal_padding", "tiles_two_sided",
                    "unclipped_offsets_gqa", "odd_D_offsets", "decode_one_row_D45",
-                   "decode_split_keys", "L1", "no_keys"]
+                   "decode_split_keys", "bwd_key_runs", "L1", "no_keys"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("form", ["2d", "b1", "1h", "bh"])
+@pytest.mark.parametrize("form", ["2d", "b1", "1h", "bh", "docs"])
 @pytest.mark.parametrize("name", ATTN_MASK_CASES)
 def test_rel_attention_attn_mask(backend, dtype, form, name):
     """A random attention mask in each accepted shape, on top of the case's causal limit and
@@ -324,7 +327,7 @@ def test_rel_attention_attn_mask_random_cases(backend, seed):
     _attention_backend(backend)
     r = random.Random(2000 + seed)
     case = random_case(200 + seed)
-    extra = dict(attn_mask=random_attn_mask(case, r.choice(["2d", "b1", "1h", "bh"]), seed))
+    extra = dict(attn_mask=random_attn_mask(case, r.choice(["2d", "b1", "1h", "bh", "docs"]), seed))
     if seed % 2:
         extra.update(dropout_p=0.2, dropout_seed=seed)
     dtype = torch.bfloat16 if seed % 3 == 2 else torch.float32

@@ -478,6 +478,20 @@ void mask_logits(const RelAttentionParams& p, const Head& hd, int64_t i, int64_t
   }
 }
 
+// Whether the attention mask hides every key of the tile [j0, j0 + nk) from every query row of
+// [i0, i0 + mq): such a tile adds nothing (all its probabilities are 0) and is skipped, so that
+// a block-sparse mask (packed documents, local windows) costs only the tiles it leaves visible.
+bool tile_hidden(const RelAttentionParams& p, const Head& hd, int64_t i0, int64_t mq, int64_t j0,
+                 int64_t nk) {
+  if (hd.amask == nullptr) return false;
+  for (int64_t r = 0; r < mq; ++r) {
+    if (std::memchr(hd.amask + (i0 + r) * p.k_len + j0, 0, static_cast<size_t>(nk)) != nullptr) {
+      return false;  // a visible key (bool false is the byte 0)
+    }
+  }
+  return true;
+}
+
 float max_row(const float* x, int64_t n) {
   __m256 mx = _mm256_set1_ps(kNegInf);
   int64_t i = 0;
@@ -962,6 +976,7 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
     }
     for (int64_t t = kb / BK; t < kt_end; ++t) {
       const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0);
+      if (tile_hidden(p, hd, i0, mq, j0, nk)) continue;  // as if every logit were -inf
       // Decoding several rows of a float16/bfloat16 cache: this tile's keys as float once,
       // rather than converted again for every row
       const float* k_tile = nullptr;
@@ -1342,6 +1357,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
           float* dq = dq_h + i0 * D;
           for (int64_t t = r0; t < t_end; ++t) {
             const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0), tl = t - r0;
+            if (tile_hidden(p, hd, i0, mq, j0, nk)) continue;  // P = dS = 0 on the whole tile
             gemm0(mq, nk, D, qs, D, kt_run + tl * D * BK, BK, s, BK);    // S = Q K^T (base 2)
             gemm0(mq, nk, D, dop, D, vt_run + tl * D * BK, BK, dp, BK);  // dP = dO V^T
             // every row of the tile on one clamped side: 8 rows at a time, as in the forward
