@@ -982,12 +982,15 @@ def test_rel_attention_bad_input(desc, fn, pattern):
         fn()
 
 
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("per_head", [False, True])
-def test_efficient_eager_reference_agrees(causal, per_head):
-    """reference.shaw_attention_gather (the benchmarks' eager baseline) equals the oracle."""
+def test_efficient_eager_reference_agrees(causal, per_head, masked):
+    """reference.shaw_attention_gather (the benchmarks' eager baseline) equals the oracle, with
+    an attention mask too (three packed documents)."""
     q, k, v = (torch.randn(2, 3, 9, 8, dtype=torch.float64) for _ in range(3))
     shape = ((3,) if per_head else ()) + (5, 8)
     rk, rv = torch.randn(shape, dtype=torch.float64), torch.randn(shape, dtype=torch.float64)
-    got = ref.shaw_attention_gather(q, k, v, rk, rv, 2, causal)
-    torch.testing.assert_close(got, ref.shaw_attention(q, k, v, rk, rv, 2, causal))
+    mask = random_attn_mask((2, 3, 3, 9, 9), "docs", 0) if masked else None
+    got = ref.shaw_attention_gather(q, k, v, rk, rv, 2, causal, attn_mask=mask)
+    torch.testing.assert_close(got, ref.shaw_attention(q, k, v, rk, rv, 2, causal, attn_mask=mask))

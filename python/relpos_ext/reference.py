@@ -276,6 +276,7 @@ def shaw_attention_gather(
     max_distance: int,
     causal: bool = False,
     dropout_p: float = 0.0,
+    attn_mask: Tensor | None = None,
 ) -> Tensor:
     """Shaw et al. (2018) attention in lean eager PyTorch: ``[L, L]`` tensors, never ``[L, L, D]``.
 
@@ -288,7 +289,8 @@ def shaw_attention_gather(
     row i in bucket b, summed with ``scatter_add`` (DESIGN.md §1). The softmax still holds the
     ``[B, H, L, L]`` logits and probabilities, plus the ``[L, L]`` int64 bucket index. With
     ``dropout_p > 0``, ``F.dropout`` on the probabilities (torch's own mask, not
-    :func:`dropout_keep`'s): the eager baseline of ``benchmarks/bench_dropout.py``.
+    :func:`dropout_keep`'s), and a bool ``attn_mask`` (True = ignore; every row must keep a
+    key): the eager baseline of ``benchmarks/bench_training.py``.
     """
     length = q.shape[2]
     q = q * q.shape[-1] ** -0.5  # scale q, not the [L, L] logits: one [L, L] temporary fewer
@@ -301,6 +303,8 @@ def shaw_attention_gather(
     if causal:
         after = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
         logits = logits.masked_fill(after, float("-inf"))
+    if attn_mask is not None:
+        logits = logits.masked_fill(attn_mask, float("-inf"))
     p = torch.softmax(logits, dim=-1)
     if dropout_p > 0:
         p = torch.nn.functional.dropout(p, dropout_p, training=True)

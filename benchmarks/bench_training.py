@@ -1,25 +1,31 @@
 #!/usr/bin/env python
-"""Benchmark ``relpos_ext.rel_attention`` with attention dropout, forward+backward (training).
+"""Benchmark ``relpos_ext.rel_attention`` in training: attention dropout and attention masks.
 
 For ``q, k, v [B=1, H=8, L, D=64]`` and shared tables ``rel_k, rel_v [2K+1, D]`` (the shapes of
 ``bench_attention.py``), the time of one forward+backward (gradients w.r.t. ``q, k, v`` and, where
-there are tables, ``rel_k, rel_v``) of:
+there are tables, ``rel_k, rel_v``) with dropout ``p`` (``--dropout``, default 0.1) on the
+probabilities and, with ``--docs N``, a block-diagonal attention mask of N packed documents of
+``L / N`` positions (True = ignore), of:
 
-* ``ours p=0`` -- ``relpos_ext.rel_attention`` without dropout (what dropout costs on top);
-* ``ours`` -- ``relpos_ext.rel_attention(..., dropout_p=p)``: the mask hashed in the kernels,
-  recomputed by the backward, never stored;
-* ``eager`` -- ``reference.shaw_attention_gather(..., dropout_p=p)``: bench_attention's (3) with
-  ``F.dropout`` on the ``[B, H, L, L]`` probabilities;
+* ``ours p=0`` -- ``relpos_ext.rel_attention`` with the mask and without dropout (what dropout
+  costs on top);
+* ``ours`` -- ``relpos_ext.rel_attention(..., dropout_p=p, attn_mask=mask)``: the dropout mask
+  hashed in the kernels and recomputed by the backward, never stored; key tiles the attention
+  mask hides whole are skipped;
+* ``eager`` -- ``reference.shaw_attention_gather(..., dropout_p=p, attn_mask=mask)``:
+  bench_attention's (3) with ``F.dropout`` on the ``[B, H, L, L]`` probabilities;
 * ``compiled`` -- ``torch.compile(fullgraph=True)`` of that, compile time excluded;
-* ``sdpa`` -- ``F.scaled_dot_product_attention(q, k, v, dropout_p=p)``, no relative terms.
+* ``sdpa`` -- ``F.scaled_dot_product_attention(q, k, v, attn_mask=~mask, dropout_p=p)``, no
+  relative terms.
 
 Each measurement runs in a forked child (``_common.measure_call``); then ``--rounds`` interleaved
 pairs of ``ours`` and ``eager`` at each L give the speed-up as a median of ratios.
 
 Usage::
 
-    PYTHONPATH=build/dev-bench/stage python benchmarks/bench_dropout.py        # ~3 min
-    python benchmarks/bench_dropout.py -L 1024 --dropout 0.3 --out /tmp/d.json
+    PYTHONPATH=build/dev-bench/stage python benchmarks/bench_training.py            # ~3 min
+    python benchmarks/bench_training.py --dropout 0 --docs 4   # -> bench_training_docs4.json
+    python benchmarks/bench_training.py -L 1024 --dropout 0.3 --out /tmp/d.json
 """
 
 from __future__ import annotations
@@ -47,24 +53,39 @@ METHODS = ("ours p=0", "ours", "eager", "compiled", "sdpa")
 TABLES = ("ours p=0", "ours", "eager", "compiled")  # gradients w.r.t. rel_k and rel_v too
 
 
-def method_fn(method: str, k: int, p: float) -> Callable[..., Tensor]:
-    """``f(q, k, v, rel_k, rel_v) -> [B, H, L, D]`` for ``method`` with dropout ``p``."""
+def doc_mask(length: int, docs: int) -> Tensor | None:
+    """``[L, L]`` bool, True = ignore: `docs` packed documents of ``L / docs`` positions (None for
+    docs = 0)."""
+    if docs == 0:
+        return None
+    doc = torch.arange(length) * docs // length
+    return doc[:, None] != doc[None, :]
+
+
+def method_fn(method: str, k: int, p: float, mask: Tensor | None) -> Callable[..., Tensor]:
+    """``f(q, k, v, rel_k, rel_v) -> [B, H, L, D]`` for ``method`` with dropout ``p`` and the
+    attention mask (True = ignore)."""
     if method == "ours p=0":
-        return lambda q, k_, v, rk, rv: relpos_ext.rel_attention(q, k_, v, rk, rv, k)
+        return lambda q, k_, v, rk, rv: relpos_ext.rel_attention(q, k_, v, rk, rv, k,
+                                                                 attn_mask=mask)
     if method == "ours":
-        return lambda q, k_, v, rk, rv: relpos_ext.rel_attention(q, k_, v, rk, rv, k, dropout_p=p)
+        return lambda q, k_, v, rk, rv: relpos_ext.rel_attention(q, k_, v, rk, rv, k, dropout_p=p,
+                                                                 attn_mask=mask)
     if method == "eager":
-        return lambda q, k_, v, rk, rv: shaw_attention_gather(q, k_, v, rk, rv, k, dropout_p=p)
+        return lambda q, k_, v, rk, rv: shaw_attention_gather(q, k_, v, rk, rv, k, dropout_p=p,
+                                                              attn_mask=mask)
     if method == "compiled":
         compiled = torch.compile(shaw_attention_gather, fullgraph=True)
-        return lambda q, k_, v, rk, rv: compiled(q, k_, v, rk, rv, k, dropout_p=p)
+        return lambda q, k_, v, rk, rv: compiled(q, k_, v, rk, rv, k, dropout_p=p, attn_mask=mask)
     if method == "sdpa":
-        return lambda q, k_, v, rk, rv: F.scaled_dot_product_attention(q, k_, v, dropout_p=p)
+        keep = None if mask is None else ~mask  # SDPA's bool mask: True = take part
+        return lambda q, k_, v, rk, rv: F.scaled_dot_product_attention(q, k_, v, attn_mask=keep,
+                                                                       dropout_p=p)
     raise ValueError(f"unknown method {method!r}")
 
 
-def _runner(method: str, length: int, k: int, p: float) -> Callable[[], object]:
-    fn = method_fn(method, k, p)
+def _runner(method: str, length: int, k: int, p: float, docs: int) -> Callable[[], object]:
+    fn = method_fn(method, k, p, doc_mask(length, docs))
     inputs, go = _make_inputs(length, k, grad=True)
     wrt = inputs if method in TABLES else inputs[:3]
     return lambda: torch.autograd.grad(fn(*inputs), wrt, go)
@@ -73,7 +94,7 @@ def _runner(method: str, length: int, k: int, p: float) -> Callable[[], object]:
 def measure(method: str, length: int, k: int, p: float, args: argparse.Namespace) -> dict:
     """Runs in a forked child: the warm-up (compiling, for `compiled`), then time and memory."""
     _child_setup(args.threads, compiles=method == "compiled")
-    run = _runner(method, length, k, p)
+    run = _runner(method, length, k, p, args.docs)
     run()
     return measure_call(run, args, trim=True)
 
@@ -81,7 +102,7 @@ def measure(method: str, length: int, k: int, p: float, args: argparse.Namespace
 def paired_rounds(length: int, k: int, p: float, args: argparse.Namespace) -> dict:
     """Runs in a forked child: `args.rounds` interleaved timings of ours and eager; the ratios."""
     _child_setup(args.threads, compiles=False)
-    runs = {m: _runner(m, length, k, p) for m in ("ours", "eager")}
+    runs = {m: _runner(m, length, k, p, args.docs) for m in ("ours", "eager")}
     for run in runs.values():
         run()
     ratios = []
@@ -101,18 +122,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lengths", "-L", type=int, nargs="+", default=[512, 1024, 2048])
     p.add_argument("--max-distance", "-K", type=int, default=64, help="K (default 64)")
     p.add_argument("--dropout", type=float, default=0.1, help="dropout_p (default 0.1)")
+    p.add_argument("--docs", type=int, default=0,
+                   help="attention mask of this many packed documents (default 0: no mask)")
     p.add_argument("--rounds", type=int, default=5,
                    help="interleaved ours/eager pairs per L for the median ratio (default 5)")
-    add_common_args(p, RESULTS / "bench_dropout.json", rep_budget_s=10.0)
-    return p.parse_args(argv)
+    add_common_args(p, RESULTS / "bench_training.json", rep_budget_s=10.0)
+    args = p.parse_args(argv)
+    if args.out == RESULTS / "bench_training.json":  # bench_training_<what>.json
+        what = ([f"dropout{args.dropout:g}"] if args.dropout else []) + (
+            [f"docs{args.docs}"] if args.docs else [])
+        args.out = RESULTS / f"bench_training_{'_'.join(what) or 'plain'}.json"
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    check_platform("bench_dropout.py")
+    check_platform("bench_training.py")
     info, mach = print_environment(args.threads)
     k, p = args.max_distance, args.dropout
-    print(f"shape: B={BATCH} H={HEADS} D={DIM} Lq=Lk=L, K={k}, float32, dropout_p={p}; "
+    print(f"shape: B={BATCH} H={HEADS} D={DIM} Lq=Lk=L, K={k}, float32, dropout_p={p}, "
+          f"attention mask: {f'{args.docs} packed documents' if args.docs else 'none'}; "
           "forward+backward")
     rows = []
     print(f"{'L':>5}  " + "".join(f"{m:>12}" for m in METHODS) + "   eager/ours (pairs)")
@@ -133,10 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{length:>5}  {cells}   {ratio:.2f}" if ratio else f"{length:>5}  {cells}", flush=True)
         rows.append(row)
     write_json({
-        "benchmark": "bench_dropout", "timestamp": timestamp(), "torch_version": torch.__version__,
+        "benchmark": "bench_training", "timestamp": timestamp(), "torch_version": torch.__version__,
         "build_info": info, "machine": mach,
         "config": {"batch": BATCH, "heads": HEADS, "dim": DIM, "dtype": "float32",
-                   "max_distance": k, "dropout_p": p, "lengths": args.lengths,
+                   "max_distance": k, "dropout_p": p, "docs": args.docs, "lengths": args.lengths,
                    "rounds": args.rounds, "threads": args.threads},
         "methods": list(METHODS), "rows": rows,
     }, args.out)
