@@ -71,6 +71,9 @@ CASES = {
     # summed over the two query heads of its kv head: the first query tile sees none of the
     # last run, the second one's inside buckets straddle runs 1 and 2
     "bwd_key_runs": (2, 8, 4, 70, 1100, 64, 5, 960, 0, False, True, False, True, True),
+    # most key tiles wholly on one clamped side of every row of a query tile: the AVX2 kernels'
+    # one-pass uniform tiles, 8 rows at a time (also under dropout)
+    "tiles_uniform": (1, 2, 1, 130, 300, 16, 3, 0, 0, False, False, False, True, True),
     "all_keys_padded": (2, 2, 2, 5, 6, 16, 2, 0, 0, False, False, "all", True, True),
     "no_keys": (1, 2, 2, 3, 0, 16, 2, 0, 0, False, False, False, True, True),
     "no_queries": (1, 2, 2, 0, 5, 16, 2, 0, 0, False, True, False, True, True),
@@ -241,7 +244,8 @@ def test_rel_attention_random_long_cases(backend, seed):
 # rows, decoding rows and the AVX2 split of a long cache, the AVX2 backward's key runs
 DROPOUT_CASES = ["basic", "gqa", "fully_masked_rows", "tiles_causal_padding", "tiles_two_sided",
                  "tiles_unclipped", "unclipped_offsets_gqa", "D200_gqa4", "odd_D_offsets",
-                 "decode_one_row_D45", "decode_split_keys", "bwd_key_runs", "only_rel_v",
+                 "decode_one_row_D45", "decode_split_keys", "bwd_key_runs", "tiles_uniform",
+                 "only_rel_v",
                  "no_rel", "L1", "no_keys"]
 
 

@@ -690,23 +690,33 @@ inline bool unmasked(int64_t nk, int64_t vis) { return vis >= nk && nk % 8 == 0;
 // row that went over kStaleMax: those rows' sums are not added and their logits are overwritten.
 // The exponentials are those of exp_sum_row_stale; what goes is the per-row split, tests and
 // reduction (L = 2048, H = 8, D = 64, K = 64, one core: forward 100.9 -> 98.2 ms).
+// Under dropout (drop: the 8 rows' RowDropout, keys from j0) the rows keep the dropped
+// probabilities and w takes their sums, while l takes the sums without dropout.
+template <bool kDrop = false>
 inline int exp_sum_rows8_stale(float* s, int64_t nk, const float* c, const float* m, float* l,
-                               float* w) {
+                               float* w, const RowDropout* drop = nullptr, int64_t j0 = 0) {
   const __m256 lim = _mm256_set1_ps(kStaleMax);
-  __m256 acc[8];
+  __m256 acc[8], dacc[8];
   int over = 0;
   for (int u = 0; u < 8; ++u) {
     float* sr = s + u * BK;
     const __m256 vc = _mm256_set1_ps((c != nullptr ? c[u] : 0.f) - m[u]);
-    __m256 a = _mm256_setzero_ps(), ov = _mm256_setzero_ps();
+    __m256 a = _mm256_setzero_ps(), ad = _mm256_setzero_ps(), ov = _mm256_setzero_ps();
     for (int64_t j = 0; j < nk; j += 8) {
       const __m256 x = _mm256_add_ps(_mm256_loadu_ps(sr + j), vc);
       ov = _mm256_or_ps(ov, _mm256_cmp_ps(x, lim, _CMP_GT_OQ));
       const __m256 e = exp2_256(x);
-      _mm256_storeu_ps(sr + j, e);
       a = _mm256_add_ps(a, e);
+      if constexpr (kDrop) {
+        const __m256 ed = _mm256_mul_ps(e, drop[u].factors(j0 + j));
+        _mm256_storeu_ps(sr + j, ed);
+        ad = _mm256_add_ps(ad, ed);
+      } else {
+        _mm256_storeu_ps(sr + j, e);
+      }
     }
     acc[u] = a;
+    dacc[u] = ad;
     over |= (_mm256_movemask_ps(ov) != 0) << u;
   }
   // lanes of the rows that went over: 0
@@ -714,7 +724,10 @@ inline int exp_sum_rows8_stale(float* s, int64_t nk, const float* c, const float
   const __m256i bad = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(over), bit), bit);
   const __m256 sums = _mm256_andnot_ps(_mm256_castsi256_ps(bad), hsum8(acc));
   _mm256_storeu_ps(l, _mm256_add_ps(_mm256_loadu_ps(l), sums));
-  if (w != nullptr) _mm256_storeu_ps(w, _mm256_add_ps(_mm256_loadu_ps(w), sums));
+  if (w != nullptr) {
+    const __m256 ws = kDrop ? _mm256_andnot_ps(_mm256_castsi256_ps(bad), hsum8(dacc)) : sums;
+    _mm256_storeu_ps(w, _mm256_add_ps(_mm256_loadu_ps(w), ws));
+  }
   return over;
 }
 
@@ -757,20 +770,32 @@ inline void grad_row_uniform_(float* sr, float* dpr, int64_t nk, int64_t vis, fl
 // each (hsum8) instead of two horizontal sums per row (L = 2048, H = 8, D = 64, K = 64, one
 // core, medians of 3 alternating pairs: backward 233.6-237.3 -> 230.4-234.0 ms; 2 threads
 // within the noise, 117.6-119.8 -> 117.2-118.5 ms).
+// Under dropout (drop: the 8 rows' RowDropout, keys from j0, factors f): dS = scale P (f (dP +
+// cv) - d_i) and P *= f, as softmax_grad_row_dropout.
+template <bool kDrop = false>
 inline void grad_rows8_uniform(float* s, float* dp, int64_t nk, const float* ck, const float* cv,
                                float scale, const float* lse2, const float* di, float* psum,
-                               float* dssum) {
+                               float* dssum, const RowDropout* drop = nullptr, int64_t j0 = 0) {
   const __m256 vsc = _mm256_set1_ps(scale);
   __m256 pacc[8], dacc[8];
   for (int u = 0; u < 8; ++u) {
     float* sr = s + u * BK;
     float* dpr = dp + u * BK;
     const __m256 vck = _mm256_set1_ps((ck != nullptr ? ck[u] : 0.f) - lse2[u]);
+    const __m256 vcv = _mm256_set1_ps(cv != nullptr ? cv[u] : 0.f), vdi = _mm256_set1_ps(di[u]);
     const __m256 vcd = _mm256_set1_ps((cv != nullptr ? cv[u] : 0.f) - di[u]);
     __m256 ps = _mm256_setzero_ps(), ds = _mm256_setzero_ps();
     for (int64_t j = 0; j < nk; j += 8) {
-      const __m256 pj = exp2_256(_mm256_add_ps(_mm256_loadu_ps(sr + j), vck));
-      const __m256 g = _mm256_mul_ps(vsc, _mm256_mul_ps(pj, _mm256_add_ps(_mm256_loadu_ps(dpr + j), vcd)));
+      __m256 pj = exp2_256(_mm256_add_ps(_mm256_loadu_ps(sr + j), vck));
+      __m256 g;
+      if constexpr (kDrop) {
+        const __m256 f = drop[u].factors(j0 + j);
+        const __m256 dpf = _mm256_mul_ps(f, _mm256_add_ps(_mm256_loadu_ps(dpr + j), vcv));
+        g = _mm256_mul_ps(vsc, _mm256_mul_ps(pj, _mm256_sub_ps(dpf, vdi)));
+        pj = _mm256_mul_ps(pj, f);
+      } else {
+        g = _mm256_mul_ps(vsc, _mm256_mul_ps(pj, _mm256_add_ps(_mm256_loadu_ps(dpr + j), vcd)));
+      }
       _mm256_storeu_ps(sr + j, pj);
       _mm256_storeu_ps(dpr + j, g);
       ps = _mm256_add_ps(ps, pj);
@@ -1005,7 +1030,8 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
         const int64_t i = i0 + r;
         float* sr = s + r * BK;
         const RowSplit sp = split_row(p, i, j0, nk, band);
-        // under dropout the bucket sums need the dropped probabilities: the general path
+        // single rows under dropout take the general path (the bucket sums need the dropped
+        // probabilities); whole uniform tiles apply the mask in exp_sum_rows8_stale
         const bool uni = !drop_on && uniform_row(sp, j0, nk, hd);
         const bool lo_side = sp.a == j0 + nk;  // uniform: all keys in bucket 0 (else 2K)
         const float c = uni && hd.rel_k ? (lo_side ? qe_lo[r] : qe_hi[r]) : 0.f;
@@ -1062,15 +1088,25 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       };
       int64_t r = 0;
       // Every row of the tile on one clamped side: 8 rows at a time, in one pass each
-      if (const int side = drop_on ? 0 : uniform_tile(p, hd, i0, mq, j0, nk); side != 0) {
+      if (const int side = uniform_tile(p, hd, i0, mq, j0, nk); side != 0) {
         const float* c = hd.rel_k ? (side == 1 ? qe_lo : qe_hi) : nullptr;
         float* ws = hd.rel_v ? (side == 1 ? w_lo : w_hi) : nullptr;
         for (; r + 8 <= mq; r += 8) {
           bool started = true;  // every row has a running maximum
           for (int u = 0; u < 8; ++u) started = started && m[r + u] != kNegInf;
-          const int over = started ? exp_sum_rows8_stale(s + r * BK, nk, c ? c + r : nullptr, m + r,
-                                                         l + r, ws ? ws + r : nullptr)
-                                   : 0;
+          int over = 0;
+          if (started && drop_on) {  // the rows' dropout masks, applied in the same pass
+            const RowDropout drops[8] = {
+                RowDropout(p, b, h, i0 + r), RowDropout(p, b, h, i0 + r + 1),
+                RowDropout(p, b, h, i0 + r + 2), RowDropout(p, b, h, i0 + r + 3),
+                RowDropout(p, b, h, i0 + r + 4), RowDropout(p, b, h, i0 + r + 5),
+                RowDropout(p, b, h, i0 + r + 6), RowDropout(p, b, h, i0 + r + 7)};
+            over = exp_sum_rows8_stale<true>(s + r * BK, nk, c ? c + r : nullptr, m + r, l + r,
+                                             ws ? ws + r : nullptr, drops, j0);
+          } else if (started) {
+            over = exp_sum_rows8_stale(s + r * BK, nk, c ? c + r : nullptr, m + r, l + r,
+                                       ws ? ws + r : nullptr);
+          }
           for (int u = 0; u < 8; ++u) {
             if (!started || (over >> u & 1) != 0) {
               row(r + u, started);
@@ -1362,14 +1398,26 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
             gemm0(mq, nk, D, dop, D, vt_run + tl * D * BK, BK, dp, BK);  // dP = dO V^T
             // every row of the tile on one clamped side: 8 rows at a time, as in the forward
             int64_t r = 0;
-            if (const int side = drop_on ? 0 : uniform_tile(p, hd, i0, mq, j0, nk); side != 0) {
+            if (const int side = uniform_tile(p, hd, i0, mq, j0, nk); side != 0) {
               const bool lo_side = side == 1;
               for (; r + 8 <= mq; r += 8) {
-                grad_rows8_uniform(s + r * BK, dp + r * BK, nk,
-                                   hd.rel_k ? (lo_side ? qe_lo : qe_hi) + r : nullptr,
-                                   hd.rel_v ? (lo_side ? de_lo : de_hi) + r : nullptr, scale, lse + r, di + r,
-                                   hd.rel_v ? (lo_side ? p_lo : p_hi) + r : nullptr,
-                                   hd.rel_k ? (lo_side ? ds_lo : ds_hi) + r : nullptr);
+                const float* ck = hd.rel_k ? (lo_side ? qe_lo : qe_hi) + r : nullptr;
+                const float* cv = hd.rel_v ? (lo_side ? de_lo : de_hi) + r : nullptr;
+                float* ps = hd.rel_v ? (lo_side ? p_lo : p_hi) + r : nullptr;
+                float* dss = hd.rel_k ? (lo_side ? ds_lo : ds_hi) + r : nullptr;
+                if (drop_on) {  // the rows' dropout masks, applied in the same pass
+                  const int64_t i = i0 + r;
+                  const RowDropout drops[8] = {
+                      RowDropout(p, b, h, i), RowDropout(p, b, h, i + 1), RowDropout(p, b, h, i + 2),
+                      RowDropout(p, b, h, i + 3), RowDropout(p, b, h, i + 4),
+                      RowDropout(p, b, h, i + 5), RowDropout(p, b, h, i + 6),
+                      RowDropout(p, b, h, i + 7)};
+                  grad_rows8_uniform<true>(s + r * BK, dp + r * BK, nk, ck, cv, scale, lse + r,
+                                           di + r, ps, dss, drops, j0);
+                } else {
+                  grad_rows8_uniform(s + r * BK, dp + r * BK, nk, ck, cv, scale, lse + r, di + r,
+                                     ps, dss);
+                }
               }
             }
             for (; r < mq; ++r) {
