@@ -364,10 +364,9 @@ class RelativeMultiheadAttention(nn.Module):
         visible = reference.visible_keys(q.shape[0], q_len, k_len, causal, q_offset, k_offset,
                                          key_padding_mask, q.device, attn_mask)
         logits = (logits * self.head_dim**-0.5).masked_fill(~visible, float("-inf"))
-        weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # no visible key: NaN -> 0
-        if dropout_p > 0:
-            # the kernels' mask, in PyTorch
-            keep = reference.dropout_keep(dropout_seed, q.shape[0], q.shape[1], q_len, k_len,
-                                          dropout_p, q.device)
-            weights = weights * keep * (1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0)
+        any_visible = visible.any(-1, keepdim=True)  # rows with no visible key give 0, not NaN
+        weights = torch.softmax(logits.masked_fill(~any_visible, 0.0), dim=-1) * any_visible
+        if dropout_p > 0:  # the kernels' mask, in PyTorch
+            weights = weights * reference.dropout_factors(dropout_seed, q.shape[0], q.shape[1],
+                                                          q_len, k_len, dropout_p, q.device)
         return weights

@@ -20,6 +20,7 @@ __all__ = [
     "rel_logits",
     "rel_logits_gather",
     "dropout_keep",
+    "dropout_factors",
     "visible_keys",
     "shaw_attention",
     "shaw_attention_gather",
@@ -208,6 +209,21 @@ def visible_keys(
     return visible
 
 
+def dropout_factors(
+    seed: int | Tensor,
+    batch: int,
+    heads: int,
+    q_len: int,
+    k_len: int,
+    dropout_p: float,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """What dropout multiplies each probability by: ``dropout_keep / (1 - p)`` (0 for p = 1),
+    ``[B, H, Lq, Lk]`` float32."""
+    keep = dropout_keep(seed, batch, heads, q_len, k_len, dropout_p, device)
+    return keep * (1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0)
+
+
 def shaw_attention(
     q: Tensor,
     k: Tensor,
@@ -255,8 +271,8 @@ def shaw_attention(
     if dropout_p > 0:
         if dropout_seed is None:
             raise ValueError("dropout_p > 0 needs dropout_seed")
-        keep = dropout_keep(dropout_seed, q.shape[0], q.shape[1], q_len, k_len, dropout_p, q.device)
-        p = p * keep * (1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0)
+        p = p * dropout_factors(dropout_seed, q.shape[0], q.shape[1], q_len, k_len, dropout_p,
+                                q.device)
     out = torch.matmul(p, v)
     if rel_v is not None:
         a = rel_gather(rel_v, q_len, k_len, max_distance, q_offset, k_offset)
