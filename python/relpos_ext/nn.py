@@ -368,5 +368,6 @@ class RelativeMultiheadAttention(nn.Module):
         weights = torch.softmax(logits.masked_fill(~any_visible, 0.0), dim=-1) * any_visible
         if dropout_p > 0:  # the kernels' mask, in PyTorch
             weights = weights * reference.dropout_factors(dropout_seed, q.shape[0], q.shape[1],
-                                                          q_len, k_len, dropout_p, q.device)
+                                                          q_len, k_len, dropout_p, q.device,
+                                                          weights.dtype)
         return weights

@@ -217,10 +217,11 @@ def dropout_factors(
     k_len: int,
     dropout_p: float,
     device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Tensor:
     """What dropout multiplies each probability by: ``dropout_keep / (1 - p)`` (0 for p = 1),
-    ``[B, H, Lq, Lk]`` float32."""
-    keep = dropout_keep(seed, batch, heads, q_len, k_len, dropout_p, device)
+    ``[B, H, Lq, Lk]`` in ``dtype`` (float64 keeps ``1 / (1 - p)`` exact for gradcheck)."""
+    keep = dropout_keep(seed, batch, heads, q_len, k_len, dropout_p, device).to(dtype)
     return keep * (1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0)
 
 
@@ -272,7 +273,7 @@ def shaw_attention(
         if dropout_seed is None:
             raise ValueError("dropout_p > 0 needs dropout_seed")
         p = p * dropout_factors(dropout_seed, q.shape[0], q.shape[1], q_len, k_len, dropout_p,
-                                q.device)
+                                q.device, p.dtype)
     out = torch.matmul(p, v)
     if rel_v is not None:
         a = rel_gather(rel_v, q_len, k_len, max_distance, q_offset, k_offset)
