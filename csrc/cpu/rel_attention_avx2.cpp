@@ -539,7 +539,7 @@ inline __m256i dropout_mix8(__m256i x) {
 // key is kept and 0 where it is dropped (bitwise dropout_kept's decision).
 struct RowDropout {
   uint32_t key = 0;
-  __m256i bound, step, lanes;
+  __m256i bound, lanes;
   __m256 keep_scale;
   RowDropout(const RelAttentionParams& p, int64_t b, int64_t h, int64_t i) {
     key = dropout_row_key(dropout_head_key(p.dropout.seed, b * p.heads + h), i);
