@@ -33,13 +33,11 @@ RELPOS_HD uint32_t dropout_mix(uint32_t x) {
   return x;
 }
 
-RELPOS_HD uint32_t dropout_head_key(uint64_t seed, int64_t bh) {
+// The key of row i of (b, h), bh = b * H + h: `row` above (`head` folded in).
+RELPOS_HD uint32_t dropout_row_key(uint64_t seed, int64_t bh, int64_t i) {
   const uint32_t lo = static_cast<uint32_t>(seed), hi = static_cast<uint32_t>(seed >> 32);
-  return dropout_mix(dropout_mix(hi ^ static_cast<uint32_t>(bh)) + lo);
-}
-
-RELPOS_HD uint32_t dropout_row_key(uint32_t head_key, int64_t i) {
-  return dropout_mix(head_key ^ (static_cast<uint32_t>(i) * kDropoutRowMul));
+  const uint32_t head = dropout_mix(dropout_mix(hi ^ static_cast<uint32_t>(bh)) + lo);
+  return dropout_mix(head ^ (static_cast<uint32_t>(i) * kDropoutRowMul));
 }
 
 RELPOS_HD bool dropout_kept(uint32_t row_key, int64_t j, uint32_t threshold) {

@@ -542,7 +542,7 @@ struct RowDropout {
   __m256i bound, lanes;
   __m256 keep_scale;
   RowDropout(const RelAttentionParams& p, int64_t b, int64_t h, int64_t i) {
-    key = dropout_row_key(dropout_head_key(p.dropout.seed, b * p.heads + h), i);
+    key = dropout_row_key(p.dropout.seed, b * p.heads + h, i);
     // kept <=> (u >> 1) >= threshold <=> (u >> 1) > threshold - 1, as signed 32-bit lanes
     bound = _mm256_set1_epi32(static_cast<int>(p.dropout.threshold) - 1);
     lanes = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),

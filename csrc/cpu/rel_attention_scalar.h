@@ -36,7 +36,7 @@ struct RowDropout {
   const DropoutParams& d;
   uint32_t row_key = 0;
   RowDropout(const RelAttentionParams& p, int64_t b, int64_t h, int64_t i) : d(p.dropout) {
-    if (d.on) row_key = dropout_row_key(dropout_head_key(d.seed, b * p.heads + h), i);
+    if (d.on) row_key = dropout_row_key(d.seed, b * p.heads + h, i);
   }
   acc_t factor(int64_t j) const {
     if (!d.on) return acc_t(1);

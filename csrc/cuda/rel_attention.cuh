@@ -84,7 +84,7 @@ RELPOS_DEVICE bool attn_visible(const RelAttentionParams& p, int64_t b, int64_t 
 // Attention dropout (common/dropout.h): the factor of (row key of query i, key j), keep_scale
 // when kept and 0 when dropped; 1 when dropout is off.
 RELPOS_DEVICE uint32_t attn_dropout_key(const RelAttentionParams& p, int64_t bh, int64_t i) {
-  return p.dropout.on ? dropout_row_key(dropout_head_key(p.dropout.seed, bh), i) : 0u;
+  return p.dropout.on ? dropout_row_key(p.dropout.seed, bh, i) : 0u;
 }
 template <typename A>
 RELPOS_DEVICE A attn_dropout(const RelAttentionParams& p, uint32_t row_key, int64_t j) {
