@@ -74,6 +74,8 @@ CASES = {
     # most key tiles wholly on one clamped side of every row of a query tile: the AVX2 kernels'
     # one-pass uniform tiles, 8 rows at a time (also under dropout)
     "tiles_uniform": (1, 2, 1, 130, 300, 16, 3, 0, 0, False, False, False, True, True),
+    # ... with padding in the first and last key tiles: the tiles between keep those paths
+    "tiles_uniform_padding": (2, 2, 1, 130, 300, 16, 3, 0, 0, False, False, True, True, True),
     "all_keys_padded": (2, 2, 2, 5, 6, 16, 2, 0, 0, False, False, "all", True, True),
     "no_keys": (1, 2, 2, 3, 0, 16, 2, 0, 0, False, False, False, True, True),
     "no_queries": (1, 2, 2, 0, 5, 16, 2, 0, 0, False, True, False, True, True),
@@ -245,8 +247,7 @@ def test_rel_attention_random_long_cases(backend, seed):
 DROPOUT_CASES = ["basic", "gqa", "fully_masked_rows", "tiles_causal_padding", "tiles_two_sided",
                  "tiles_unclipped", "unclipped_offsets_gqa", "D200_gqa4", "odd_D_offsets",
                  "decode_one_row_D45", "decode_split_keys", "bwd_key_runs", "tiles_uniform",
-                 "only_rel_v",
-                 "no_rel", "L1", "no_keys"]
+                 "tiles_uniform_padding", "only_rel_v", "no_rel", "L1", "no_keys"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -296,12 +297,16 @@ def random_attn_mask(case, form: str, seed: int) -> torch.Tensor:
     """A random bool attention mask for `case` (True = ignore, a third of the keys) in one of the
     accepted shapes: "2d" [Lq, Lk], "b1" [B, 1, Lq, Lk], "1h" [1, H, Lq, Lk], "bh" [B, H, Lq, Lk];
     the first query row of every head and batch entry is hidden from all keys. "docs": [Lq, Lk]
-    block diagonal (three packed documents), where the kernels skip the tiles it hides whole."""
+    block diagonal (three packed documents), where the kernels skip the tiles it hides whole.
+    "sparse": [B, 1, Lq, Lk] hiding one pair in 5000, so that most tiles are clear (the AVX2
+    kernels' unmasked paths) and a few mixed."""
     b, h, lq, lk = case[0], case[1], case[3], case[4]
     if form == "docs":  # packed documents: three blocks on the diagonal, whole tiles hidden
         return (torch.arange(lq)[:, None] * 3 // max(lq, 1)) != (torch.arange(lk)[None, :] * 3 // max(lk, 1))
-    shape = {"2d": (lq, lk), "b1": (b, 1, lq, lk), "1h": (1, h, lq, lk), "bh": (b, h, lq, lk)}[form]
-    mask = torch.rand(shape, generator=torch.Generator().manual_seed(seed)) < 1 / 3
+    shape = {"2d": (lq, lk), "b1": (b, 1, lq, lk), "1h": (1, h, lq, lk), "bh": (b, h, lq, lk),
+             "sparse": (b, 1, lq, lk)}[form]
+    mask = torch.rand(shape, generator=torch.Generator().manual_seed(seed)) < (
+        1 / 5000 if form == "sparse" else 1 / 3)
     if lq > 0:
         mask[..., 0, :] = True
     return mask
@@ -309,11 +314,11 @@ def random_attn_mask(case, form: str, seed: int) -> torch.Tensor:
 
 ATTN_MASK_CASES = ["basic", "gqa", "fully_masked_rows", "tiles_causal_padding", "tiles_two_sided",
                    "unclipped_offsets_gqa", "odd_D_offsets", "decode_one_row_D45",
-                   "decode_split_keys", "bwd_key_runs", "L1", "no_keys"]
+                   "decode_split_keys", "bwd_key_runs", "tiles_uniform_padding", "L1", "no_keys"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("form", ["2d", "b1", "1h", "bh", "docs"])
+@pytest.mark.parametrize("form", ["2d", "b1", "1h", "bh", "docs", "sparse"])
 @pytest.mark.parametrize("name", ATTN_MASK_CASES)
 def test_rel_attention_attn_mask(backend, dtype, form, name):
     """A random attention mask in each accepted shape, on top of the case's causal limit and

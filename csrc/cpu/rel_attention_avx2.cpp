@@ -459,12 +459,14 @@ RowSplit split_row(const RelAttentionParams& p, int64_t i, int64_t j0, int64_t n
 }
 
 // Mask a row of logits for query i over keys [j0, j0 + nk): keys after the causal limit
-// (k_offset + j > q_offset + i), padded keys and keys the attention mask hides become -inf.
+// (k_offset + j > q_offset + i) become -inf, and, unless the tile is clear (TileMask), padded
+// keys and keys the attention mask hides.
 void mask_logits(const RelAttentionParams& p, const Head& hd, int64_t i, int64_t j0, int64_t nk,
-                 float* sr) {
+                 bool clear, float* sr) {
   int64_t vis = nk;
   if (p.causal) vis = iclamp(p.q_offset + i - p.k_offset + 1 - j0, 0, nk);
   fill_f32(sr + vis, kNegInf, nk - vis);
+  if (clear) return;
   if (hd.pad != nullptr) {
     for (int64_t j = 0; j < vis; ++j) {
       if (hd.pad[j0 + j]) sr[j] = kNegInf;
@@ -478,18 +480,48 @@ void mask_logits(const RelAttentionParams& p, const Head& hd, int64_t i, int64_t
   }
 }
 
-// Whether the attention mask hides every key of the tile [j0, j0 + nk) from every query row of
-// [i0, i0 + mq): such a tile adds nothing (all its probabilities are 0) and is skipped, so that
-// a block-sparse mask (packed documents, local windows) costs only the tiles it leaves visible.
-bool tile_hidden(const RelAttentionParams& p, const Head& hd, int64_t i0, int64_t mq, int64_t j0,
-                 int64_t nk) {
-  if (hd.amask == nullptr) return false;
-  for (int64_t r = 0; r < mq; ++r) {
-    if (std::memchr(hd.amask + (i0 + r) * p.k_len + j0, 0, static_cast<size_t>(nk)) != nullptr) {
-      return false;  // a visible key (bool false is the byte 0)
-    }
+// Whether any of n bools is true.
+bool any_true(const bool* x, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    uint64_t word;
+    std::memcpy(&word, x + j, 8);
+    if (word != 0) return true;
   }
-  return true;
+  for (; j < n; ++j) {
+    if (x[j]) return true;
+  }
+  return false;
+}
+
+// What the key padding and attention masks (not the causal limit) do to the query rows
+// [i0, i0 + mq) over the key tile [j0, j0 + nk):
+//   kHidden: every pair hidden by one of them. The tile adds nothing (all its probabilities are
+//     0) and is skipped, so a block-sparse mask (packed documents, local windows) costs only the
+//     tiles it leaves visible;
+//   kClear: no pair hidden. The tile takes the unmasked paths (one pass, 8 rows at a time);
+//   kMixed: anything else, masked key by key.
+enum class TileMask { kClear, kMixed, kHidden };
+
+TileMask tile_mask(const RelAttentionParams& p, const Head& hd, int64_t i0, int64_t mq, int64_t j0,
+                   int64_t nk) {
+  bool mixed = false;
+  if (hd.pad != nullptr) {
+    const bool* pad = hd.pad + j0;
+    if (std::memchr(pad, 0, static_cast<size_t>(nk)) == nullptr) return TileMask::kHidden;
+    mixed = any_true(pad, nk);
+  }
+  if (hd.amask != nullptr) {
+    bool visible = false, hidden = false;  // some pair (bool false is the byte 0) / some true
+    for (int64_t r = 0; r < mq && !(visible && hidden); ++r) {
+      const bool* row = hd.amask + (i0 + r) * p.k_len + j0;
+      visible = visible || std::memchr(row, 0, static_cast<size_t>(nk)) != nullptr;
+      hidden = hidden || any_true(row, nk);
+    }
+    if (!visible) return TileMask::kHidden;
+    mixed = mixed || hidden;
+  }
+  return mixed ? TileMask::kMixed : TileMask::kClear;
 }
 
 float max_row(const float* x, int64_t n) {
@@ -589,12 +621,12 @@ void softmax_grad_row_dropout(const RowDropout& dr, int64_t j0, float* pr, float
 }
 
 // ---- one-pass rows: the common case of a row whose keys in this tile all share one clamped
-// bucket (far from the diagonal: rel = a constant per row) and no padding or attention mask.
+// bucket (far from the diagonal: rel = a constant per row) in a clear tile (TileMask).
 // Lanes from `vis` (the causal limit) to the 8-aligned end of the row are masked; the s / dp
 // buffers are BK wide, so whole 8-lane chunks stay inside them (lanes past nk are written, never
 // read).
-inline bool uniform_row(const RowSplit& sp, int64_t j0, int64_t nk, const Head& hd) {
-  return hd.pad == nullptr && hd.amask == nullptr && (sp.a == j0 + nk || sp.e == j0);
+inline bool uniform_row(const RowSplit& sp, int64_t j0, int64_t nk, bool clear) {
+  return clear && (sp.a == j0 + nk || sp.e == j0);
 }
 
 inline int64_t visible_keys(const RelAttentionParams& p, int64_t i, int64_t j0, int64_t nk) {
@@ -602,14 +634,13 @@ inline int64_t visible_keys(const RelAttentionParams& p, int64_t i, int64_t j0, 
 }
 
 // The clamped bucket shared by every row of the query tile [i0, i0 + mq) over the key tile
-// [j0, j0 + nk), when each row is a uniform_row on the same side with all nk keys visible, no
-// padding or attention mask and nk a multiple of 8: 1 for bucket 0, 2 for bucket 2K; else 0. A
+// [j0, j0 + nk), when the tile is clear, each row is a uniform_row on the same side with all nk
+// keys visible and nk is a multiple of 8: 1 for bucket 0, 2 for bucket 2K; else 0. A
 // row's inside window and its causal limit only move right as the row grows, so the first and
 // last rows decide.
-inline int uniform_tile(const RelAttentionParams& p, const Head& hd, int64_t i0, int64_t mq,
+inline int uniform_tile(const RelAttentionParams& p, bool clear, int64_t i0, int64_t mq,
                         int64_t j0, int64_t nk) {
-  if (hd.pad != nullptr || hd.amask != nullptr || mq <= 0 || nk % 8 != 0 ||
-      visible_keys(p, i0, j0, nk) < nk) {
+  if (!clear || mq <= 0 || nk % 8 != 0 || visible_keys(p, i0, j0, nk) < nk) {
     return 0;
   }
   const int64_t K = p.max_distance;
@@ -1001,7 +1032,9 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
     }
     for (int64_t t = kb / BK; t < kt_end; ++t) {
       const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0);
-      if (tile_hidden(p, hd, i0, mq, j0, nk)) continue;  // as if every logit were -inf
+      const TileMask tm = tile_mask(p, hd, i0, mq, j0, nk);
+      if (tm == TileMask::kHidden) continue;  // as if every logit were -inf
+      const bool clear = tm == TileMask::kClear;
       // Decoding several rows of a float16/bfloat16 cache: this tile's keys as float once,
       // rather than converted again for every row
       const float* k_tile = nullptr;
@@ -1032,7 +1065,7 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
         const RowSplit sp = split_row(p, i, j0, nk, band);
         // single rows under dropout take the general path (the bucket sums need the dropped
         // probabilities); whole uniform tiles apply the mask in exp_sum_rows8_stale
-        const bool uni = !drop_on && uniform_row(sp, j0, nk, hd);
+        const bool uni = !drop_on && uniform_row(sp, j0, nk, clear);
         const bool lo_side = sp.a == j0 + nk;  // uniform: all keys in bucket 0 (else 2K)
         const float c = uni && hd.rel_k ? (lo_side ? qe_lo[r] : qe_hi[r]) : 0.f;
         float rs;
@@ -1057,7 +1090,7 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
           mt = fmax_(m[r], logits_row_uniform(sr, nk, visible_keys(p, i, j0, nk), c));
         } else {
           if (hd.rel_k) add_rel_logits(sr, j0, nk, sp, qe_lo[r], qe_hi[r], qe + r * band.n);
-          mask_logits(p, hd, i, j0, nk, sr);
+          mask_logits(p, hd, i, j0, nk, clear, sr);
           mt = fmax_(m[r], max_row(sr, nk));
         }
         if (mt == kNegInf) {  // nothing visible yet in this row
@@ -1088,7 +1121,7 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       };
       int64_t r = 0;
       // Every row of the tile on one clamped side: 8 rows at a time, in one pass each
-      if (const int side = uniform_tile(p, hd, i0, mq, j0, nk); side != 0) {
+      if (const int side = uniform_tile(p, clear, i0, mq, j0, nk); side != 0) {
         const float* c = hd.rel_k ? (side == 1 ? qe_lo : qe_hi) : nullptr;
         float* ws = hd.rel_v ? (side == 1 ? w_lo : w_hi) : nullptr;
         for (; r + 8 <= mq; r += 8) {
@@ -1393,12 +1426,14 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
           float* dq = dq_h + i0 * D;
           for (int64_t t = r0; t < t_end; ++t) {
             const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0), tl = t - r0;
-            if (tile_hidden(p, hd, i0, mq, j0, nk)) continue;  // P = dS = 0 on the whole tile
+            const TileMask tm = tile_mask(p, hd, i0, mq, j0, nk);
+            if (tm == TileMask::kHidden) continue;  // P = dS = 0 on the whole tile
+            const bool clear = tm == TileMask::kClear;
             gemm0(mq, nk, D, qs, D, kt_run + tl * D * BK, BK, s, BK);    // S = Q K^T (base 2)
             gemm0(mq, nk, D, dop, D, vt_run + tl * D * BK, BK, dp, BK);  // dP = dO V^T
             // every row of the tile on one clamped side: 8 rows at a time, as in the forward
             int64_t r = 0;
-            if (const int side = uniform_tile(p, hd, i0, mq, j0, nk); side != 0) {
+            if (const int side = uniform_tile(p, clear, i0, mq, j0, nk); side != 0) {
               const bool lo_side = side == 1;
               for (; r + 8 <= mq; r += 8) {
                 const float* ck = hd.rel_k ? (lo_side ? qe_lo : qe_hi) + r : nullptr;
@@ -1425,7 +1460,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
               float* sr = s + r * BK;
               float* dpr = dp + r * BK;
               const RowSplit sp = split_row(p, i, j0, nk, band);
-              if (!drop_on && uniform_row(sp, j0, nk, hd)) {
+              if (!drop_on && uniform_row(sp, j0, nk, clear)) {
                 const bool lo_side = sp.a == j0 + nk;
                 const float ck = hd.rel_k ? (lo_side ? qe_lo[r] : qe_hi[r]) : 0.f;
                 const float cv = hd.rel_v ? (lo_side ? de_lo[r] : de_hi[r]) : 0.f;
@@ -1437,7 +1472,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
               }
               if (hd.rel_k) add_rel_logits(sr, j0, nk, sp, qe_lo[r], qe_hi[r], qe + r * band.n);
               if (hd.rel_v) add_rel_logits(dpr, j0, nk, sp, de_lo[r], de_hi[r], de + r * band.n);
-              mask_logits(p, hd, i, j0, nk, sr);  // P = 2^(S - lse), all in base 2
+              mask_logits(p, hd, i, j0, nk, clear, sr);  // P = 2^(S - lse), all in base 2
               exp_row(sr, nk, lse[r]);
               if (drop_on) {  // dS = scale P (f dP - D_i), then P *= f
                 softmax_grad_row_dropout(RowDropout(p, b, h, i), j0, sr, dpr, nk, di[r], scale);
