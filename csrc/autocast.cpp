@@ -47,7 +47,8 @@ using RelAttentionSig = std::tuple<Tensor, Tensor>(
     const std::optional<Tensor>& rel_v, c10::SymInt max_distance, bool causal,
     std::optional<double> scale, c10::SymInt q_offset, c10::SymInt k_offset,
     const std::optional<Tensor>& key_padding_mask, double dropout_p,
-    const std::optional<Tensor>& dropout_seed, const std::optional<Tensor>& attn_mask);
+    const std::optional<Tensor>& dropout_seed, const std::optional<Tensor>& attn_mask,
+    const std::optional<Tensor>& q_segment_ids, const std::optional<Tensor>& k_segment_ids);
 
 template <c10::DeviceType kDevice>
 void register_autocast(torch::Library& m) {

@@ -111,13 +111,15 @@ def _f64(x):
 
 
 def _extra_args(backend, kw):
-    """The op's trailing (dropout_p, dropout_seed, attn_mask) from kw (the seed a CPU int64
-    tensor), as far as kw sets them."""
-    p, mask = kw.get("dropout_p", 0.0), kw.get("attn_mask")
+    """The op's trailing (dropout_p, dropout_seed, attn_mask, q_segment_ids, k_segment_ids) from
+    kw (the seed a CPU int64 tensor), as far as kw sets them."""
+    p = kw.get("dropout_p", 0.0)
     seed = torch.tensor([kw["dropout_seed"]], dtype=torch.int64) if p > 0 else None
-    if mask is not None:
-        return p, seed, backend.tensor(mask)
-    return (p, seed) if p > 0 else ()
+    args = [p, seed] + [None if kw.get(n) is None else backend.tensor(kw[n])
+                        for n in ("attn_mask", "q_segment_ids", "k_segment_ids")]
+    while args and args[-1] is None:
+        args.pop()
+    return tuple(args) if p > 0 or len(args) > 2 else ()
 
 
 def _call(backend, tensors, kw):
@@ -337,6 +339,80 @@ def test_rel_attention_attn_mask_random_cases(backend, seed):
     r = random.Random(2000 + seed)
     case = random_case(200 + seed)
     extra = dict(attn_mask=random_attn_mask(case, r.choice(["2d", "b1", "1h", "bh", "docs"]), seed))
+    if seed % 2:
+        extra.update(dropout_p=0.2, dropout_seed=seed)
+    dtype = torch.bfloat16 if seed % 3 == 2 else torch.float32
+    _check_forward(backend, dtype, case, extra)
+    _check_backward(backend, dtype, case, extra)
+
+
+# ------------------------------------------------------------------------------ segment ids
+def random_segment_ids(case, form: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q_segment_ids [B, Lq], k_segment_ids [B, Lk])`` for `case`. "packed" (int32): each
+    batch entry a run of documents of random lengths (about 70 positions on average, so some
+    tiles lie in one document, some straddle two and some see none), the id of a position its
+    document's, query i at position q_offset + i and key j at k_offset + j; "random" (int64): ids
+    from {0, 1, 2} in no order, so that overlapping id ranges do not decide a tile."""
+    b, lq, lk, qo, ko = case[0], case[3], case[4], case[7], case[8]
+    g = torch.Generator().manual_seed(seed)
+    if form == "random":
+        return torch.randint(0, 3, (b, lq), generator=g), torch.randint(0, 3, (b, lk), generator=g)
+    lo, hi = min(qo, ko), max(qo + lq, ko + lk)
+    doc = (torch.rand(b, hi - lo, generator=g) < 1 / 70).cumsum(-1, dtype=torch.int32)
+    return doc[:, qo - lo:qo - lo + lq], doc[:, ko - lo:ko - lo + lk]
+
+
+def _segments(case, form, seed):
+    q_seg, k_seg = random_segment_ids(case, form, seed)
+    return dict(q_segment_ids=q_seg, k_segment_ids=k_seg)
+
+
+SEGMENT_CASES = ["basic", "gqa", "fully_masked_rows", "tiles_causal_padding", "tiles_two_sided",
+                 "unclipped_offsets_gqa", "odd_D_offsets", "decode_one_row_D45",
+                 "decode_split_keys", "bwd_key_runs", "tiles_uniform_padding", "L1", "no_keys",
+                 "no_queries"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("form", ["packed", "random"])
+@pytest.mark.parametrize("name", SEGMENT_CASES)
+def test_rel_attention_segment_ids(backend, dtype, form, name):
+    """Segment ids (packed documents, or unordered ids) on top of the case's causal limit and
+    padding: forward and backward against the reference."""
+    _attention_backend(backend)
+    extra = _segments(CASES[name], form, len(name))
+    _check_forward(backend, dtype, CASES[name], extra)
+    _check_backward(backend, dtype, CASES[name], extra)
+
+
+@pytest.mark.parametrize("name", ["tiles_causal_padding", "decode_split_keys", "bwd_key_runs",
+                                  "tiles_uniform_padding"])
+def test_rel_attention_segment_ids_are_their_attn_mask(backend, name):
+    """Packed segment ids give bitwise the outputs and gradients of the [B, 1, Lq, Lk] attention
+    mask they stand for (the same tiles skipped, the same ones clear)."""
+    _attention_backend(backend)
+    tensors, kw = make_inputs(CASES[name], torch.float32)
+    q_seg, k_seg = random_segment_ids(CASES[name], "packed", 7)
+    mask = (q_seg[:, None, :, None] != k_seg[:, None, None, :])
+    grad = torch.randn(tensors[0].shape)
+    results = []
+    for extra in (dict(q_segment_ids=q_seg, k_segment_ids=k_seg), dict(attn_mask=mask)):
+        kw2 = dict(kw, **extra)
+        out, lse = _call(backend, tensors, kw2)
+        results.append((out, lse, *_call_backward(backend, grad, tensors, out, lse, kw2)))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rel_attention_segment_ids_random_cases(backend, seed):
+    """Seeded random configurations (float32 or bfloat16) with packed or unordered segment ids,
+    an attention mask on a third of them and dropout on half."""
+    _attention_backend(backend)
+    case = random_case(300 + seed)
+    extra = _segments(case, "packed" if seed < 4 else "random", seed)
+    if seed % 3 == 1:
+        extra.update(attn_mask=random_attn_mask(case, "b1", seed))
     if seed % 2:
         extra.update(dropout_p=0.2, dropout_seed=seed)
     dtype = torch.bfloat16 if seed % 3 == 2 else torch.float32
@@ -581,14 +657,16 @@ def test_gradcheck_rel_attention(dropout_p):
         assert torch.autograd.gradcheck(fn, args), name
 
 
-@pytest.mark.parametrize("extra", ["none", "dropout", "attn_mask"])
+@pytest.mark.parametrize("extra", ["none", "dropout", "attn_mask", "segment_ids"])
 @pytest.mark.parametrize("requires_grad", [False, True])
 def test_opcheck_rel_attention(requires_grad, extra):
     for name in ("basic", "gqa", "only_rel_k"):
         tensors, kw = make_inputs(CASES[name], torch.float32, requires_grad=requires_grad)
         lq, lk = tensors[0].shape[2], tensors[1].shape[2]
         trailing = {"none": (), "dropout": (0.25, torch.tensor([5])),
-                    "attn_mask": (0.0, None, torch.eye(lq, lk, dtype=torch.bool))}[extra]
+                    "attn_mask": (0.0, None, torch.eye(lq, lk, dtype=torch.bool)),
+                    "segment_ids": (0.0, None, None,
+                                    *random_segment_ids(CASES[name], "random", 3))}[extra]
         args = (*tensors, kw["max_distance"], kw["causal"], None, kw["q_offset"], kw["k_offset"],
                 kw["key_padding_mask"], *trailing)
         torch.library.opcheck(torch.ops.relpos.rel_attention.default, args)
@@ -899,6 +977,57 @@ def test_module_attn_mask(form):
         m(x, mem, mem, attn_mask=torch.zeros(4, 7, 9, dtype=torch.bool))
 
 
+@pytest.mark.parametrize("gqa", [False, True])
+def test_module_segment_ids(gqa):
+    """segment_ids on the module: one [B, L] tensor for self-attention, or a (q, k) pair: the
+    outputs, the weights and every parameter's gradient match the reference module, and equal
+    the same documents as a block-diagonal attn_mask; a position sees no other document. One
+    tensor with Lq != Lk is refused."""
+    m, r = _module_pair(gqa)
+    x = torch.randn(2, 11, 32)
+    seg = torch.tensor([[0] * 4 + [1] * 7, [0] * 6 + [1] * 2 + [2] * 3])
+    got, w = m(x, segment_ids=seg, is_causal=True, need_weights=True, average_attn_weights=False)
+    exp, _ = r(x, segment_ids=seg, is_causal=True)
+    torch.testing.assert_close(got, exp, atol=1e-5, rtol=1e-5)
+    other_doc = seg[:, None, :, None] != seg[:, None, None, :]
+    assert (w.masked_select(other_doc.expand_as(w)) == 0).all()
+    same, _ = m(x, segment_ids=(seg, seg), is_causal=True)
+    as_mask, _ = m(x, attn_mask=other_doc.expand(2, 4, 11, 11).reshape(8, 11, 11), is_causal=True)
+    torch.testing.assert_close(same, got, atol=0, rtol=0)
+    torch.testing.assert_close(as_mask, got, atol=1e-6, rtol=1e-5)
+    got.square().sum().backward()
+    exp.square().sum().backward()
+    for (name, pm), pr in zip(m.named_parameters(), r.parameters()):
+        torch.testing.assert_close(pm.grad, pr.grad, atol=1e-4, rtol=1e-4, msg=name)
+    mem = torch.randn(2, 5, 32)
+    with pytest.raises(ValueError, match="one segment_ids tensor is for self-attention"):
+        m(x, mem, mem, segment_ids=seg)
+    cross, _ = m(x, mem, mem, segment_ids=(seg, seg[:, :5]))
+    cross_exp, _ = r(x, mem, mem, segment_ids=(seg, seg[:, :5]))
+    torch.testing.assert_close(cross, cross_exp, atol=1e-5, rtol=1e-5)
+
+
+def test_module_segment_ids_compiled_training_step():
+    """A compiled (fullgraph=True, dynamic=True) training step with segment ids: no graph break,
+    and the loss and table gradients of eager."""
+    torch._dynamo.reset()
+    m = relpos_ext.nn.RelativeMultiheadAttention(32, 4, 3)
+    step = torch.compile(lambda x, s: m(x, segment_ids=s, is_causal=True)[0].square().mean(),
+                         fullgraph=True, dynamic=True)
+    for length in (9, 13):
+        x = torch.randn(2, length, 32)
+        seg = (torch.arange(length) >= length // 2).long().expand(2, length)
+        loss = step(x, seg)
+        loss.backward()
+        got = m.rel_k.grad.clone()
+        m.zero_grad()
+        exp = m(x, segment_ids=seg, is_causal=True)[0].square().mean()
+        exp.backward()
+        torch.testing.assert_close(loss, exp, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(got, m.rel_k.grad, atol=1e-6, rtol=1e-4)
+        m.zero_grad()
+
+
 def test_module_need_weights_compiled_fullgraph():
     """need_weights=True, with dropout, compiles with fullgraph=True (the mask is drawn and
     hashed in the graph); without dropout it equals eager."""
@@ -979,6 +1108,11 @@ BAD = [
     ("attn_mask shape", _bad(attn_mask=torch.zeros(5, 4, dtype=torch.bool)), r"attn_mask must be \[Lq, Lk\] or \[B or 1, H or 1, Lq, Lk\]"),
     ("attn_mask heads", _bad(attn_mask=torch.zeros(1, 3, 5, 5, dtype=torch.bool)), r"attn_mask must be \[Lq, Lk\]"),
     ("attn_mask 3-D", _bad(attn_mask=torch.zeros(2, 5, 5, dtype=torch.bool)), r"attn_mask must be \[Lq, Lk\]"),
+    ("segment ids alone", _bad(q_segment_ids=torch.zeros(2, 5, dtype=torch.int64)), r"q_segment_ids and k_segment_ids go together"),
+    ("segment ids dtype", _bad(q_segment_ids=torch.zeros(2, 5), k_segment_ids=torch.zeros(2, 5)), r"q_segment_ids must be an integer tensor"),
+    ("segment ids bool", _bad(q_segment_ids=torch.zeros(2, 5, dtype=torch.int32), k_segment_ids=torch.zeros(2, 5, dtype=torch.bool)), r"k_segment_ids must be an integer tensor"),
+    ("segment ids shape", _bad(q_segment_ids=torch.zeros(2, 5, dtype=torch.int32), k_segment_ids=torch.zeros(2, 4, dtype=torch.int32)), r"k_segment_ids must be \[B, Lk\] = \[2, 5\]"),
+    ("segment ids batch", _bad(q_segment_ids=torch.zeros(1, 5, dtype=torch.int32), k_segment_ids=torch.zeros(2, 5, dtype=torch.int32)), r"q_segment_ids must be \[B, Lq\] = \[2, 5\]"),
     ("dropout no seed", lambda: torch.ops.relpos.rel_attention.default(
         *make_inputs(CASES["basic"], torch.float32)[0], 2, False, None, 0, 0, None, 0.1, None),
      r"dropout_p > 0 needs dropout_seed"),

@@ -23,6 +23,7 @@ struct AttentionImpl {
     at::Tensor q, k, v, rel_k, rel_v, mask;  // contiguous (k, v: see kv_stride); undefined when absent
     at::Tensor attn_mask;  // [1 or B, 1 or H, Lq, Lk], contiguous; undefined when absent
     int64_t attn_mask_b_stride = 0, attn_mask_h_stride = 0;  // 0 where broadcast
+    at::Tensor q_seg, k_seg;  // [B, Lq], [B, Lk] int64, contiguous; undefined when absent
     int64_t batch, heads, kv_heads, q_len, k_len, dim;
     int64_t kv_stride;  // RelAttentionParams::kv_stride
     double scale;
@@ -54,6 +55,17 @@ struct AttentionImpl {
     return s;
   }
 
+  // Segment ids [B, len] of any integer dtype, as contiguous int64.
+  static at::Tensor segment_ids(const at::Tensor& t, int64_t batch, int64_t len, const char* name,
+                                const char* len_name) {
+    check_device<Backend>(t, name);
+    TORCH_CHECK(at::isIntegralType(t.scalar_type(), /*includeBool=*/false), name,
+                " must be an integer tensor (a segment id per position); got ", t.scalar_type());
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == batch && t.size(1) == len, name, " must be [B, ",
+                len_name, "] = [", batch, ", ", len, "]; got ", t.sizes());
+    return t.to(at::kLong).contiguous();
+  }
+
   // kv_slabs: the forward reads k and v in place when both are such slabs (slab_stride) with
   // the same stride, so a decoding step on a cache view copies nothing; otherwise (and always
   // for the backward) they are made contiguous.
@@ -62,7 +74,9 @@ struct AttentionImpl {
                        const std::optional<at::Tensor>& rel_v, int64_t max_distance,
                        std::optional<double> scale,
                        const std::optional<at::Tensor>& key_padding_mask,
-                       const std::optional<at::Tensor>& attn_mask, bool kv_slabs = false) {
+                       const std::optional<at::Tensor>& attn_mask,
+                       const std::optional<at::Tensor>& q_segment_ids,
+                       const std::optional<at::Tensor>& k_segment_ids, bool kv_slabs = false) {
     check_device<Backend>(q, "q");
     check_device<Backend>(k, "k");
     check_device<Backend>(v, "v");
@@ -108,6 +122,14 @@ struct AttentionImpl {
       c.attn_mask_b_stride = c.attn_mask.size(0) == 1 ? 0 : c.attn_mask.stride(0);
       c.attn_mask_h_stride = c.attn_mask.size(1) == 1 ? 0 : c.attn_mask.stride(1);
     }
+    TORCH_CHECK(q_segment_ids.has_value() == k_segment_ids.has_value(),
+                "q_segment_ids and k_segment_ids go together (for self-attention pass the same "
+                "[B, L] tensor twice); got only ", q_segment_ids.has_value() ? "q" : "k",
+                "_segment_ids");
+    if (q_segment_ids.has_value()) {
+      c.q_seg = segment_ids(*q_segment_ids, q.size(0), q.size(2), "q_segment_ids", "Lq");
+      c.k_seg = segment_ids(*k_segment_ids, q.size(0), k.size(2), "k_segment_ids", "Lk");
+    }
     c.q = q.contiguous();
     const int64_t slabs = kv_slabs ? slab_stride(k) : 0;
     if (slabs > 0 && slab_stride(v) == slabs) {
@@ -144,6 +166,8 @@ struct AttentionImpl {
     p.attn_mask = c.attn_mask.defined() ? static_cast<const bool*>(c.attn_mask.data_ptr()) : nullptr;
     p.attn_mask_b_stride = c.attn_mask_b_stride;
     p.attn_mask_h_stride = c.attn_mask_h_stride;
+    p.q_segment_ids = c.q_seg.defined() ? static_cast<const int64_t*>(c.q_seg.data_ptr()) : nullptr;
+    p.k_segment_ids = c.k_seg.defined() ? static_cast<const int64_t*>(c.k_seg.data_ptr()) : nullptr;
     p.batch = c.batch;
     p.heads = c.heads;
     p.kv_heads = c.kv_heads;
@@ -191,9 +215,11 @@ struct AttentionImpl {
       const std::optional<at::Tensor>& rel_k, const std::optional<at::Tensor>& rel_v,
       int64_t max_distance, bool causal, std::optional<double> scale, int64_t q_offset,
       int64_t k_offset, const std::optional<at::Tensor>& key_padding_mask, double dropout_p,
-      const std::optional<at::Tensor>& dropout_seed, const std::optional<at::Tensor>& attn_mask) {
+      const std::optional<at::Tensor>& dropout_seed, const std::optional<at::Tensor>& attn_mask,
+      const std::optional<at::Tensor>& q_segment_ids,
+      const std::optional<at::Tensor>& k_segment_ids) {
     const Checked c = check(q, k, v, rel_k, rel_v, max_distance, scale, key_padding_mask,
-                            attn_mask, /*kv_slabs=*/true);
+                            attn_mask, q_segment_ids, k_segment_ids, /*kv_slabs=*/true);
     const DropoutParams drop = dropout(dropout_p, dropout_seed);
     at::Tensor out = at::empty({c.batch, c.heads, c.q_len, c.dim}, c.q.options());
     at::Tensor lse = at::empty({c.batch, c.heads, c.q_len}, c.q.options().dtype(acc_type(c.q)));
@@ -214,9 +240,11 @@ struct AttentionImpl {
                          std::optional<double> scale, int64_t q_offset, int64_t k_offset,
                          const std::optional<at::Tensor>& key_padding_mask, double dropout_p,
                          const std::optional<at::Tensor>& dropout_seed,
-                         const std::optional<at::Tensor>& attn_mask) {
+                         const std::optional<at::Tensor>& attn_mask,
+                         const std::optional<at::Tensor>& q_segment_ids,
+                         const std::optional<at::Tensor>& k_segment_ids) {
     const Checked c = check(q, k, v, rel_k, rel_v, max_distance, scale, key_padding_mask,
-                            attn_mask);
+                            attn_mask, q_segment_ids, k_segment_ids);
     const DropoutParams drop = dropout(dropout_p, dropout_seed);
     TORCH_CHECK(grad_out.sizes() == c.q.sizes() && out.sizes() == c.q.sizes(),
                 "grad_out and out must have the shape of q ", c.q.sizes(), "; got ",

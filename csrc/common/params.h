@@ -92,6 +92,11 @@ struct RelAttentionParams {
   // A broadcast dimension has stride 0: attn_mask_hides below is the one place that reads it.
   const bool* attn_mask;
   int64_t attn_mask_b_stride, attn_mask_h_stride;
+  // [batch, q_len] and [batch, k_len] int64, both or neither: query i sees key j only when
+  // q_segment_ids[b, i] == k_segment_ids[b, j] (packed documents, O(L) where an attention mask
+  // is O(L^2)); null: none
+  const int64_t* q_segment_ids;
+  const int64_t* k_segment_ids;
   void* out;                      // [batch, heads, q_len, dim]
   void* lse;                      // [batch, heads, q_len]: float32, float64 for Float64
   int64_t batch, heads, kv_heads, q_len, k_len, dim, max_distance, q_offset, k_offset;
@@ -119,6 +124,17 @@ RELPOS_HD bool attn_mask_hides(const RelAttentionParams& p, int64_t b, int64_t h
                                 int64_t j) {
   return p.attn_mask != nullptr &&
          p.attn_mask[b * p.attn_mask_b_stride + h * p.attn_mask_h_stride + i * p.k_len + j];
+}
+
+RELPOS_HD bool segment_hides(const RelAttentionParams& p, int64_t b, int64_t i, int64_t j) {
+  return p.q_segment_ids != nullptr &&
+         p.q_segment_ids[b * p.q_len + i] != p.k_segment_ids[b * p.k_len + j];
+}
+
+// Whether the attention mask or the segment ids hide key j from query i of head h (batch b);
+// the causal limit and the key padding are checked apart.
+RELPOS_HD bool masks_hide(const RelAttentionParams& p, int64_t b, int64_t h, int64_t i, int64_t j) {
+  return attn_mask_hides(p, b, h, i, j) || segment_hides(p, b, i, j);
 }
 
 struct RelAttentionBwdParams {

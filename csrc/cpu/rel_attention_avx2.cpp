@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #include "common/dropout.h"
 #include "common/params.h"
@@ -407,6 +408,8 @@ struct Head {
   const char* rel_v;
   const bool* pad;     // key padding row of batch b, or null
   const bool* amask;   // attention mask of (b, h), [q_len, k_len] rows (broadcast resolved), or null
+  const int64_t* qseg;  // segment ids of batch b's queries [q_len] and keys [k_len], or null
+  const int64_t* kseg;
 };
 
 Head head_of(const RelAttentionParams& p, int64_t b, int64_t h) {
@@ -420,6 +423,8 @@ Head head_of(const RelAttentionParams& p, int64_t b, int64_t h) {
   hd.rel_v = p.rel_v ? static_cast<const char*>(p.rel_v) + (p.rel_v_per_head ? h * rows * p.dim * es : 0) : nullptr;
   hd.pad = p.key_padding_mask ? p.key_padding_mask + b * p.k_len : nullptr;
   hd.amask = p.attn_mask ? &p.attn_mask[b * p.attn_mask_b_stride + h * p.attn_mask_h_stride] : nullptr;
+  hd.qseg = p.q_segment_ids ? p.q_segment_ids + b * p.q_len : nullptr;
+  hd.kseg = p.k_segment_ids ? p.k_segment_ids + b * p.k_len : nullptr;
   return hd;
 }
 
@@ -460,7 +465,7 @@ RowSplit split_row(const RelAttentionParams& p, int64_t i, int64_t j0, int64_t n
 
 // Mask a row of logits for query i over keys [j0, j0 + nk): keys after the causal limit
 // (k_offset + j > q_offset + i) become -inf, and, unless the tile is clear (TileMask), padded
-// keys and keys the attention mask hides.
+// keys, keys the attention mask hides and keys of other segments.
 void mask_logits(const RelAttentionParams& p, const Head& hd, int64_t i, int64_t j0, int64_t nk,
                  bool clear, float* sr) {
   int64_t vis = nk;
@@ -476,6 +481,12 @@ void mask_logits(const RelAttentionParams& p, const Head& hd, int64_t i, int64_t
     const bool* row = hd.amask + i * p.k_len + j0;
     for (int64_t j = 0; j < vis; ++j) {
       if (row[j]) sr[j] = kNegInf;
+    }
+  }
+  if (hd.qseg != nullptr) {
+    const int64_t seg = hd.qseg[i];
+    for (int64_t j = 0; j < vis; ++j) {
+      if (hd.kseg[j0 + j] != seg) sr[j] = kNegInf;
     }
   }
 }
@@ -494,7 +505,18 @@ bool any_true(const bool* x, int64_t n) {
   return false;
 }
 
-// What the key padding and attention masks (not the causal limit) do to the query rows
+// The smallest and largest of n > 0 segment ids.
+std::pair<int64_t, int64_t> id_range(const int64_t* ids, int64_t n) {
+  int64_t lo = ids[0], hi = ids[0];
+  for (int64_t j = 1; j < n; ++j) {
+    lo = imin(lo, ids[j]);
+    hi = imax(hi, ids[j]);
+  }
+  return {lo, hi};
+}
+
+// What the key padding, the attention mask and the segments (not the causal limit) do to the
+// query rows
 // [i0, i0 + mq) over the key tile [j0, j0 + nk):
 //   kHidden: every pair hidden by one of them. The tile adds nothing (all its probabilities are
 //     0) and is skipped, so a block-sparse mask (packed documents, local windows) costs only the
@@ -520,6 +542,12 @@ TileMask tile_mask(const RelAttentionParams& p, const Head& hd, int64_t i0, int6
     }
     if (!visible) return TileMask::kHidden;
     mixed = mixed || hidden;
+  }
+  if (hd.qseg != nullptr && mq > 0) {  // from the id ranges: exact for sorted (packed) ids
+    const auto [qlo, qhi] = id_range(hd.qseg + i0, mq);
+    const auto [klo, khi] = id_range(hd.kseg + j0, nk);
+    if (qhi < klo || khi < qlo) return TileMask::kHidden;
+    mixed = mixed || !(qlo == qhi && klo == khi && qlo == klo);
   }
   return mixed ? TileMask::kMixed : TileMask::kClear;
 }

@@ -22,10 +22,11 @@
 
 namespace relpos::cpu::scalar {
 
-// Keys visible from query row i of head h: causal positions, the padding and attention masks.
+// Keys visible from query row i of head h: causal positions, the padding and attention masks,
+// the segments.
 inline bool key_visible(const RelAttentionParams& p, int64_t b, int64_t h, int64_t i, int64_t j) {
   if (p.causal && p.k_offset + j > p.q_offset + i) return false;
-  if (attn_mask_hides(p, b, h, i, j)) return false;
+  if (masks_hide(p, b, h, i, j)) return false;
   return p.key_padding_mask == nullptr || !p.key_padding_mask[b * p.k_len + j];
 }
 

@@ -72,12 +72,12 @@ RELPOS_DEVICE float log_acc(float x) { return logf(x); }
 RELPOS_DEVICE double log_acc(double x) { return log(x); }
 
 // Key j visible from query row i of head h (both in range): causal positions, the padding and
-// attention masks.
+// attention masks, the segments.
 RELPOS_DEVICE bool attn_visible(const RelAttentionParams& p, int64_t b, int64_t h, int64_t i,
                                 int64_t j) {
   if (i >= p.q_len || j >= p.k_len) return false;
   if (p.causal && p.k_offset + j > p.q_offset + i) return false;
-  if (attn_mask_hides(p, b, h, i, j)) return false;
+  if (masks_hide(p, b, h, i, j)) return false;
   return p.key_padding_mask == nullptr || !p.key_padding_mask[b * p.k_len + j];
 }
 
@@ -92,18 +92,22 @@ RELPOS_DEVICE A attn_dropout(const RelAttentionParams& p, uint32_t row_key, int6
   return dropout_kept(row_key, j, p.dropout.threshold) ? static_cast<A>(p.dropout.keep_scale) : A(0);
 }
 
-// Whether the attention mask hides every (i, j) of the rows [i0, i0 + ni) and keys [j0, j0 + nj)
-// from head h of batch b: such a tile pair adds nothing (all its probabilities are 0) and is
-// skipped, so that a block-sparse mask costs only the tiles it leaves visible. Decided by the
-// whole block (a barrier): call it from every thread, with the same arguments.
+// Whether the attention mask or the segment ids hide every (i, j) of the rows [i0, i0 + ni) and
+// keys [j0, j0 + nj) from head h of batch b: such a tile pair adds nothing (all its
+// probabilities are 0) and is skipped, so that a block-sparse mask (packed documents) costs only
+// the tiles it leaves visible. Decided by the whole block (a barrier): call it from every
+// thread, with the same arguments, when has_tile_masks(p).
 template <typename Tl>
 RELPOS_DEVICE bool attn_tile_hidden(const RelAttentionParams& p, int64_t b, int64_t h, int64_t i0,
                                     int64_t ni, int64_t j0, int64_t nj) {
   int visible = 0;
   for (int64_t idx = threadIdx.x; idx < ni * nj; idx += Tl::kThreads) {
-    visible |= !attn_mask_hides(p, b, h, i0 + idx / nj, j0 + idx % nj);
+    visible |= !masks_hide(p, b, h, i0 + idx / nj, j0 + idx % nj);
   }
   return __syncthreads_or(visible) == 0;
+}
+RELPOS_DEVICE bool has_tile_masks(const RelAttentionParams& p) {
+  return p.attn_mask != nullptr || p.q_segment_ids != nullptr;
 }
 
 // Keys a query tile [i0, i0 + nq) can see: [0, end).
@@ -326,7 +330,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
   for (int64_t t = 0; t < n_ktiles; ++t) {
     const int64_t j0 = t * Tl::kLanes, j = j0 + lane;
     const int nk = static_cast<int>(p.k_len - j0 < Tl::kLanes ? p.k_len - j0 : Tl::kLanes);
-    if (p.attn_mask != nullptr && attn_tile_hidden<Tl>(p, b, h, i0, nq, j0, nk)) continue;
+    if (has_tile_masks(p) && attn_tile_hidden<Tl>(p, b, h, i0, nq, j0, nk)) continue;
     const BucketSpan band = tile_inner_buckets(i0, nq, j0, nk, K, p.q_offset, p.k_offset);
     const int nb = static_cast<int>(band.end - band.begin);
     const bool k_band = ek != nullptr && nb > 0, v_band = ev != nullptr && nb > 0;
@@ -557,7 +561,7 @@ __device__ void bwd_dq_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws,
   for (int64_t t = 0; t < n_ktiles; ++t) {
     const int64_t j0 = t * Tl::kLanes, j = j0 + lane;
     const int nk = static_cast<int>(p.k_len - j0 < Tl::kLanes ? p.k_len - j0 : Tl::kLanes);
-    if (p.attn_mask != nullptr && attn_tile_hidden<Tl>(p, b, h, i0, nq, j0, nk)) continue;
+    if (has_tile_masks(p) && attn_tile_hidden<Tl>(p, b, h, i0, nq, j0, nk)) continue;
     const BucketSpan band = tile_inner_buckets(i0, nq, j0, nk, K, p.q_offset, p.k_offset);
     const int nb = static_cast<int>(band.end - band.begin);
     const bool k_band = ek != nullptr && nb > 0, v_band = ev != nullptr && nb > 0;
@@ -764,7 +768,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
     for (int64_t i0 = (i_first / Tl::kLanes) * Tl::kLanes; i0 < p.q_len; i0 += Tl::kLanes) {
       const int64_t i = i0 + lane;
       const int nq = static_cast<int>(p.q_len - i0 < Tl::kLanes ? p.q_len - i0 : Tl::kLanes);
-      if (p.attn_mask != nullptr && attn_tile_hidden<Tl>(p, b, h, i0, nq, j0, nk)) continue;
+      if (has_tile_masks(p) && attn_tile_hidden<Tl>(p, b, h, i0, nq, j0, nk)) continue;
       const bool valid = i < p.q_len;
       const A lse2 = valid ? static_cast<const A*>(p.lse)[bh * p.q_len + i] * A(kLog2e) : A(INFINITY);
       A row[kRowTerms];

@@ -256,11 +256,15 @@ class RelativeMultiheadAttention(nn.Module):
         dropout_p: float = 0.0,
         dropout_seed: Tensor | None = None,
         attn_mask: Tensor | None = None,
+        segment_ids: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
-        """The attention core on ``[B, H, L, D]`` heads (overridden by the reference module)."""
+        """The attention core on ``[B, H, L, D]`` heads (overridden by the reference module);
+        segment_ids: ``(q_segment_ids, k_segment_ids)`` or None."""
+        q_seg, k_seg = segment_ids if segment_ids is not None else (None, None)
         return ops.rel_attention(
             q, k, v, self.rel_k, self.rel_v, self.max_distance, causal, None, q_offset, k_offset,
             key_padding_mask, dropout_p=dropout_p, dropout_seed=dropout_seed, attn_mask=attn_mask,
+            q_segment_ids=q_seg, k_segment_ids=k_seg,
         )
 
     def forward(
@@ -276,6 +280,7 @@ class RelativeMultiheadAttention(nn.Module):
         q_offset: int = 0,
         k_offset: int = 0,
         cache: KVCache | None = None,
+        segment_ids: Tensor | tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """query ``[B, Lq, E]``, key/value ``[B, Lk, E]`` (default: query) -> ``([B, Lq, E], weights)``.
 
@@ -294,6 +299,10 @@ class RelativeMultiheadAttention(nn.Module):
         the cache and the rows attend to all of it (``key_padding_mask``, if any, is
         ``[B, cache.length]`` after the append). With ``is_causal=True``, feeding a sequence in
         pieces gives the rows of one call on the whole sequence.
+        segment_ids: integer ``[B, L]`` for self-attention on packed documents (query i sees key
+        j only when their ids are equal), or ``(q_segment_ids [B, Lq], k_segment_ids [B, Lk])``
+        (cross-attention; with ``cache``, ``Lk`` is the cache length after the append). O(L),
+        where the same pattern as ``attn_mask`` is ``[L, L]``.
         """
         if (key is None or value is None) and not self.kdim == self.vdim == self.embed_dim:
             raise ValueError(f"with kdim={self.kdim}, vdim={self.vdim} and embed_dim="
@@ -324,14 +333,20 @@ class RelativeMultiheadAttention(nn.Module):
                                      f"[{q.shape[0] * self.num_heads}, ...]; got "
                                      f"{tuple(attn_mask.shape)}")
                 attn_mask = attn_mask.view(q.shape[0], self.num_heads, *attn_mask.shape[1:])
+        if isinstance(segment_ids, Tensor):
+            if q.shape[2] != k.shape[2]:
+                raise ValueError(f"one segment_ids tensor is for self-attention (Lq = Lk); with Lq = "
+                                 f"{q.shape[2]}, Lk = {k.shape[2]} pass (q_segment_ids, "
+                                 f"k_segment_ids)")
+            segment_ids = (segment_ids, segment_ids)
         dropout_p = self.dropout if self.training else 0.0
         seed = ops._draw_dropout_seed() if dropout_p > 0 else None
         z = self.attend(q, k, v, key_padding_mask, is_causal, q_offset, k_offset, dropout_p, seed,
-                        attn_mask)
+                        attn_mask, segment_ids)
         weights = None
         if need_weights:
             weights = self.attention_weights(q, k, key_padding_mask, is_causal, q_offset, k_offset,
-                                             dropout_p, seed, attn_mask)
+                                             dropout_p, seed, attn_mask, segment_ids)
             if average_attn_weights:
                 weights = weights.mean(dim=1)
         batch, q_len = query.shape[0], query.shape[1]
@@ -348,6 +363,7 @@ class RelativeMultiheadAttention(nn.Module):
         dropout_p: float = 0.0,
         dropout_seed: Tensor | None = None,
         attn_mask: Tensor | None = None,
+        segment_ids: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """The probabilities ``[B, H, Lq, Lk]`` the attention core applies to ``q`` ``[B, H, Lq, D]``
         and ``k`` ``[B, Hkv, Lk, D]`` (dropout mask and ``1 / (1 - p)`` included), in eager
@@ -361,8 +377,9 @@ class RelativeMultiheadAttention(nn.Module):
         if self.rel_k is not None:
             logits = logits + ops.rel_logits(q.contiguous(), self.rel_k, self.max_distance, k_len,
                                              q_offset, k_offset)
+        q_seg, k_seg = segment_ids if segment_ids is not None else (None, None)
         visible = reference.visible_keys(q.shape[0], q_len, k_len, causal, q_offset, k_offset,
-                                         key_padding_mask, q.device, attn_mask)
+                                         key_padding_mask, q.device, attn_mask, q_seg, k_seg)
         logits = (logits * self.head_dim**-0.5).masked_fill(~visible, float("-inf"))
         any_visible = visible.any(-1, keepdim=True)  # rows with no visible key give 0, not NaN
         weights = torch.softmax(logits.masked_fill(~any_visible, 0.0), dim=-1) * any_visible

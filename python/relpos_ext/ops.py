@@ -286,6 +286,8 @@ def rel_attention(
     dropout_p: float = 0.0,
     dropout_seed: Tensor | None = None,
     attn_mask: Tensor | None = None,
+    q_segment_ids: Tensor | None = None,
+    k_segment_ids: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Fused Shaw et al. (2018) attention with relative key and value embeddings, O(L) memory.
 
@@ -322,6 +324,12 @@ def rel_attention(
             key j (nn.MultiheadAttention's convention, the opposite of SDPA's bool mask), on top
             of ``causal`` and ``key_padding_mask``; read tile by tile, never copied beyond
             ``contiguous()``. Any pattern: prefix-LM, packed documents, local windows.
+        q_segment_ids, k_segment_ids: integer ``[B, Lq]`` and ``[B, Lk]``, both or neither:
+            query i sees key j only when ``q_segment_ids[b, i] == k_segment_ids[b, j]``, on top
+            of the other masks. Packed documents in O(L) rather than an ``[L, L]``
+            ``attn_mask``; for self-attention pass the same tensor twice. Relative positions stay
+            those of the packed sequence, which within a document are the document's own. Key
+            tiles no query of a query tile can see are skipped (exactly so for sorted ids).
 
     Returns:
         ``out [B, H, Lq, D]`` (rows with no visible key are 0), or ``(out, lse)``.
@@ -330,7 +338,7 @@ def rel_attention(
         dropout_seed = _draw_dropout_seed()
     out, lse = torch.ops.relpos.rel_attention.default(
         q, k, v, rel_k, rel_v, max_distance, causal, scale, q_offset, k_offset, key_padding_mask,
-        dropout_p, dropout_seed, attn_mask,
+        dropout_p, dropout_seed, attn_mask, q_segment_ids, k_segment_ids,
     )
     return (out, lse) if return_lse else out
 
@@ -359,12 +367,15 @@ def rel_attention_backward(
     dropout_p: float = 0.0,
     dropout_seed: Tensor | None = None,
     attn_mask: Tensor | None = None,
+    q_segment_ids: Tensor | None = None,
+    k_segment_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """Gradients ``(dq, dk, dv, drel_k, drel_v)`` of :func:`rel_attention` (None for absent tables);
-    the masks and ``dropout_p`` / ``dropout_seed`` must be those of the forward."""
+    the masks, segment ids and ``dropout_p`` / ``dropout_seed`` must be those of the forward."""
     dq, dk, dv, drk, drv = torch.ops.relpos.rel_attention_backward.default(
         grad_out, q, k, v, rel_k, rel_v, out, lse, max_distance, causal, scale, q_offset,
-        k_offset, key_padding_mask, dropout_p, dropout_seed, attn_mask,
+        k_offset, key_padding_mask, dropout_p, dropout_seed, attn_mask, q_segment_ids,
+        k_segment_ids,
     )
     return dq, dk, dv, (drk if rel_k is not None else None), (drv if rel_v is not None else None)
 
@@ -376,7 +387,8 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 @torch.library.register_fake("relpos::rel_attention")
 def _rel_attention_fake(q, k, v, rel_k, rel_v, max_distance, causal=False, scale=None,
                         q_offset=0, k_offset=0, key_padding_mask=None, dropout_p=0.0,
-                        dropout_seed=None, attn_mask=None):
+                        dropout_seed=None, attn_mask=None, q_segment_ids=None,
+                        k_segment_ids=None):
     torch._check(q.dim() == 4 and k.dim() == 4, lambda: "q and k must be 4-D")
     torch._check(v.shape == k.shape, lambda: "v must have the shape of k")
     torch._check(k.dtype == q.dtype and v.dtype == q.dtype, lambda: "k/v dtype must match q")
@@ -392,7 +404,8 @@ def _rel_attention_fake(q, k, v, rel_k, rel_v, max_distance, causal=False, scale
 @torch.library.register_fake("relpos::rel_attention_backward")
 def _rel_attention_backward_fake(grad_out, q, k, v, rel_k, rel_v, out, lse, max_distance,
                                  causal, scale, q_offset, k_offset, key_padding_mask,
-                                 dropout_p=0.0, dropout_seed=None, attn_mask=None):
+                                 dropout_p=0.0, dropout_seed=None, attn_mask=None,
+                                 q_segment_ids=None, k_segment_ids=None):
     def like(t):
         return torch.empty_like(t, memory_format=torch.contiguous_format)
 
@@ -404,21 +417,21 @@ def _rel_attention_backward_fake(grad_out, q, k, v, rel_k, rel_v, out, lse, max_
 
 def _rel_attention_setup(ctx, inputs, output) -> None:
     (q, k, v, rel_k, rel_v, ctx.max_distance, ctx.causal, ctx.scale, ctx.q_offset, ctx.k_offset,
-     mask, ctx.dropout_p, seed, attn_mask) = inputs
+     mask, ctx.dropout_p, seed, attn_mask, q_seg, k_seg) = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, rel_k, rel_v, out, lse, mask, seed, attn_mask)
+    ctx.save_for_backward(q, k, v, rel_k, rel_v, out, lse, mask, seed, attn_mask, q_seg, k_seg)
 
 
 def _rel_attention_bwd(ctx, grad_out: Tensor, _grad_lse: Tensor | None):
     # saved_tensors gives back None for the absent tables / masks / seed
-    q, k, v, rel_k, rel_v, out, lse, mask, seed, attn_mask = ctx.saved_tensors
+    q, k, v, rel_k, rel_v, out, lse, mask, seed, attn_mask, q_seg, k_seg = ctx.saved_tensors
     dq, dk, dv, drk, drv = torch.ops.relpos.rel_attention_backward.default(
         grad_out.contiguous(), q, k, v, rel_k, rel_v, out, lse, ctx.max_distance, ctx.causal,
-        ctx.scale, ctx.q_offset, ctx.k_offset, mask, ctx.dropout_p, seed, attn_mask,
+        ctx.scale, ctx.q_offset, ctx.k_offset, mask, ctx.dropout_p, seed, attn_mask, q_seg, k_seg,
     )
     return (dq, dk, dv, drk if rel_k is not None else None, drv if rel_v is not None else None,
-            None, None, None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None, None, None, None)
 
 
 torch.library.register_autograd(

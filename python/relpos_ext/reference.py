@@ -192,10 +192,12 @@ def visible_keys(
     key_padding_mask: Tensor | None = None,
     device: torch.device | str | None = None,
     attn_mask: Tensor | None = None,
+    q_segment_ids: Tensor | None = None,
+    k_segment_ids: Tensor | None = None,
 ) -> Tensor:
     """``[B, 1 or H, Lq, Lk]`` bool: key j visible to query i (causal: ``k_offset + j <= q_offset
     + i``; key_padding_mask ``[B, Lk]`` and attn_mask ``[Lq, Lk]`` or ``[B or 1, H or 1, Lq,
-    Lk]``, True = ignore)."""
+    Lk]``, True = ignore; segment ids ``[B, Lq]`` and ``[B, Lk]``: only within a segment)."""
     visible = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
     if causal:
         pos_q = torch.arange(q_len, device=device) + q_offset
@@ -206,6 +208,10 @@ def visible_keys(
         visible = visible & ~key_padding_mask[:, None, None, :]
     if attn_mask is not None:
         visible = visible & ~attn_mask
+    if (q_segment_ids is None) != (k_segment_ids is None):
+        raise ValueError("q_segment_ids and k_segment_ids go together")
+    if q_segment_ids is not None:
+        visible = visible & (q_segment_ids[:, None, :, None] == k_segment_ids[:, None, None, :])
     return visible
 
 
@@ -241,14 +247,16 @@ def shaw_attention(
     dropout_p: float = 0.0,
     dropout_seed: int | Tensor | None = None,
     attn_mask: Tensor | None = None,
+    q_segment_ids: Tensor | None = None,
+    k_segment_ids: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Shaw et al. 2018 attention with relative keys and values, fully materialised.
 
     ``e = (q k^T + q . EK[b]) * scale``, ``p = softmax(e)``, ``z = p v + sum_j p_ij EV[b(i, j)]``.
     q: ``[B, H, Lq, D]``; k, v: ``[B, Hkv, Lk, D]`` (Hkv divides H: grouped-query attention);
     tables ``[2K+1, D]`` or ``[H, 2K+1, D]``; key_padding_mask ``[B, Lk]`` and attn_mask
-    ``[Lq, Lk]`` or ``[B or 1, H or 1, Lq, Lk]``, bool, True = ignore.
-    Causal masking keeps key j for query i iff ``k_offset + j <= q_offset + i``. Rows with no
+    ``[Lq, Lk]`` or ``[B or 1, H or 1, Lq, Lk]``, bool, True = ignore; segment ids ``[B, Lq]``
+    and ``[B, Lk]``: query i sees key j only when their ids are equal. Causal masking keeps key j for query i iff ``k_offset + j <= q_offset + i``. Rows with no
     visible key give zeros (and ``lse = +inf``). With return_lse, also returns the
     log-sum-exp of the scaled logits, ``[B, H, Lq]``. With ``dropout_p > 0`` the probabilities
     ``p`` of both terms are multiplied by ``dropout_keep(dropout_seed, ...) / (1 - p)`` (0 for
@@ -264,7 +272,7 @@ def shaw_attention(
         logits = logits + rel_logits(q, rel_k, max_distance, k_len, q_offset, k_offset)
     logits = logits * scale
     visible = visible_keys(q.shape[0], q_len, k_len, causal, q_offset, k_offset,
-                           key_padding_mask, q.device, attn_mask)
+                           key_padding_mask, q.device, attn_mask, q_segment_ids, k_segment_ids)
     logits = logits.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)
     any_visible = visible.any(-1, keepdim=True)
@@ -347,8 +355,10 @@ class RelativeMultiheadAttentionReference(_reference_module_base()):
     """
 
     def attend(self, q, k, v, key_padding_mask, causal, q_offset, k_offset, dropout_p=0.0,
-               dropout_seed=None, attn_mask=None):
+               dropout_seed=None, attn_mask=None, segment_ids=None):
+        q_seg, k_seg = segment_ids if segment_ids is not None else (None, None)
         return shaw_attention(
             q, k, v, self.rel_k, self.rel_v, self.max_distance, causal, None, q_offset, k_offset,
             key_padding_mask, dropout_p=dropout_p, dropout_seed=dropout_seed, attn_mask=attn_mask,
+            q_segment_ids=q_seg, k_segment_ids=k_seg,
         )
