@@ -491,18 +491,19 @@ void mask_logits(const RelAttentionParams& p, const Head& hd, int64_t i, int64_t
   }
 }
 
-// Whether any of n bools is true.
-bool any_true(const bool* x, int64_t n) {
+// What the n bools x hold: bit 0 set if some are false, bit 1 if some are true (a bool is the
+// byte 0 or 1). 32 at a time: tile_mask reads every byte of the attention mask a tile covers.
+int bool_kinds(const bool* x, int64_t n) {
+  const __m256i zero = _mm256_setzero_si256();
+  int kinds = 0;
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    uint64_t word;
-    std::memcpy(&word, x + j, 8);
-    if (word != 0) return true;
+  for (; j + 32 <= n && kinds != 3; j += 32) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + j));
+    const auto zeros = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(v, zero)));
+    kinds |= (zeros != 0u ? 1 : 0) | (zeros != 0xFFFFFFFFu ? 2 : 0);
   }
-  for (; j < n; ++j) {
-    if (x[j]) return true;
-  }
-  return false;
+  for (; j < n && kinds != 3; ++j) kinds |= x[j] ? 2 : 1;
+  return kinds;
 }
 
 // The smallest and largest of n > 0 segment ids.
@@ -516,8 +517,7 @@ std::pair<int64_t, int64_t> id_range(const int64_t* ids, int64_t n) {
 }
 
 // What the key padding, the attention mask and the segments (not the causal limit) do to the
-// query rows
-// [i0, i0 + mq) over the key tile [j0, j0 + nk):
+// query rows [i0, i0 + mq) over the key tile [j0, j0 + nk):
 //   kHidden: every pair hidden by one of them. The tile adds nothing (all its probabilities are
 //     0) and is skipped, so a block-sparse mask (packed documents, local windows) costs only the
 //     tiles it leaves visible;
@@ -529,19 +529,17 @@ TileMask tile_mask(const RelAttentionParams& p, const Head& hd, int64_t i0, int6
                    int64_t nk) {
   bool mixed = false;
   if (hd.pad != nullptr) {
-    const bool* pad = hd.pad + j0;
-    if (std::memchr(pad, 0, static_cast<size_t>(nk)) == nullptr) return TileMask::kHidden;
-    mixed = any_true(pad, nk);
+    const int kinds = bool_kinds(hd.pad + j0, nk);
+    if ((kinds & 1) == 0) return TileMask::kHidden;  // every key padded
+    mixed = (kinds & 2) != 0;
   }
   if (hd.amask != nullptr) {
-    bool visible = false, hidden = false;  // some pair (bool false is the byte 0) / some true
-    for (int64_t r = 0; r < mq && !(visible && hidden); ++r) {
-      const bool* row = hd.amask + (i0 + r) * p.k_len + j0;
-      visible = visible || std::memchr(row, 0, static_cast<size_t>(nk)) != nullptr;
-      hidden = hidden || any_true(row, nk);
+    int kinds = 0;
+    for (int64_t r = 0; r < mq && kinds != 3; ++r) {
+      kinds |= bool_kinds(hd.amask + (i0 + r) * p.k_len + j0, nk);
     }
-    if (!visible) return TileMask::kHidden;
-    mixed = mixed || hidden;
+    if ((kinds & 1) == 0) return TileMask::kHidden;  // no visible pair
+    mixed = mixed || (kinds & 2) != 0;
   }
   if (hd.qseg != nullptr && mq > 0) {  // from the id ranges: exact for sorted (packed) ids
     const auto [qlo, qhi] = id_range(hd.qseg + i0, mq);
