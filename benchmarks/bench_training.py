@@ -12,6 +12,8 @@ probabilities and, with ``--docs N``, a block-diagonal attention mask of N packe
 * ``ours`` -- ``relpos_ext.rel_attention(..., dropout_p=p, attn_mask=mask)``: the dropout mask
   hashed in the kernels and recomputed by the backward, never stored; key tiles the attention
   mask hides whole are skipped;
+* ``ours segments`` (with ``--docs``) -- ``ours`` with the documents given as segment ids
+  ``[1, L]`` (``q_segment_ids = k_segment_ids``) instead of the ``[L, L]`` mask;
 * ``eager`` -- ``reference.shaw_attention_gather(..., dropout_p=p, attn_mask=mask)``:
   bench_attention's (3) with ``F.dropout`` on the ``[B, H, L, L]`` probabilities;
 * ``compiled`` -- ``torch.compile(fullgraph=True)`` of that, compile time excluded;
@@ -50,7 +52,12 @@ from _common import (  # benchmarks/_common.py, beside this script
 from bench_attention import BATCH, DIM, HEADS, _child_setup, _make_inputs
 
 METHODS = ("ours p=0", "ours", "eager", "compiled", "sdpa")
-TABLES = ("ours p=0", "ours", "eager", "compiled")  # gradients w.r.t. rel_k and rel_v too
+SEGMENTS = "ours segments"  # with --docs only
+TABLES = ("ours p=0", "ours", SEGMENTS, "eager", "compiled")  # gradients w.r.t. the tables too
+
+
+def methods(docs: int) -> tuple[str, ...]:
+    return METHODS[:2] + (SEGMENTS,) + METHODS[2:] if docs else METHODS
 
 
 def doc_mask(length: int, docs: int) -> Tensor | None:
@@ -58,13 +65,23 @@ def doc_mask(length: int, docs: int) -> Tensor | None:
     docs = 0)."""
     if docs == 0:
         return None
-    doc = torch.arange(length) * docs // length
+    doc = doc_ids(length, docs)[0]
     return doc[:, None] != doc[None, :]
 
 
-def method_fn(method: str, k: int, p: float, mask: Tensor | None) -> Callable[..., Tensor]:
+def doc_ids(length: int, docs: int) -> Tensor:
+    """``[1, L]`` int64: the document of each position (`docs` of ``L / docs`` positions)."""
+    return (torch.arange(length) * max(docs, 1) // length)[None, :]
+
+
+def method_fn(method: str, k: int, p: float, mask: Tensor | None,
+              docs: int = 0) -> Callable[..., Tensor]:
     """``f(q, k, v, rel_k, rel_v) -> [B, H, L, D]`` for ``method`` with dropout ``p`` and the
-    attention mask (True = ignore)."""
+    attention mask (True = ignore), or (``ours segments``) the segment ids of `docs` documents."""
+    if method == SEGMENTS:
+        ids = doc_ids(mask.shape[-1], docs)
+        return lambda q, k_, v, rk, rv: relpos_ext.rel_attention(
+            q, k_, v, rk, rv, k, dropout_p=p, q_segment_ids=ids, k_segment_ids=ids)
     if method == "ours p=0":
         return lambda q, k_, v, rk, rv: relpos_ext.rel_attention(q, k_, v, rk, rv, k,
                                                                  attn_mask=mask)
@@ -85,7 +102,7 @@ def method_fn(method: str, k: int, p: float, mask: Tensor | None) -> Callable[..
 
 
 def _runner(method: str, length: int, k: int, p: float, docs: int) -> Callable[[], object]:
-    fn = method_fn(method, k, p, doc_mask(length, docs))
+    fn = method_fn(method, k, p, doc_mask(length, docs), docs)
     inputs, go = _make_inputs(length, k, grad=True)
     wrt = inputs if method in TABLES else inputs[:3]
     return lambda: torch.autograd.grad(fn(*inputs), wrt, go)
@@ -144,10 +161,11 @@ def main(argv: list[str] | None = None) -> int:
           f"attention mask: {f'{args.docs} packed documents' if args.docs else 'none'}; "
           "forward+backward")
     rows = []
-    print(f"{'L':>5}  " + "".join(f"{m:>12}" for m in METHODS) + "   eager/ours (pairs)")
+    names = methods(args.docs)
+    print(f"{'L':>5}  " + "".join(f"{m:>14}" for m in names) + "   eager/ours (pairs)")
     for length in args.lengths:
         row = {"L": length, "time_ms": {}, "peak_extra_mib": {}}
-        for method in METHODS:
+        for method in names:
             res = in_child(measure, method, length, k, p, args)
             row["time_ms"][method] = res.get("time_ms")
             row["peak_extra_mib"][method] = res.get("peak_extra_bytes", 0) / 2**20
@@ -157,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         row["eager_over_ours_pairs"] = pairs.get("eager_over_ours")
         ratio = statistics.median(row["eager_over_ours_pairs"]) if row["eager_over_ours_pairs"] else None
         row["eager_over_ours_median"] = ratio
-        cells = "".join(f"{row['time_ms'][m]:>12.1f}" if row["time_ms"][m] else f"{'error':>12}"
-                        for m in METHODS)
+        cells = "".join(f"{row['time_ms'][m]:>14.1f}" if row["time_ms"][m] else f"{'error':>14}"
+                        for m in names)
         print(f"{length:>5}  {cells}   {ratio:.2f}" if ratio else f"{length:>5}  {cells}", flush=True)
         rows.append(row)
     write_json({
@@ -167,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"batch": BATCH, "heads": HEADS, "dim": DIM, "dtype": "float32",
                    "max_distance": k, "dropout_p": p, "docs": args.docs, "lengths": args.lengths,
                    "rounds": args.rounds, "threads": args.threads},
-        "methods": list(METHODS), "rows": rows,
+        "methods": list(names), "rows": rows,
     }, args.out)
     return 0
 
