@@ -301,10 +301,17 @@ def random_attn_mask(case, form: str, seed: int) -> torch.Tensor:
     the first query row of every head and batch entry is hidden from all keys. "docs": [Lq, Lk]
     block diagonal (three packed documents), where the kernels skip the tiles it hides whole.
     "sparse": [B, 1, Lq, Lk] hiding one pair in 5000, so that most tiles are clear (the AVX2
-    kernels' unmasked paths) and a few mixed."""
+    kernels' unmasked paths) and a few mixed. "docs_bh": [B, H, Lq, Lk] block diagonal with 1 to
+    4 documents depending on (b, h), so that a tile is hidden, clear or mixed by head."""
     b, h, lq, lk = case[0], case[1], case[3], case[4]
-    if form == "docs":  # packed documents: three blocks on the diagonal, whole tiles hidden
-        return (torch.arange(lq)[:, None] * 3 // max(lq, 1)) != (torch.arange(lk)[None, :] * 3 // max(lk, 1))
+
+    def blocks(n):  # n packed documents: n blocks on the diagonal, whole tiles hidden
+        return (torch.arange(lq)[:, None] * n // max(lq, 1)) != (torch.arange(lk)[None, :] * n // max(lk, 1))
+
+    if form == "docs":
+        return blocks(3)
+    if form == "docs_bh":
+        return torch.stack([blocks(1 + (i * 7 + seed) % 4) for i in range(b * h)]).view(b, h, lq, lk)
     shape = {"2d": (lq, lk), "b1": (b, 1, lq, lk), "1h": (1, h, lq, lk), "bh": (b, h, lq, lk),
              "sparse": (b, 1, lq, lk)}[form]
     mask = torch.rand(shape, generator=torch.Generator().manual_seed(seed)) < (
@@ -320,7 +327,7 @@ ATTN_MASK_CASES = ["basic", "gqa", "fully_masked_rows", "tiles_causal_padding", 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("form", ["2d", "b1", "1h", "bh", "docs", "sparse"])
+@pytest.mark.parametrize("form", ["2d", "b1", "1h", "bh", "docs", "sparse", "docs_bh"])
 @pytest.mark.parametrize("name", ATTN_MASK_CASES)
 def test_rel_attention_attn_mask(backend, dtype, form, name):
     """A random attention mask in each accepted shape, on top of the case's causal limit and

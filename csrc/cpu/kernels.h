@@ -30,6 +30,17 @@ constexpr int64_t kAttentionTileK = 64;
 // instead of transposed key tiles (at L = 4096 it was faster up to 32 rows and even at 64).
 constexpr int64_t kAttentionFewQueries = 32;
 
+// What the attention mask does to each (query tile, key tile) of kAttentionTileQ x
+// kAttentionTileK, per mask slab (a [q_len, k_len] matrix of the contiguous [B or 1, H or 1,
+// q_len, k_len] mask): kTileClear (every pair visible), kTileMixed or kTileHidden (none
+// visible). Computed once per call by avx2::attn_mask_tiles, so that the kernels do not read
+// the mask bytes of every tile again for every head sharing the slab and in every pass.
+enum : uint8_t { kTileClear = 0, kTileMixed = 1, kTileHidden = 2 };
+struct AttnMaskTiles {
+  uint8_t* cls = nullptr;  // [slabs, q_tiles, k_tiles]; null when there is no attention mask
+  int64_t slabs = 0, q_tiles = 0, k_tiles = 0;
+};
+
 // How the AVX2 attention forward splits the keys of each (b, h, query tile) into chunks when
 // there are few such items (decoding a batch with few heads): each chunk keeps its own running
 // maximum m (base 2), sum l and unnormalised output acc (value term included) in the float
@@ -41,6 +52,7 @@ struct AttentionFwdSplit {
   float* m = nullptr;      // [chunks, batch, heads, q_len]
   float* l = nullptr;      // [chunks, batch, heads, q_len]
   float* acc = nullptr;    // [chunks, batch, heads, q_len, dim]
+  AttnMaskTiles mask_tiles;
 };
 
 // How the AVX2 attention backward splits the keys of a (b, kv head) into chunks, so that a batch
@@ -54,6 +66,7 @@ struct AttentionBwdSplit {
   float* dq_partial = nullptr;        // [chunks, batch, heads, q_len, dim]
   float* drel_k_partial = nullptr;    // [chunks, batch, heads, 2K+1, dim], or null
   float* drel_v_partial = nullptr;    // [chunks, batch, heads, 2K+1, dim], or null
+  AttnMaskTiles mask_tiles;
 };
 
 // Chunks of `chunk` work items of [0, items), handed out one at a time to whichever thread asks
@@ -87,7 +100,8 @@ void bucket_sum(const BucketSumParams& p, int64_t begin, int64_t end);
 //     batch * heads * ceil(q_len / kAttentionTileQ) * split.chunks;
 //   rel_attention_combine (only when split.chunks > 1): (b, h) of batch * heads;
 //   rel_attention_backward: (b, kv head, key chunk) of batch * kv_heads * split.chunks;
-//   rel_attention_backward_reduce (only when split.chunks > 1): (b, h) of batch * heads.
+//   rel_attention_backward_reduce (only when split.chunks > 1): (b, h) of batch * heads;
+//   attn_mask_tiles: (mask slab, query tile) of t.slabs * t.q_tiles, filling t.cls.
 void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, WorkQueue& work);
 void rel_attention_combine(const RelAttentionParams& p, const AttentionFwdSplit& split,
                            int64_t begin, int64_t end);
@@ -95,6 +109,8 @@ void rel_attention_backward(const RelAttentionBwdParams& p, const AttentionBwdSp
                             WorkQueue& work);
 void rel_attention_backward_reduce(const RelAttentionBwdParams& p, const AttentionBwdSplit& split,
                                    int64_t begin, int64_t end);
+void attn_mask_tiles(const RelAttentionParams& p, const AttnMaskTiles& t, int64_t begin,
+                     int64_t end);
 // 12 * iters independent 8-lane FMAs (fma_peak_avx2.cpp); returns a value of them so that none is
 // optimised away. For fma_peak_gflops (isa.h).
 float fma_spin(int64_t iters);

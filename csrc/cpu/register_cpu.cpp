@@ -153,6 +153,21 @@ struct CpuBackend {
   static constexpr int64_t kFwdTargetItems = 64;
   static constexpr int64_t kFwdMinChunkTiles = 16;
 
+  // The attention mask's tile classes (kernels.h), in a tensor kept alive by the caller.
+  static AttnMaskTiles mask_tiles(const RelAttentionParams& p, at::Tensor& storage) {
+    AttnMaskTiles t;
+    if (p.attn_mask == nullptr) return t;
+    t.slabs = (p.attn_mask_b_stride != 0 ? p.batch : 1) * (p.attn_mask_h_stride != 0 ? p.heads : 1);
+    t.q_tiles = (p.q_len + kAttentionTileQ - 1) / kAttentionTileQ;
+    t.k_tiles = (p.k_len + kAttentionTileK - 1) / kAttentionTileK;
+    storage = at::empty({t.slabs * t.q_tiles * t.k_tiles}, at::TensorOptions().dtype(at::kByte));
+    t.cls = storage.data_ptr<uint8_t>();
+    at::parallel_for(0, t.slabs * t.q_tiles, 1, [&](int64_t b, int64_t e) {
+      avx2::attn_mask_tiles(p, t, b, e);
+    });
+    return t;
+  }
+
   static void rel_attention_avx2(const RelAttentionParams& p) {
     const int64_t tiles = p.batch * p.heads * ((p.q_len + kAttentionTileQ - 1) / kAttentionTileQ);
     const int64_t k_tiles = (p.k_len + kAttentionTileK - 1) / kAttentionTileK;
@@ -175,6 +190,8 @@ struct CpuBackend {
       split.l = l.data_ptr<float>();
       split.acc = acc.data_ptr<float>();
     }
+    at::Tensor tile_classes;
+    split.mask_tiles = mask_tiles(p, tile_classes);
     const int64_t items = tiles * split.chunks;
     // about 8 chunks per thread: small enough to balance, large enough that a thread seldom
     // moves to another kv head (whose keys it then transposes again)
@@ -226,6 +243,8 @@ struct CpuBackend {
         split.drel_v_partial = rv_partial.data_ptr<float>();
       }
     }
+    at::Tensor tile_classes;
+    split.mask_tiles = mask_tiles(f, tile_classes);
     run_queue(units * split.chunks, 1, [&](WorkQueue& work) {
       avx2::rel_attention_backward(p, split, work);
     });

@@ -410,9 +410,11 @@ struct Head {
   const bool* amask;   // attention mask of (b, h), [q_len, k_len] rows (broadcast resolved), or null
   const int64_t* qseg;  // segment ids of batch b's queries [q_len] and keys [k_len], or null
   const int64_t* kseg;
+  const uint8_t* amask_tiles;  // the attention mask's tile classes of (b, h) [q_tiles, k_tiles], or null
+  int64_t k_tiles;
 };
 
-Head head_of(const RelAttentionParams& p, int64_t b, int64_t h) {
+Head head_of(const RelAttentionParams& p, int64_t b, int64_t h, const AttnMaskTiles& tiles = {}) {
   const int64_t es = elem_bytes(p.dtype), rows = num_buckets(p.max_distance);
   const int64_t kvh = b * p.kv_heads + h / (p.heads / p.kv_heads);
   Head hd;
@@ -425,6 +427,13 @@ Head head_of(const RelAttentionParams& p, int64_t b, int64_t h) {
   hd.amask = p.attn_mask ? &p.attn_mask[b * p.attn_mask_b_stride + h * p.attn_mask_h_stride] : nullptr;
   hd.qseg = p.q_segment_ids ? p.q_segment_ids + b * p.q_len : nullptr;
   hd.kseg = p.k_segment_ids ? p.k_segment_ids + b * p.k_len : nullptr;
+  hd.amask_tiles = nullptr;
+  hd.k_tiles = tiles.k_tiles;
+  if (tiles.cls != nullptr) {
+    const int64_t slab = (p.attn_mask_b_stride != 0 ? b : 0) * (p.attn_mask_h_stride != 0 ? p.heads : 1) +
+                         (p.attn_mask_h_stride != 0 ? h : 0);
+    hd.amask_tiles = tiles.cls + slab * tiles.q_tiles * tiles.k_tiles;
+  }
   return hd;
 }
 
@@ -533,7 +542,12 @@ TileMask tile_mask(const RelAttentionParams& p, const Head& hd, int64_t i0, int6
     if ((kinds & 1) == 0) return TileMask::kHidden;  // every key padded
     mixed = (kinds & 2) != 0;
   }
-  if (hd.amask != nullptr) {
+  if (hd.amask_tiles != nullptr && i0 % BQ == 0 && j0 % BK == 0 && mq == imin(BQ, p.q_len - i0) &&
+      nk == imin(BK, p.k_len - j0)) {  // a whole tile: its class, computed once per call
+    const uint8_t cls = hd.amask_tiles[(i0 / BQ) * hd.k_tiles + j0 / BK];
+    if (cls == kTileHidden) return TileMask::kHidden;
+    mixed = mixed || cls == kTileMixed;
+  } else if (hd.amask != nullptr) {
     int kinds = 0;
     for (int64_t r = 0; r < mq && kinds != 3; ++r) {
       kinds |= bool_kinds(hd.amask + (i0 + r) * p.k_len + j0, nk);
@@ -1028,7 +1042,7 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
     const int64_t h = (item / (chunks * q_tiles)) % p.heads, b = item / (chunks * q_tiles * p.heads);
     const int64_t i0 = qt * BQ, mq = imin(BQ, p.q_len - i0);
     const int64_t kb = c * chunk_keys, ke = imin(p.k_len, kb + chunk_keys);  // this item's keys
-    const Head hd = head_of(p, b, h);
+    const Head hd = head_of(p, b, h, split.mask_tiles);
     // qs = Q * scale * log2(e): S, QE and so the logits come out scaled, in base 2
     scale_copy(float_rows(p.dtype, hd.q + i0 * D * es, mq, D, qf), scale2, qs, mq * D);
     const Band band = band_of(p, i0, mq, kb, ke);
@@ -1372,7 +1386,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
     };
     // what depends on the query rows alone, once per head (not once per run)
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-      const Head hd = head_of(p, b, h);
+      const Head hd = head_of(p, b, h, split.mask_tiles);
       const int64_t bh = b * p.heads + h, g0 = (h - hk * group) * p.q_len;
       if (hd.rel_k) {
         load_row(p.dtype, hd.rel_k, ek0, D);
@@ -1414,7 +1428,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
       fill_f32(dk_run, 0.f, nrun * D);
       fill_f32(dv_run, 0.f, nrun * D);
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-        const Head hd = head_of(p, b, h);
+        const Head hd = head_of(p, b, h, split.mask_tiles);
         const int64_t bh = b * p.heads + h, g0 = (h - hk * group) * p.q_len;
         float* pk = partial_of(h, bp.drel_k_partial, split.drel_k_partial);
         float* pv = partial_of(h, bp.drel_v_partial, split.drel_v_partial);
@@ -1532,7 +1546,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
     // the clamped buckets, over all the runs: dQ += dS sums x rel_k rows 0 / 2K, drel_k rows
     // 0 / 2K += dS sums x Q, drel_v rows 0 / 2K += P sums x dO (rows without any: skipped)
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-      const Head hd = head_of(p, b, h);
+      const Head hd = head_of(p, b, h, split.mask_tiles);
       const int64_t bh = b * p.heads + h, g0 = (h - hk * group) * p.q_len;
       float* pk = partial_of(h, bp.drel_k_partial, split.drel_k_partial);
       float* pv = partial_of(h, bp.drel_v_partial, split.drel_v_partial);
@@ -1598,6 +1612,22 @@ void rel_attention_backward_reduce(const RelAttentionBwdParams& bp, const Attent
     };
     reduce(split.drel_k_partial, bp.drel_k_partial);
     reduce(split.drel_v_partial, bp.drel_v_partial);
+  }
+}
+
+// Items (mask slab, query tile): the class of each of the tile's key tiles (kernels.h).
+void attn_mask_tiles(const RelAttentionParams& p, const AttnMaskTiles& t, int64_t begin,
+                     int64_t end) {
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t slab = item / t.q_tiles, i0 = (item % t.q_tiles) * BQ;
+    const int64_t mq = imin(BQ, p.q_len - i0);
+    const bool* rows = p.attn_mask + slab * p.q_len * p.k_len + i0 * p.k_len;
+    for (int64_t kt = 0; kt < t.k_tiles; ++kt) {
+      const int64_t j0 = kt * BK, nk = imin(BK, p.k_len - j0);
+      int kinds = 0;
+      for (int64_t r = 0; r < mq && kinds != 3; ++r) kinds |= bool_kinds(rows + r * p.k_len + j0, nk);
+      t.cls[item * t.k_tiles + kt] = (kinds & 1) == 0 ? kTileHidden : (kinds & 2) != 0 ? kTileMixed : kTileClear;
+    }
   }
 }
 
