@@ -48,7 +48,8 @@ using RelAttentionSig = std::tuple<Tensor, Tensor>(
     std::optional<double> scale, c10::SymInt q_offset, c10::SymInt k_offset,
     const std::optional<Tensor>& key_padding_mask, double dropout_p,
     const std::optional<Tensor>& dropout_seed, const std::optional<Tensor>& attn_mask,
-    const std::optional<Tensor>& q_segment_ids, const std::optional<Tensor>& k_segment_ids);
+    const std::optional<Tensor>& q_segment_ids, const std::optional<Tensor>& k_segment_ids,
+    int64_t window_left, int64_t window_right);
 
 template <c10::DeviceType kDevice>
 void register_autocast(torch::Library& m) {

@@ -111,15 +111,19 @@ def _f64(x):
 
 
 def _extra_args(backend, kw):
-    """The op's trailing (dropout_p, dropout_seed, attn_mask, q_segment_ids, k_segment_ids) from
-    kw (the seed a CPU int64 tensor), as far as kw sets them."""
+    """The op's trailing (dropout_p, dropout_seed, attn_mask, q_segment_ids, k_segment_ids,
+    window_left, window_right) from kw (the seed a CPU int64 tensor), as far as kw sets them."""
     p = kw.get("dropout_p", 0.0)
     seed = torch.tensor([kw["dropout_seed"]], dtype=torch.int64) if p > 0 else None
     args = [p, seed] + [None if kw.get(n) is None else backend.tensor(kw[n])
                         for n in ("attn_mask", "q_segment_ids", "k_segment_ids")]
-    while args and args[-1] is None:
-        args.pop()
-    return tuple(args) if p > 0 or len(args) > 2 else ()
+    args += [kw.get("window_left", -1), kw.get("window_right", -1)]
+    defaults = [0.0, None, None, None, None, -1, -1]
+    n = len(args)
+    while n > 0 and (args[n - 1] is None if defaults[n - 1] is None else
+                     isinstance(args[n - 1], (int, float)) and args[n - 1] == defaults[n - 1]):
+        n -= 1
+    return tuple(args[:n])
 
 
 def _call(backend, tensors, kw):
@@ -427,6 +431,78 @@ def test_rel_attention_segment_ids_random_cases(backend, seed):
     _check_backward(backend, dtype, case, extra)
 
 
+# ------------------------------------------------------------------------------ local window
+WINDOW_CASES = ["basic", "gqa", "tiles_causal_padding", "tiles_two_sided", "unclipped_offsets_gqa",
+                "odd_D_offsets", "decode_one_row_D45", "decode_split_keys", "bwd_key_runs",
+                "tiles_uniform_padding", "L1", "no_keys"]
+# (window_left, window_right): narrow, wider than a tile on one side (whole tiles clear and
+# hidden), left only, right only
+WINDOWS = [(3, 2), (100, -1), (-1, 0), (0, 70)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+@pytest.mark.parametrize("name", WINDOW_CASES)
+def test_rel_attention_window(backend, dtype, window, name):
+    """A local window on top of the case's causal limit, offsets and padding: forward and
+    backward against the reference."""
+    _attention_backend(backend)
+    extra = dict(window_left=window[0], window_right=window[1])
+    _check_forward(backend, dtype, CASES[name], extra)
+    _check_backward(backend, dtype, CASES[name], extra)
+
+
+def _call_window(backend, tensors, kw, grad):
+    """(out, lse, grads...) of `_call` with kw's window passed positionally after the other
+    trailing arguments (None where kw has none)."""
+    q, k, v, rk, rv = (None if x is None else backend.tensor(x.detach()) for x in tensors)
+    mask = None if kw["key_padding_mask"] is None else backend.tensor(kw["key_padding_mask"])
+    am = kw.get("attn_mask")
+    trailing = (0.0, None, None if am is None else backend.tensor(am), None, None,
+                kw.get("window_left", -1), kw.get("window_right", -1))
+    head = (kw["max_distance"], kw["causal"], None, kw["q_offset"], kw["k_offset"], mask)
+    out, lse = backend.op("rel_attention")(q, k, v, rk, rv, *head, *trailing)
+    grads = backend.op("rel_attention_backward")(backend.tensor(grad), q, k, v, rk, rv, out, lse,
+                                                 *head, *trailing)
+    return (out, lse, *grads)
+
+
+@pytest.mark.parametrize("name", ["tiles_causal_padding", "decode_split_keys", "bwd_key_runs",
+                                  "tiles_uniform_padding"])
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+def test_rel_attention_window_is_its_attn_mask(backend, name, window):
+    """A window gives bitwise the outputs and gradients of the [Lq, Lk] attention mask it stands
+    for (the same tiles skipped, the same ones clear)."""
+    _attention_backend(backend)
+    tensors, kw = make_inputs(CASES[name], torch.float32)
+    lq, lk = tensors[0].shape[2], tensors[1].shape[2]
+    visible = ref.visible_keys(1, lq, lk, False, kw["q_offset"], kw["k_offset"],
+                               window_left=window[0], window_right=window[1])[0, 0]
+    grad = torch.randn(tensors[0].shape)
+    got = _call_window(backend, tensors, dict(kw, window_left=window[0], window_right=window[1]), grad)
+    want = _call_window(backend, tensors, dict(kw, attn_mask=~visible), grad)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rel_attention_window_random_cases(backend, seed):
+    """Seeded random configurations (float32 or bfloat16) with a random window, segment ids on
+    a third of them and dropout on half."""
+    _attention_backend(backend)
+    case = random_case(400 + seed)
+    r = random.Random(seed)
+    extra = dict(window_left=r.choice([-1, 0, 1, 7, 40, 64, 65]),
+                 window_right=r.choice([-1, 0, 2, 63, 100]))
+    if seed % 3 == 0:
+        extra.update(_segments(case, "packed", seed))
+    if seed % 2:
+        extra.update(dropout_p=0.2, dropout_seed=seed)
+    dtype = torch.bfloat16 if seed % 3 == 2 else torch.float32
+    _check_forward(backend, dtype, case, extra)
+    _check_backward(backend, dtype, case, extra)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rel_attention_non_contiguous_inputs(backend, dtype):
     """Strided views (q as a [B, L, H, D] buffer transposed, k / v every other column of a wider
@@ -664,7 +740,7 @@ def test_gradcheck_rel_attention(dropout_p):
         assert torch.autograd.gradcheck(fn, args), name
 
 
-@pytest.mark.parametrize("extra", ["none", "dropout", "attn_mask", "segment_ids"])
+@pytest.mark.parametrize("extra", ["none", "dropout", "attn_mask", "segment_ids", "window"])
 @pytest.mark.parametrize("requires_grad", [False, True])
 def test_opcheck_rel_attention(requires_grad, extra):
     for name in ("basic", "gqa", "only_rel_k"):
@@ -673,7 +749,8 @@ def test_opcheck_rel_attention(requires_grad, extra):
         trailing = {"none": (), "dropout": (0.25, torch.tensor([5])),
                     "attn_mask": (0.0, None, torch.eye(lq, lk, dtype=torch.bool)),
                     "segment_ids": (0.0, None, None,
-                                    *random_segment_ids(CASES[name], "random", 3))}[extra]
+                                    *random_segment_ids(CASES[name], "random", 3)),
+                "window": (0.0, None, None, None, None, 1, 2)}[extra]
         args = (*tensors, kw["max_distance"], kw["causal"], None, kw["q_offset"], kw["k_offset"],
                 kw["key_padding_mask"], *trailing)
         torch.library.opcheck(torch.ops.relpos.rel_attention.default, args)
@@ -1012,6 +1089,35 @@ def test_module_segment_ids(gqa):
     cross, _ = m(x, mem, mem, segment_ids=(seg, seg[:, :5]))
     cross_exp, _ = r(x, mem, mem, segment_ids=(seg, seg[:, :5]))
     torch.testing.assert_close(cross, cross_exp, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [(2, 0), (3, 1)])
+def test_module_window(window):
+    """window=(left, right) on the module: outputs, weights and every parameter's gradient match
+    the reference module, the weights are 0 outside the window, and the layer equals itself
+    with the window's attn_mask and no window; it compiles (fullgraph=True) to the same output."""
+    m, r = _module_pair(False)
+    for mod in (m, r):
+        mod.window = window
+    x = torch.randn(2, 11, 32)
+    got, w = m(x, is_causal=True, need_weights=True, average_attn_weights=False)
+    exp, _ = r(x, is_causal=True)
+    torch.testing.assert_close(got, exp, atol=1e-5, rtol=1e-5)
+    rel = torch.arange(11)[None, :] - torch.arange(11)[:, None]
+    outside = (rel < -window[0]) | (rel > window[1])
+    assert (w.masked_select(outside.expand_as(w)) == 0).all()
+    m.window = (-1, -1)
+    as_mask, _ = m(x, attn_mask=outside, is_causal=True)
+    m.window = window
+    torch.testing.assert_close(as_mask, got, atol=1e-6, rtol=1e-5)
+    got.square().sum().backward()
+    exp.square().sum().backward()
+    for (name, pm), pr in zip(m.named_parameters(), r.parameters()):
+        torch.testing.assert_close(pm.grad, pr.grad, atol=1e-4, rtol=1e-4, msg=name)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: m(x, is_causal=True)[0], fullgraph=True)
+    torch.testing.assert_close(compiled(x), got, atol=1e-5, rtol=1e-5)
+    assert relpos_ext.nn.RelativeMultiheadAttention(32, 4, 3, window=(5, 0)).window == (5, 0)
 
 
 def test_module_segment_ids_compiled_training_step():

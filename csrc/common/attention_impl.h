@@ -155,7 +155,8 @@ struct AttentionImpl {
   }
 
   static RelAttentionParams params(const Checked& c, int64_t max_distance, bool causal,
-                                   int64_t q_offset, int64_t k_offset) {
+                                   int64_t q_offset, int64_t k_offset, int64_t window_left,
+                                   int64_t window_right) {
     RelAttentionParams p{};
     p.q = c.q.data_ptr();
     p.k = c.k.data_ptr();
@@ -168,6 +169,8 @@ struct AttentionImpl {
     p.attn_mask_h_stride = c.attn_mask_h_stride;
     p.q_segment_ids = c.q_seg.defined() ? static_cast<const int64_t*>(c.q_seg.data_ptr()) : nullptr;
     p.k_segment_ids = c.k_seg.defined() ? static_cast<const int64_t*>(c.k_seg.data_ptr()) : nullptr;
+    p.window_left = window_left < 0 ? -1 : window_left;
+    p.window_right = window_right < 0 ? -1 : window_right;
     p.batch = c.batch;
     p.heads = c.heads;
     p.kv_heads = c.kv_heads;
@@ -217,14 +220,15 @@ struct AttentionImpl {
       int64_t k_offset, const std::optional<at::Tensor>& key_padding_mask, double dropout_p,
       const std::optional<at::Tensor>& dropout_seed, const std::optional<at::Tensor>& attn_mask,
       const std::optional<at::Tensor>& q_segment_ids,
-      const std::optional<at::Tensor>& k_segment_ids) {
+      const std::optional<at::Tensor>& k_segment_ids, int64_t window_left, int64_t window_right) {
     const Checked c = check(q, k, v, rel_k, rel_v, max_distance, scale, key_padding_mask,
                             attn_mask, q_segment_ids, k_segment_ids, /*kv_slabs=*/true);
     const DropoutParams drop = dropout(dropout_p, dropout_seed);
     at::Tensor out = at::empty({c.batch, c.heads, c.q_len, c.dim}, c.q.options());
     at::Tensor lse = at::empty({c.batch, c.heads, c.q_len}, c.q.options().dtype(acc_type(c.q)));
     if (lse.numel() == 0) return {out, lse};
-    RelAttentionParams p = params(c, max_distance, causal, q_offset, k_offset);
+    RelAttentionParams p = params(c, max_distance, causal, q_offset, k_offset, window_left,
+                                  window_right);
     p.dropout = drop;
     p.out = out.data_ptr();
     p.lse = lse.data_ptr();
@@ -242,7 +246,8 @@ struct AttentionImpl {
                          const std::optional<at::Tensor>& dropout_seed,
                          const std::optional<at::Tensor>& attn_mask,
                          const std::optional<at::Tensor>& q_segment_ids,
-                         const std::optional<at::Tensor>& k_segment_ids) {
+                         const std::optional<at::Tensor>& k_segment_ids, int64_t window_left,
+                         int64_t window_right) {
     const Checked c = check(q, k, v, rel_k, rel_v, max_distance, scale, key_padding_mask,
                             attn_mask, q_segment_ids, k_segment_ids);
     const DropoutParams drop = dropout(dropout_p, dropout_seed);
@@ -280,7 +285,7 @@ struct AttentionImpl {
     at::Tensor pv = c.rel_v.defined() ? at::zeros({c.batch, c.heads, rows, c.dim}, acc_opts) : at::Tensor();
     if (c.batch * c.heads * c.q_len * c.k_len * c.dim > 0) {
       RelAttentionBwdParams p{};
-      p.fwd = params(cu, used, causal, q_offset, k_offset);
+      p.fwd = params(cu, used, causal, q_offset, k_offset, window_left, window_right);
       p.fwd.dropout = drop;
       p.fwd.out = o.data_ptr();
       p.fwd.lse = l.data_ptr();

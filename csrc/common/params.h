@@ -97,6 +97,9 @@ struct RelAttentionParams {
   // is O(L^2)); null: none
   const int64_t* q_segment_ids;
   const int64_t* k_segment_ids;
+  // A local window: key j is visible to query i only when -window_left <= r <= window_right,
+  // r = (k_offset + j) - (q_offset + i); a negative bound is no bound.
+  int64_t window_left, window_right;
   void* out;                      // [batch, heads, q_len, dim]
   void* lse;                      // [batch, heads, q_len]: float32, float64 for Float64
   int64_t batch, heads, kv_heads, q_len, k_len, dim, max_distance, q_offset, k_offset;
@@ -131,10 +134,15 @@ RELPOS_HD bool segment_hides(const RelAttentionParams& p, int64_t b, int64_t i, 
          p.q_segment_ids[b * p.q_len + i] != p.k_segment_ids[b * p.k_len + j];
 }
 
-// Whether the attention mask or the segment ids hide key j from query i of head h (batch b);
-// the causal limit and the key padding are checked apart.
+RELPOS_HD bool window_hides(const RelAttentionParams& p, int64_t i, int64_t j) {
+  const int64_t r = (p.k_offset + j) - (p.q_offset + i);
+  return (p.window_left >= 0 && r < -p.window_left) || (p.window_right >= 0 && r > p.window_right);
+}
+
+// Whether the attention mask, the segment ids or the window hide key j from query i of head h
+// (batch b); the causal limit and the key padding are checked apart.
 RELPOS_HD bool masks_hide(const RelAttentionParams& p, int64_t b, int64_t h, int64_t i, int64_t j) {
-  return attn_mask_hides(p, b, h, i, j) || segment_hides(p, b, i, j);
+  return attn_mask_hides(p, b, h, i, j) || segment_hides(p, b, i, j) || window_hides(p, i, j);
 }
 
 struct RelAttentionBwdParams {

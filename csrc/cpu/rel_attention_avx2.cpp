@@ -474,7 +474,7 @@ RowSplit split_row(const RelAttentionParams& p, int64_t i, int64_t j0, int64_t n
 
 // Mask a row of logits for query i over keys [j0, j0 + nk): keys after the causal limit
 // (k_offset + j > q_offset + i) become -inf, and, unless the tile is clear (TileMask), padded
-// keys, keys the attention mask hides and keys of other segments.
+// keys, keys the attention mask hides, keys of other segments and keys outside the window.
 void mask_logits(const RelAttentionParams& p, const Head& hd, int64_t i, int64_t j0, int64_t nk,
                  bool clear, float* sr) {
   int64_t vis = nk;
@@ -497,6 +497,12 @@ void mask_logits(const RelAttentionParams& p, const Head& hd, int64_t i, int64_t
     for (int64_t j = 0; j < vis; ++j) {
       if (hd.kseg[j0 + j] != seg) sr[j] = kNegInf;
     }
+  }
+  const int64_t d = p.q_offset + i - p.k_offset - j0;  // the tile's key at r = 0
+  if (p.window_left >= 0) fill_f32(sr, kNegInf, iclamp(d - p.window_left, 0, vis));
+  if (p.window_right >= 0) {
+    const int64_t e = iclamp(d + p.window_right + 1, 0, vis);
+    fill_f32(sr + e, kNegInf, vis - e);
   }
 }
 
@@ -525,8 +531,8 @@ std::pair<int64_t, int64_t> id_range(const int64_t* ids, int64_t n) {
   return {lo, hi};
 }
 
-// What the key padding, the attention mask and the segments (not the causal limit) do to the
-// query rows [i0, i0 + mq) over the key tile [j0, j0 + nk):
+// What the key padding, the attention mask, the segments and the window (not the causal limit)
+// do to the query rows [i0, i0 + mq) over the key tile [j0, j0 + nk):
 //   kHidden: every pair hidden by one of them. The tile adds nothing (all its probabilities are
 //     0) and is skipped, so a block-sparse mask (packed documents, local windows) costs only the
 //     tiles it leaves visible;
@@ -560,6 +566,15 @@ TileMask tile_mask(const RelAttentionParams& p, const Head& hd, int64_t i0, int6
     const auto [klo, khi] = id_range(hd.kseg + j0, nk);
     if (qhi < klo || khi < qlo) return TileMask::kHidden;
     mixed = mixed || !(qlo == qhi && klo == khi && qlo == klo);
+  }
+  if (p.window_left >= 0 || p.window_right >= 0) {  // the tile's extreme distances r decide
+    const int64_t r_min = p.k_offset + j0 - p.q_offset - (i0 + mq - 1);
+    const int64_t r_max = p.k_offset + j0 + nk - 1 - p.q_offset - i0;
+    const bool has_l = p.window_left >= 0, has_r = p.window_right >= 0;
+    if ((has_l && r_max < -p.window_left) || (has_r && r_min > p.window_right)) {
+      return TileMask::kHidden;
+    }
+    mixed = mixed || (has_l && r_min < -p.window_left) || (has_r && r_max > p.window_right);
   }
   return mixed ? TileMask::kMixed : TileMask::kClear;
 }

@@ -23,7 +23,7 @@
 namespace relpos::cpu::scalar {
 
 // Keys visible from query row i of head h: causal positions, the padding and attention masks,
-// the segments.
+// the segments, the window.
 inline bool key_visible(const RelAttentionParams& p, int64_t b, int64_t h, int64_t i, int64_t j) {
   if (p.causal && p.k_offset + j > p.q_offset + i) return false;
   if (masks_hide(p, b, h, i, j)) return false;

@@ -72,7 +72,7 @@ RELPOS_DEVICE float log_acc(float x) { return logf(x); }
 RELPOS_DEVICE double log_acc(double x) { return log(x); }
 
 // Key j visible from query row i of head h (both in range): causal positions, the padding and
-// attention masks, the segments.
+// attention masks, the segments, the window.
 RELPOS_DEVICE bool attn_visible(const RelAttentionParams& p, int64_t b, int64_t h, int64_t i,
                                 int64_t j) {
   if (i >= p.q_len || j >= p.k_len) return false;
@@ -92,7 +92,7 @@ RELPOS_DEVICE A attn_dropout(const RelAttentionParams& p, uint32_t row_key, int6
   return dropout_kept(row_key, j, p.dropout.threshold) ? static_cast<A>(p.dropout.keep_scale) : A(0);
 }
 
-// Whether the attention mask or the segment ids hide every (i, j) of the rows [i0, i0 + ni) and
+// Whether the attention mask, the segment ids or the window hide every (i, j) of the rows [i0, i0 + ni) and
 // keys [j0, j0 + nj) from head h of batch b: such a tile pair adds nothing (all its
 // probabilities are 0) and is skipped, so that a block-sparse mask (packed documents) costs only
 // the tiles it leaves visible. Decided by the whole block (a barrier): call it from every
@@ -107,7 +107,8 @@ RELPOS_DEVICE bool attn_tile_hidden(const RelAttentionParams& p, int64_t b, int6
   return __syncthreads_or(visible) == 0;
 }
 RELPOS_DEVICE bool has_tile_masks(const RelAttentionParams& p) {
-  return p.attn_mask != nullptr || p.q_segment_ids != nullptr;
+  return p.attn_mask != nullptr || p.q_segment_ids != nullptr || p.window_left >= 0 ||
+         p.window_right >= 0;
 }
 
 // Keys a query tile [i0, i0 + nq) can see: [0, end).

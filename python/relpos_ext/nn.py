@@ -192,6 +192,10 @@ class RelativeMultiheadAttention(nn.Module):
             torch's default generator; off in ``eval()``.
         device, dtype: where and in what dtype the parameters are made, as in
             nn.MultiheadAttention (e.g. ``device="cuda", dtype=torch.bfloat16``).
+        window: ``(left, right)``: local attention, query i sees only the keys at relative
+            positions ``-left <= r <= right`` (``rel_attention``'s ``window_left`` /
+            ``window_right``; -1 leaves a side unbounded). With ``is_causal``, ``(w - 1, 0)``
+            is a sliding window of w positions. Default: none.
     """
 
     def __init__(
@@ -210,12 +214,14 @@ class RelativeMultiheadAttention(nn.Module):
         dropout: float = 0.0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        window: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         if not 0.0 <= dropout <= 1.0:
             raise ValueError(f"dropout must be in [0, 1], got {dropout}")
         self.dropout = dropout
+        self.window = (-1, -1) if window is None else (int(window[0]), int(window[1]))
         if not batch_first:
             raise ValueError("RelativeMultiheadAttention supports batch_first=True only")
         if embed_dim % num_heads != 0:
@@ -264,7 +270,8 @@ class RelativeMultiheadAttention(nn.Module):
         return ops.rel_attention(
             q, k, v, self.rel_k, self.rel_v, self.max_distance, causal, None, q_offset, k_offset,
             key_padding_mask, dropout_p=dropout_p, dropout_seed=dropout_seed, attn_mask=attn_mask,
-            q_segment_ids=q_seg, k_segment_ids=k_seg,
+            q_segment_ids=q_seg, k_segment_ids=k_seg, window_left=self.window[0],
+            window_right=self.window[1],
         )
 
     def forward(
@@ -379,7 +386,8 @@ class RelativeMultiheadAttention(nn.Module):
                                              q_offset, k_offset)
         q_seg, k_seg = segment_ids if segment_ids is not None else (None, None)
         visible = reference.visible_keys(q.shape[0], q_len, k_len, causal, q_offset, k_offset,
-                                         key_padding_mask, q.device, attn_mask, q_seg, k_seg)
+                                         key_padding_mask, q.device, attn_mask, q_seg, k_seg,
+                                         *self.window)
         logits = (logits * self.head_dim**-0.5).masked_fill(~visible, float("-inf"))
         any_visible = visible.any(-1, keepdim=True)  # rows with no visible key give 0, not NaN
         weights = torch.softmax(logits.masked_fill(~any_visible, 0.0), dim=-1) * any_visible

@@ -288,6 +288,8 @@ def rel_attention(
     attn_mask: Tensor | None = None,
     q_segment_ids: Tensor | None = None,
     k_segment_ids: Tensor | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Fused Shaw et al. (2018) attention with relative key and value embeddings, O(L) memory.
 
@@ -330,6 +332,12 @@ def rel_attention(
             ``attn_mask``; for self-attention pass the same tensor twice. Relative positions stay
             those of the packed sequence, which within a document are the document's own. Key
             tiles no query of a query tile can see are skipped (exactly so for sorted ids).
+        window_left, window_right: a local (sliding) window: key j is visible to query i only
+            when ``-window_left <= r <= window_right``, ``r = (k_offset + j) - (q_offset + i)``
+            (flash-attention's ``window_size``); -1 leaves that side unbounded. With ``causal``,
+            ``window_left = w - 1`` keeps the last w positions (Mistral's sliding window). Key
+            tiles wholly outside the window are skipped, so the cost grows with L times the
+            window, not L^2.
 
     Returns:
         ``out [B, H, Lq, D]`` (rows with no visible key are 0), or ``(out, lse)``.
@@ -338,7 +346,8 @@ def rel_attention(
         dropout_seed = _draw_dropout_seed()
     out, lse = torch.ops.relpos.rel_attention.default(
         q, k, v, rel_k, rel_v, max_distance, causal, scale, q_offset, k_offset, key_padding_mask,
-        dropout_p, dropout_seed, attn_mask, q_segment_ids, k_segment_ids,
+        dropout_p, dropout_seed, attn_mask, q_segment_ids, k_segment_ids, window_left,
+        window_right,
     )
     return (out, lse) if return_lse else out
 
@@ -369,13 +378,16 @@ def rel_attention_backward(
     attn_mask: Tensor | None = None,
     q_segment_ids: Tensor | None = None,
     k_segment_ids: Tensor | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """Gradients ``(dq, dk, dv, drel_k, drel_v)`` of :func:`rel_attention` (None for absent tables);
-    the masks, segment ids and ``dropout_p`` / ``dropout_seed`` must be those of the forward."""
+    the masks, segment ids, window and ``dropout_p`` / ``dropout_seed`` must be those of the
+    forward."""
     dq, dk, dv, drk, drv = torch.ops.relpos.rel_attention_backward.default(
         grad_out, q, k, v, rel_k, rel_v, out, lse, max_distance, causal, scale, q_offset,
         k_offset, key_padding_mask, dropout_p, dropout_seed, attn_mask, q_segment_ids,
-        k_segment_ids,
+        k_segment_ids, window_left, window_right,
     )
     return dq, dk, dv, (drk if rel_k is not None else None), (drv if rel_v is not None else None)
 
@@ -388,7 +400,7 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 def _rel_attention_fake(q, k, v, rel_k, rel_v, max_distance, causal=False, scale=None,
                         q_offset=0, k_offset=0, key_padding_mask=None, dropout_p=0.0,
                         dropout_seed=None, attn_mask=None, q_segment_ids=None,
-                        k_segment_ids=None):
+                        k_segment_ids=None, window_left=-1, window_right=-1):
     torch._check(q.dim() == 4 and k.dim() == 4, lambda: "q and k must be 4-D")
     torch._check(v.shape == k.shape, lambda: "v must have the shape of k")
     torch._check(k.dtype == q.dtype and v.dtype == q.dtype, lambda: "k/v dtype must match q")
@@ -405,7 +417,8 @@ def _rel_attention_fake(q, k, v, rel_k, rel_v, max_distance, causal=False, scale
 def _rel_attention_backward_fake(grad_out, q, k, v, rel_k, rel_v, out, lse, max_distance,
                                  causal, scale, q_offset, k_offset, key_padding_mask,
                                  dropout_p=0.0, dropout_seed=None, attn_mask=None,
-                                 q_segment_ids=None, k_segment_ids=None):
+                                 q_segment_ids=None, k_segment_ids=None, window_left=-1,
+                                 window_right=-1):
     def like(t):
         return torch.empty_like(t, memory_format=torch.contiguous_format)
 
@@ -417,7 +430,7 @@ def _rel_attention_backward_fake(grad_out, q, k, v, rel_k, rel_v, out, lse, max_
 
 def _rel_attention_setup(ctx, inputs, output) -> None:
     (q, k, v, rel_k, rel_v, ctx.max_distance, ctx.causal, ctx.scale, ctx.q_offset, ctx.k_offset,
-     mask, ctx.dropout_p, seed, attn_mask, q_seg, k_seg) = inputs
+     mask, ctx.dropout_p, seed, attn_mask, q_seg, k_seg, ctx.window_left, ctx.window_right) = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, rel_k, rel_v, out, lse, mask, seed, attn_mask, q_seg, k_seg)
@@ -429,9 +442,10 @@ def _rel_attention_bwd(ctx, grad_out: Tensor, _grad_lse: Tensor | None):
     dq, dk, dv, drk, drv = torch.ops.relpos.rel_attention_backward.default(
         grad_out.contiguous(), q, k, v, rel_k, rel_v, out, lse, ctx.max_distance, ctx.causal,
         ctx.scale, ctx.q_offset, ctx.k_offset, mask, ctx.dropout_p, seed, attn_mask, q_seg, k_seg,
+        ctx.window_left, ctx.window_right,
     )
     return (dq, dk, dv, drk if rel_k is not None else None, drv if rel_v is not None else None,
-            None, None, None, None, None, None, None, None, None, None, None)
+            *([None] * 13))
 
 
 torch.library.register_autograd(

@@ -194,15 +194,22 @@ def visible_keys(
     attn_mask: Tensor | None = None,
     q_segment_ids: Tensor | None = None,
     k_segment_ids: Tensor | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> Tensor:
     """``[B, 1 or H, Lq, Lk]`` bool: key j visible to query i (causal: ``k_offset + j <= q_offset
     + i``; key_padding_mask ``[B, Lk]`` and attn_mask ``[Lq, Lk]`` or ``[B or 1, H or 1, Lq,
-    Lk]``, True = ignore; segment ids ``[B, Lq]`` and ``[B, Lk]``: only within a segment)."""
+    Lk]``, True = ignore; segment ids ``[B, Lq]`` and ``[B, Lk]``: only within a segment; a
+    window: only ``-window_left <= r <= window_right`` where a bound is >= 0)."""
+    r = ((torch.arange(k_len, device=device) + k_offset)[None, :]
+         - (torch.arange(q_len, device=device) + q_offset)[:, None])
     visible = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
     if causal:
-        pos_q = torch.arange(q_len, device=device) + q_offset
-        pos_k = torch.arange(k_len, device=device) + k_offset
-        visible = pos_k[None, :] <= pos_q[:, None]
+        visible = r <= 0
+    if window_left >= 0:
+        visible = visible & (r >= -window_left)
+    if window_right >= 0:
+        visible = visible & (r <= window_right)
     visible = visible.expand(batch, 1, q_len, k_len)
     if key_padding_mask is not None:
         visible = visible & ~key_padding_mask[:, None, None, :]
@@ -249,6 +256,8 @@ def shaw_attention(
     attn_mask: Tensor | None = None,
     q_segment_ids: Tensor | None = None,
     k_segment_ids: Tensor | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Shaw et al. 2018 attention with relative keys and values, fully materialised.
 
@@ -256,7 +265,8 @@ def shaw_attention(
     q: ``[B, H, Lq, D]``; k, v: ``[B, Hkv, Lk, D]`` (Hkv divides H: grouped-query attention);
     tables ``[2K+1, D]`` or ``[H, 2K+1, D]``; key_padding_mask ``[B, Lk]`` and attn_mask
     ``[Lq, Lk]`` or ``[B or 1, H or 1, Lq, Lk]``, bool, True = ignore; segment ids ``[B, Lq]``
-    and ``[B, Lk]``: query i sees key j only when their ids are equal. Causal masking keeps key j for query i iff ``k_offset + j <= q_offset + i``. Rows with no
+    and ``[B, Lk]``: query i sees key j only when their ids are equal; a window keeps only
+    ``-window_left <= r <= window_right`` (a negative bound: none). Causal masking keeps key j for query i iff ``k_offset + j <= q_offset + i``. Rows with no
     visible key give zeros (and ``lse = +inf``). With return_lse, also returns the
     log-sum-exp of the scaled logits, ``[B, H, Lq]``. With ``dropout_p > 0`` the probabilities
     ``p`` of both terms are multiplied by ``dropout_keep(dropout_seed, ...) / (1 - p)`` (0 for
@@ -272,7 +282,8 @@ def shaw_attention(
         logits = logits + rel_logits(q, rel_k, max_distance, k_len, q_offset, k_offset)
     logits = logits * scale
     visible = visible_keys(q.shape[0], q_len, k_len, causal, q_offset, k_offset,
-                           key_padding_mask, q.device, attn_mask, q_segment_ids, k_segment_ids)
+                           key_padding_mask, q.device, attn_mask, q_segment_ids, k_segment_ids,
+                           window_left, window_right)
     logits = logits.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)
     any_visible = visible.any(-1, keepdim=True)
@@ -360,5 +371,6 @@ class RelativeMultiheadAttentionReference(_reference_module_base()):
         return shaw_attention(
             q, k, v, self.rel_k, self.rel_v, self.max_distance, causal, None, q_offset, k_offset,
             key_padding_mask, dropout_p=dropout_p, dropout_seed=dropout_seed, attn_mask=attn_mask,
-            q_segment_ids=q_seg, k_segment_ids=k_seg,
+            q_segment_ids=q_seg, k_segment_ids=k_seg, window_left=self.window[0],
+            window_right=self.window[1],
         )
