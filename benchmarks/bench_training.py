@@ -5,7 +5,8 @@ For ``q, k, v [B=1, H=8, L, D=64]`` and shared tables ``rel_k, rel_v [2K+1, D]``
 ``bench_attention.py``), the time of one forward+backward (gradients w.r.t. ``q, k, v`` and, where
 there are tables, ``rel_k, rel_v``) with dropout ``p`` (``--dropout``, default 0.1) on the
 probabilities and, with ``--docs N``, a block-diagonal attention mask of N packed documents of
-``L / N`` positions (True = ignore), of:
+``L / N`` positions (True = ignore) and, with ``--window W``, a local window ``|r| <= W`` (given
+to ours as ``window_left = window_right = W``, to the others as an ``[L, L]`` mask), of:
 
 * ``ours p=0`` -- ``relpos_ext.rel_attention`` with the mask and without dropout (what dropout
   costs on top);
@@ -74,20 +75,31 @@ def doc_ids(length: int, docs: int) -> Tensor:
     return (torch.arange(length) * max(docs, 1) // length)[None, :]
 
 
-def method_fn(method: str, k: int, p: float, mask: Tensor | None,
-              docs: int = 0) -> Callable[..., Tensor]:
+def window_mask(length: int, window: int) -> Tensor:
+    """``[L, L]`` bool, True = ignore: the keys farther than `window` positions away."""
+    r = torch.arange(length)[None, :] - torch.arange(length)[:, None]
+    return r.abs() > window
+
+
+def method_fn(method: str, k: int, p: float, mask: Tensor | None, docs: int = 0,
+              window: int = -1, length: int = 0) -> Callable[..., Tensor]:
     """``f(q, k, v, rel_k, rel_v) -> [B, H, L, D]`` for ``method`` with dropout ``p`` and the
-    attention mask (True = ignore), or (``ours segments``) the segment ids of `docs` documents."""
+    attention mask of the documents (True = ignore), or (``ours segments``) their segment ids,
+    and the window (ours: ``window_left = window_right = window``, the others: its mask)."""
+    win = dict(window_left=window, window_right=window)
     if method == SEGMENTS:
-        ids = doc_ids(mask.shape[-1], docs)
+        ids = doc_ids(length, docs)
         return lambda q, k_, v, rk, rv: relpos_ext.rel_attention(
-            q, k_, v, rk, rv, k, dropout_p=p, q_segment_ids=ids, k_segment_ids=ids)
+            q, k_, v, rk, rv, k, dropout_p=p, q_segment_ids=ids, k_segment_ids=ids, **win)
     if method == "ours p=0":
         return lambda q, k_, v, rk, rv: relpos_ext.rel_attention(q, k_, v, rk, rv, k,
-                                                                 attn_mask=mask)
+                                                                 attn_mask=mask, **win)
     if method == "ours":
         return lambda q, k_, v, rk, rv: relpos_ext.rel_attention(q, k_, v, rk, rv, k, dropout_p=p,
-                                                                 attn_mask=mask)
+                                                                 attn_mask=mask, **win)
+    if window >= 0:  # the others take the window as a mask
+        wmask = window_mask(length, window)
+        mask = wmask if mask is None else mask | wmask
     if method == "eager":
         return lambda q, k_, v, rk, rv: shaw_attention_gather(q, k_, v, rk, rv, k, dropout_p=p,
                                                               attn_mask=mask)
@@ -101,8 +113,9 @@ def method_fn(method: str, k: int, p: float, mask: Tensor | None,
     raise ValueError(f"unknown method {method!r}")
 
 
-def _runner(method: str, length: int, k: int, p: float, docs: int) -> Callable[[], object]:
-    fn = method_fn(method, k, p, doc_mask(length, docs), docs)
+def _runner(method: str, length: int, k: int, p: float, docs: int,
+            window: int = -1) -> Callable[[], object]:
+    fn = method_fn(method, k, p, doc_mask(length, docs), docs, window, length)
     inputs, go = _make_inputs(length, k, grad=True)
     wrt = inputs if method in TABLES else inputs[:3]
     return lambda: torch.autograd.grad(fn(*inputs), wrt, go)
@@ -111,7 +124,7 @@ def _runner(method: str, length: int, k: int, p: float, docs: int) -> Callable[[
 def measure(method: str, length: int, k: int, p: float, args: argparse.Namespace) -> dict:
     """Runs in a forked child: the warm-up (compiling, for `compiled`), then time and memory."""
     _child_setup(args.threads, compiles=method == "compiled")
-    run = _runner(method, length, k, p, args.docs)
+    run = _runner(method, length, k, p, args.docs, args.window)
     run()
     return measure_call(run, args, trim=True)
 
@@ -119,7 +132,7 @@ def measure(method: str, length: int, k: int, p: float, args: argparse.Namespace
 def paired_rounds(length: int, k: int, p: float, args: argparse.Namespace) -> dict:
     """Runs in a forked child: `args.rounds` interleaved timings of ours and eager; the ratios."""
     _child_setup(args.threads, compiles=False)
-    runs = {m: _runner(m, length, k, p, args.docs) for m in ("ours", "eager")}
+    runs = {m: _runner(m, length, k, p, args.docs, args.window) for m in ("ours", "eager")}
     for run in runs.values():
         run()
     ratios = []
@@ -141,13 +154,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.1, help="dropout_p (default 0.1)")
     p.add_argument("--docs", type=int, default=0,
                    help="attention mask of this many packed documents (default 0: no mask)")
+    p.add_argument("--window", type=int, default=-1,
+                   help="local window |r| <= W (default -1: none)")
     p.add_argument("--rounds", type=int, default=5,
                    help="interleaved ours/eager pairs per L for the median ratio (default 5)")
     add_common_args(p, RESULTS / "bench_training.json", rep_budget_s=10.0)
     args = p.parse_args(argv)
     if args.out == RESULTS / "bench_training.json":  # bench_training_<what>.json
         what = ([f"dropout{args.dropout:g}"] if args.dropout else []) + (
-            [f"docs{args.docs}"] if args.docs else [])
+            [f"docs{args.docs}"] if args.docs else []) + (
+            [f"window{args.window}"] if args.window >= 0 else [])
         args.out = RESULTS / f"bench_training_{'_'.join(what) or 'plain'}.json"
     return args
 
@@ -158,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     info, mach = print_environment(args.threads)
     k, p = args.max_distance, args.dropout
     print(f"shape: B={BATCH} H={HEADS} D={DIM} Lq=Lk=L, K={k}, float32, dropout_p={p}, "
-          f"attention mask: {f'{args.docs} packed documents' if args.docs else 'none'}; "
+          f"attention mask: {f'{args.docs} packed documents' if args.docs else 'none'}, "
+          f"window: {args.window if args.window >= 0 else 'none'}; "
           "forward+backward")
     rows = []
     names = methods(args.docs)
@@ -183,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "bench_training", "timestamp": timestamp(), "torch_version": torch.__version__,
         "build_info": info, "machine": mach,
         "config": {"batch": BATCH, "heads": HEADS, "dim": DIM, "dtype": "float32",
-                   "max_distance": k, "dropout_p": p, "docs": args.docs, "lengths": args.lengths,
+                   "max_distance": k, "dropout_p": p, "docs": args.docs, "window": args.window,
+                   "lengths": args.lengths,
                    "rounds": args.rounds, "threads": args.threads},
         "methods": list(names), "rows": rows,
     }, args.out)
