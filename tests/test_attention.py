@@ -452,6 +452,19 @@ def test_rel_attention_window(backend, dtype, window, name):
     _check_backward(backend, dtype, CASES[name], extra)
 
 
+def test_rel_attention_window_tile_edges(backend):
+    """Every window bound from 0 to 65 on each side, alone, so that the first and last visible
+    keys of a query tile (and the first and last query rows of a key tile) fall on every
+    position relative to the kernels' tiles of 16, 32 and 64: forward and backward against the
+    reference (two query tiles of the AVX2 kernels, three key tiles)."""
+    _attention_backend(backend)
+    case = (1, 2, 1, 70, 150, 8, 3, 0, 0, False, False, False, True, True)
+    for w in range(66):
+        for extra in (dict(window_left=w), dict(window_right=w)):
+            _check_forward(backend, torch.float32, case, extra)
+            _check_backward(backend, torch.float32, case, extra)
+
+
 def _call_window(backend, tensors, kw, grad):
     """(out, lse, grads...) of `_call` with kw's window passed positionally after the other
     trailing arguments (None where kw has none)."""

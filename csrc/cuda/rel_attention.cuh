@@ -112,10 +112,20 @@ RELPOS_DEVICE bool has_tile_masks(const RelAttentionParams& p) {
 }
 
 // Keys a query tile [i0, i0 + nq) can see: [0, end).
+// [attn_key_begin, attn_key_end): the causal limit and the window bound them.
 RELPOS_DEVICE int64_t attn_key_end(const RelAttentionParams& p, int64_t i0, int64_t nq) {
-  if (!p.causal) return p.k_len;
-  const int64_t e = p.q_offset + i0 + nq - p.k_offset;  // keys j <= q_offset + i_last - k_offset
+  int64_t e = p.k_len;
+  if (p.causal) e = p.q_offset + i0 + nq - p.k_offset;  // keys j <= q_offset + i_last - k_offset
+  if (p.window_right >= 0) {  // r <= window_right for the last row
+    const int64_t w = p.q_offset + i0 + nq - p.k_offset + p.window_right;
+    e = w < e ? w : e;
+  }
   return e < 0 ? 0 : (e > p.k_len ? p.k_len : e);
+}
+RELPOS_DEVICE int64_t attn_key_begin(const RelAttentionParams& p, int64_t i0) {
+  if (p.window_left < 0) return 0;
+  const int64_t b = p.q_offset + i0 - p.k_offset - p.window_left;  // r >= -window_left for row i0
+  return b < 0 ? 0 : (b > p.k_len ? p.k_len : b);
 }
 
 // Row of the staged band for (i, j), clamped into the band so that every lane reads valid memory
@@ -328,7 +338,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
   }
 
   const int64_t n_ktiles = (attn_key_end(p, i0, nq) + Tl::kLanes - 1) / Tl::kLanes;
-  for (int64_t t = 0; t < n_ktiles; ++t) {
+  for (int64_t t = attn_key_begin(p, i0) / Tl::kLanes; t < n_ktiles; ++t) {
     const int64_t j0 = t * Tl::kLanes, j = j0 + lane;
     const int nk = static_cast<int>(p.k_len - j0 < Tl::kLanes ? p.k_len - j0 : Tl::kLanes);
     if (has_tile_masks(p) && attn_tile_hidden<Tl>(p, b, h, i0, nq, j0, nk)) continue;
@@ -559,7 +569,7 @@ __device__ void bwd_dq_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws,
   }
 
   const int64_t n_ktiles = (attn_key_end(p, i0, nq) + Tl::kLanes - 1) / Tl::kLanes;
-  for (int64_t t = 0; t < n_ktiles; ++t) {
+  for (int64_t t = attn_key_begin(p, i0) / Tl::kLanes; t < n_ktiles; ++t) {
     const int64_t j0 = t * Tl::kLanes, j = j0 + lane;
     const int nk = static_cast<int>(p.k_len - j0 < Tl::kLanes ? p.k_len - j0 : Tl::kLanes);
     if (has_tile_masks(p) && attn_tile_hidden<Tl>(p, b, h, i0, nq, j0, nk)) continue;
@@ -754,9 +764,17 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
     for (int c = 0; c < C; ++c) dk[rr][c] = dv[rr][c] = 0;
   }
 
-  // Query rows that can see a key of this tile: i >= k_offset + j0 - q_offset when causal.
-  int64_t i_first = 0;
+  // Query rows that can see a key of this tile, [i_first, i_end): i >= k_offset + j0 - q_offset
+  // when causal, i >= k_offset + j0 - q_offset - window_right and i <= k_offset + j_last -
+  // q_offset + window_left with a window.
+  int64_t i_first = 0, i_end = p.q_len;
   if (p.causal) i_first = p.k_offset + j0 - p.q_offset;
+  if (p.window_right >= 0 && p.k_offset + j0 - p.q_offset - p.window_right > i_first) {
+    i_first = p.k_offset + j0 - p.q_offset - p.window_right;
+  }
+  if (p.window_left >= 0 && p.k_offset + j0 + nk - p.q_offset + p.window_left < i_end) {
+    i_end = p.k_offset + j0 + nk - p.q_offset + p.window_left;
+  }
   if (i_first < 0) i_first = 0;
   for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
     const int64_t bh = b * p.heads + h;
@@ -766,7 +784,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
                   : static_cast<const T*>(p.rel_k) + (p.rel_k_per_head ? h * table_rows * D : 0);
     const T* ev = p.rel_v == nullptr ? nullptr
                   : static_cast<const T*>(p.rel_v) + (p.rel_v_per_head ? h * table_rows * D : 0);
-    for (int64_t i0 = (i_first / Tl::kLanes) * Tl::kLanes; i0 < p.q_len; i0 += Tl::kLanes) {
+    for (int64_t i0 = (i_first / Tl::kLanes) * Tl::kLanes; i0 < i_end; i0 += Tl::kLanes) {
       const int64_t i = i0 + lane;
       const int nq = static_cast<int>(p.q_len - i0 < Tl::kLanes ? p.q_len - i0 : Tl::kLanes);
       if (has_tile_masks(p) && attn_tile_hidden<Tl>(p, b, h, i0, nq, j0, nk)) continue;
