@@ -532,7 +532,8 @@ std::pair<int64_t, int64_t> id_range(const int64_t* ids, int64_t n) {
 }
 
 // What the key padding, the attention mask, the segments and the window (not the causal limit)
-// do to the query rows [i0, i0 + mq) over the key tile [j0, j0 + nk):
+// do to the query rows [i0, i0 + mq) over the key tile [j0, j0 + nk), one of the kernels' BQ x
+// BK tiles (hd from head_of with the call's AttnMaskTiles when there is an attention mask):
 //   kHidden: every pair hidden by one of them. The tile adds nothing (all its probabilities are
 //     0) and is skipped, so a block-sparse mask (packed documents, local windows) costs only the
 //     tiles it leaves visible;
@@ -548,18 +549,10 @@ TileMask tile_mask(const RelAttentionParams& p, const Head& hd, int64_t i0, int6
     if ((kinds & 1) == 0) return TileMask::kHidden;  // every key padded
     mixed = (kinds & 2) != 0;
   }
-  if (hd.amask_tiles != nullptr && i0 % BQ == 0 && j0 % BK == 0 && mq == imin(BQ, p.q_len - i0) &&
-      nk == imin(BK, p.k_len - j0)) {  // a whole tile: its class, computed once per call
+  if (hd.amask != nullptr) {  // the tile's class, computed once per call by attn_mask_tiles
     const uint8_t cls = hd.amask_tiles[(i0 / BQ) * hd.k_tiles + j0 / BK];
     if (cls == kTileHidden) return TileMask::kHidden;
     mixed = mixed || cls == kTileMixed;
-  } else if (hd.amask != nullptr) {
-    int kinds = 0;
-    for (int64_t r = 0; r < mq && kinds != 3; ++r) {
-      kinds |= bool_kinds(hd.amask + (i0 + r) * p.k_len + j0, nk);
-    }
-    if ((kinds & 1) == 0) return TileMask::kHidden;  // no visible pair
-    mixed = mixed || (kinds & 2) != 0;
   }
   if (hd.qseg != nullptr && mq > 0) {  // from the id ranges: exact for sorted (packed) ids
     const auto [qlo, qhi] = id_range(hd.qseg + i0, mq);
