@@ -92,11 +92,11 @@ RELPOS_DEVICE A attn_dropout(const RelAttentionParams& p, uint32_t row_key, int6
   return dropout_kept(row_key, j, p.dropout.threshold) ? static_cast<A>(p.dropout.keep_scale) : A(0);
 }
 
-// Whether the attention mask, the segment ids or the window hide every (i, j) of the rows [i0, i0 + ni) and
-// keys [j0, j0 + nj) from head h of batch b: such a tile pair adds nothing (all its
-// probabilities are 0) and is skipped, so that a block-sparse mask (packed documents) costs only
-// the tiles it leaves visible. Decided by the whole block (a barrier): call it from every
-// thread, with the same arguments, when has_tile_masks(p).
+// Whether the attention mask, the segment ids or the window hide every (i, j) of the rows
+// [i0, i0 + ni) and keys [j0, j0 + nj) from head h of batch b: such a tile pair adds nothing
+// (all its probabilities are 0) and is skipped, so that a block-sparse mask (packed documents)
+// costs only the tiles it leaves visible. Decided by the whole block (a barrier): call it from
+// every thread, with the same arguments, when has_tile_masks(p).
 template <typename Tl>
 RELPOS_DEVICE bool attn_tile_hidden(const RelAttentionParams& p, int64_t b, int64_t h, int64_t i0,
                                     int64_t ni, int64_t j0, int64_t nj) {
@@ -106,9 +106,10 @@ RELPOS_DEVICE bool attn_tile_hidden(const RelAttentionParams& p, int64_t b, int6
   }
   return __syncthreads_or(visible) == 0;
 }
+// Not the window: the loops start and end at its first and last reachable tiles, and every
+// tile between has a pair inside it (the rows' windows overlap), so a vote would never skip one.
 RELPOS_DEVICE bool has_tile_masks(const RelAttentionParams& p) {
-  return p.attn_mask != nullptr || p.q_segment_ids != nullptr || p.window_left >= 0 ||
-         p.window_right >= 0;
+  return p.attn_mask != nullptr || p.q_segment_ids != nullptr;
 }
 
 // Keys a query tile [i0, i0 + nq) can see: [0, end).
