@@ -1050,8 +1050,8 @@ def test_module_need_weights(gqa, dropout):
 def test_module_attn_mask(form):
     """attn_mask as nn.MultiheadAttention takes it ([Lq, Lk] or [B * H, Lq, Lk], bool, True =
     ignore), with padding and is_causal: outputs, weights and every parameter's gradient match
-    the reference module; need_weights' rows are 0 on the masked keys. A float mask, or a 3-D
-    one of the wrong size, is refused."""
+    the reference module; need_weights' rows are 0 on the masked keys. An integer mask, or a 3-D
+    one of the wrong size, is refused (float masks: test_nn_compat.py)."""
     m, r = _module_pair(True)
     x, mem = torch.randn(2, 7, 32), torch.randn(2, 9, 32)
     kpm = torch.zeros(2, 9, dtype=torch.bool)
@@ -1069,7 +1069,7 @@ def test_module_attn_mask(form):
     for (name, pm), pr in zip(m.named_parameters(), r.parameters()):
         torch.testing.assert_close(pm.grad, pr.grad, atol=1e-4, rtol=1e-4, msg=name)
     with pytest.raises(ValueError, match="attn_mask must be bool"):
-        m(x, mem, mem, attn_mask=torch.zeros(7, 9))
+        m(x, mem, mem, attn_mask=torch.zeros(7, 9, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"a 3-D attn_mask must be \[B \* H, Lq, Lk\]"):
         m(x, mem, mem, attn_mask=torch.zeros(4, 7, 9, dtype=torch.bool))
 

@@ -20,6 +20,27 @@ def _table(
     return nn.Parameter(table * shape[-1] ** -0.5)
 
 
+def _bool_mask(mask: Tensor | None, name: str) -> Tensor | None:
+    """An nn.MultiheadAttention mask as the kernels take it: bool, True = ignore.
+
+    A float (additive) mask is taken where it only hides or keeps keys: every entry 0 or -inf,
+    as ``nn.Transformer.generate_square_subsequent_mask`` makes. Any other value would be a bias
+    the kernels do not add, so it raises (``torch._assert_async``: checked in eager and inside
+    ``torch.compile`` alike, without a graph break).
+    """
+    if mask is None or mask.dtype == torch.bool:
+        return mask
+    if not mask.is_floating_point():
+        raise ValueError(f"{name} must be bool (True = ignore) or float (0 = keep, -inf = ignore), "
+                         f"got {mask.dtype}")
+    hidden = mask == float("-inf")
+    torch._assert_async((hidden | (mask == 0)).all(),
+                        f"a float {name} must hold only 0 (keep) and -inf (ignore); additive "
+                        f"biases are not supported (for a mask of large negative values, pass "
+                        f"{name} < 0)")
+    return hidden
+
+
 class ShawRelativeAttention(nn.Module):
     """Multi-head self-attention with Shaw et al. (2018) relative key and value embeddings.
 
@@ -174,6 +195,7 @@ class RelativeMultiheadAttention(nn.Module):
     A drop-in for ``nn.MultiheadAttention(batch_first=True)`` whose attention core is
     :func:`relpos_ext.rel_attention`: O(L) memory, no ``[L, L]`` matrix, forward and backward.
     Self-attention when ``key``/``value`` are None; cross-attention (``Lq != Lk``) otherwise.
+    :meth:`from_multihead_attention` converts a trained ``nn.MultiheadAttention``.
 
     Args:
         embed_dim: model width ``E``; must be divisible by ``num_heads``.
@@ -246,6 +268,54 @@ class RelativeMultiheadAttention(nn.Module):
         self.rel_k = _table(shape, **factory) if rel_keys else None
         self.rel_v = _table(shape, **factory) if rel_values else None
 
+    @classmethod
+    def from_multihead_attention(
+        cls,
+        mha: nn.MultiheadAttention,
+        max_distance: int,
+        rel_keys: bool = True,
+        rel_values: bool = True,
+        per_head_tables: bool = False,
+        window: tuple[int, int] | None = None,
+    ) -> RelativeMultiheadAttention:
+        """A layer holding ``mha``'s projections (copied) and relative tables of zeros.
+
+        With zero tables the layer computes what ``mha`` computes, up to rounding, so relative
+        positions can be added to a trained model and learned from there. Widths (``kdim``,
+        ``vdim``), biases, dropout, device and dtype follow ``mha``. The new layer takes
+        batch-first inputs (or unbatched ones), whatever ``mha.batch_first`` was.
+
+        Args:
+            mha: the layer to convert; ``add_bias_kv`` and ``add_zero_attn`` are not supported.
+            max_distance, rel_keys, rel_values, per_head_tables, window: as in the constructor.
+        """
+        if mha.bias_k is not None or mha.bias_v is not None or mha.add_zero_attn:
+            raise ValueError("from_multihead_attention: add_bias_kv and add_zero_attn are not "
+                             "supported")
+        weight = mha.out_proj.weight
+        layer = cls(mha.embed_dim, mha.num_heads, max_distance, rel_keys=rel_keys,
+                    rel_values=rel_values, per_head_tables=per_head_tables,
+                    bias=mha.in_proj_bias is not None, kdim=mha.kdim, vdim=mha.vdim,
+                    dropout=mha.dropout, device=weight.device, dtype=weight.dtype, window=window)
+        if mha.in_proj_weight is not None:  # one packed [3E, E] weight when kdim == vdim == E
+            weights = mha.in_proj_weight.chunk(3)
+        else:
+            weights = (mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight)
+        projections = (layer.q_proj, layer.k_proj, layer.v_proj)
+        biases = (None,) * 3 if mha.in_proj_bias is None else mha.in_proj_bias.chunk(3)
+        with torch.no_grad():
+            for proj, w, b in zip(projections, weights, biases):
+                proj.weight.copy_(w)
+                if b is not None:
+                    proj.bias.copy_(b)
+            layer.out_proj.weight.copy_(weight)
+            if mha.out_proj.bias is not None:
+                layer.out_proj.bias.copy_(mha.out_proj.bias)
+            for table in (layer.rel_k, layer.rel_v):
+                if table is not None:
+                    table.zero_()
+        return layer
+
     def _heads(self, x: Tensor, heads: int) -> Tensor:
         batch, length, _ = x.shape
         return x.view(batch, length, heads, self.head_dim).transpose(1, 2)
@@ -291,10 +361,18 @@ class RelativeMultiheadAttention(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """query ``[B, Lq, E]``, key/value ``[B, Lk, E]`` (default: query) -> ``([B, Lq, E], weights)``.
 
-        key_padding_mask: ``[B, Lk]`` bool, True = ignore (as nn.MultiheadAttention).
-        attn_mask: bool ``[Lq, Lk]`` or ``[B * H, Lq, Lk]`` (nn.MultiheadAttention's shapes;
-        ``[B, H, Lq, Lk]`` too), True = query i ignores key j; float (additive) masks are not
-        supported. Read by the fused kernel, combined with ``is_causal`` and the padding.
+        Unbatched inputs, as nn.MultiheadAttention takes them: query ``[Lq, E]``, key/value
+        ``[Lk, E]``, key_padding_mask ``[Lk]``, segment ids ``[L]`` (or a pair), attn_mask
+        ``[Lq, Lk]`` or ``[H, Lq, Lk]``; the output is ``[Lq, E]`` and the weights lose their
+        batch dimension.
+
+        key_padding_mask: ``[B, Lk]``, bool (True = ignore) or float (0 = keep, -inf = ignore),
+        as nn.MultiheadAttention takes it.
+        attn_mask: ``[Lq, Lk]`` or ``[B * H, Lq, Lk]`` (nn.MultiheadAttention's shapes;
+        ``[B, H, Lq, Lk]`` too), bool (True = query i ignores key j) or float holding only 0
+        and -inf (``nn.Transformer.generate_square_subsequent_mask``); a float mask with other
+        values would be an additive bias, which is not supported and raises. Read by the fused
+        kernel, combined with ``is_causal`` and the padding.
         is_causal: key j visible to query i iff ``k_offset + j <= q_offset + i``.
         need_weights: also return the attention weights, as nn.MultiheadAttention does (after
         dropout): ``[B, Lq, Lk]`` averaged over heads, or ``[B, H, Lq, Lk]`` with
@@ -311,6 +389,13 @@ class RelativeMultiheadAttention(nn.Module):
         (cross-attention; with ``cache``, ``Lk`` is the cache length after the append). O(L),
         where the same pattern as ``attn_mask`` is ``[L, L]``.
         """
+        if query.dim() == 2:
+            return self._forward_unbatched(query, key, value, key_padding_mask, need_weights,
+                                           attn_mask, average_attn_weights, is_causal, q_offset,
+                                           k_offset, cache, segment_ids)
+        if query.dim() != 3:
+            raise ValueError(f"query must be [B, Lq, E] or unbatched [Lq, E], got "
+                             f"{tuple(query.shape)}")
         if (key is None or value is None) and not self.kdim == self.vdim == self.embed_dim:
             raise ValueError(f"with kdim={self.kdim}, vdim={self.vdim} and embed_dim="
                              f"{self.embed_dim}, key and value must both be given")
@@ -322,8 +407,8 @@ class RelativeMultiheadAttention(nn.Module):
                                  "k_offset must be 0")
         key = query if key is None else key
         value = key if value is None else value
-        if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
-            raise ValueError(f"key_padding_mask must be bool (True = ignore), got {key_padding_mask.dtype}")
+        key_padding_mask = _bool_mask(key_padding_mask, "key_padding_mask")
+        attn_mask = _bool_mask(attn_mask, "attn_mask")
         q = self._heads(self.q_proj(query), self.num_heads)
         k = self._heads(self.k_proj(key), self.num_kv_heads)
         v = self._heads(self.v_proj(value), self.num_kv_heads)
@@ -331,9 +416,6 @@ class RelativeMultiheadAttention(nn.Module):
             q_offset = cache.length  # the new rows follow the cached positions
             k, v = cache.append(k, v)
         if attn_mask is not None:
-            if attn_mask.dtype != torch.bool:
-                raise ValueError(f"attn_mask must be bool (True = ignore), got {attn_mask.dtype}: "
-                                 "additive float masks are not supported")
             if attn_mask.dim() == 3:  # nn.MultiheadAttention's [B * H, Lq, Lk]
                 if attn_mask.shape[0] != q.shape[0] * self.num_heads:
                     raise ValueError(f"a 3-D attn_mask must be [B * H, Lq, Lk] = "
@@ -358,6 +440,43 @@ class RelativeMultiheadAttention(nn.Module):
                 weights = weights.mean(dim=1)
         batch, q_len = query.shape[0], query.shape[1]
         return self.out_proj(z.transpose(1, 2).reshape(batch, q_len, self.embed_dim)), weights
+
+    def _forward_unbatched(
+        self,
+        query: Tensor,
+        key: Tensor | None,
+        value: Tensor | None,
+        key_padding_mask: Tensor | None,
+        need_weights: bool,
+        attn_mask: Tensor | None,
+        average_attn_weights: bool,
+        is_causal: bool,
+        q_offset: int,
+        k_offset: int,
+        cache: KVCache | None,
+        segment_ids: Tensor | tuple[Tensor, Tensor] | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """forward() on nn.MultiheadAttention's unbatched shapes: a batch of one, squeezed."""
+        wants = (("key", key, 2), ("value", value, 2), ("key_padding_mask", key_padding_mask, 1))
+        for name, t, dim in wants:
+            if t is not None and t.dim() != dim:
+                raise ValueError(f"with an unbatched query [Lq, E], {name} must be "
+                                 f"{'[Lk, E]' if dim == 2 else '[Lk]'}, got {tuple(t.shape)}")
+        if attn_mask is not None and attn_mask.dim() not in (2, 3):
+            raise ValueError(f"with an unbatched query, attn_mask must be [Lq, Lk] or [H, Lq, Lk], "
+                             f"got {tuple(attn_mask.shape)}")
+
+        def batch(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.unsqueeze(0)
+
+        if isinstance(segment_ids, Tensor):
+            segment_ids = batch(segment_ids)
+        elif segment_ids is not None:
+            segment_ids = (batch(segment_ids[0]), batch(segment_ids[1]))
+        out, weights = self.forward(batch(query), batch(key), batch(value), batch(key_padding_mask),
+                                    need_weights, attn_mask, average_attn_weights, is_causal,
+                                    q_offset, k_offset, cache, segment_ids)
+        return out.squeeze(0), None if weights is None else weights.squeeze(0)
 
     def attention_weights(
         self,
