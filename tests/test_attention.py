@@ -964,6 +964,84 @@ def test_module_kv_cache_bad_use():
     assert cache.length == 3
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_module_kv_cache_left_padded_batch(compiled):
+    """Batched decoding of prompts of 6, 4 and 1 tokens, padded on the left to 6: the prompt's
+    key_padding_mask is given once and the cache keeps it, so the steps pass only their rows
+    (compiled steps too). Each step equals the rows of one call on the whole sequence, and each
+    sequence's real rows equal the layer on that sequence alone, unpadded: relative positions do
+    not move when padding shifts a sequence (absolute positions would)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = relpos_ext.nn.RelativeMultiheadAttention(32, 4, 3, num_kv_heads=2).eval()
+    pads = (0, 2, 5)
+    x = torch.randn(3, 10, 32)
+    prompt_pad = torch.tensor([[j < p for j in range(6)] for p in pads])
+    whole_pad = torch.cat([prompt_pad, torch.zeros(3, 4, dtype=torch.bool)], 1)
+    cache = relpos_ext.nn.KVCache()
+    step = (torch.compile(lambda t: m(t, is_causal=True, cache=cache)[0], fullgraph=True,
+                          dynamic=True) if compiled else lambda t: m(t, is_causal=True, cache=cache)[0])
+    with torch.no_grad():
+        full, _ = m(x, key_padding_mask=whole_pad, is_causal=True)
+        outs = [m(x[:, :6], key_padding_mask=prompt_pad, is_causal=True, cache=cache)[0]]
+        outs += [step(x[:, i:i + 1]) for i in range(6, 10)]
+        assert torch.equal(cache.key_padding_mask, whole_pad)
+        got = torch.cat(outs, 1)
+        torch.testing.assert_close(got, full, atol=1e-5, rtol=1e-5)
+        for b, p in enumerate(pads):
+            alone, _ = m(x[b:b + 1, p:], is_causal=True)
+            torch.testing.assert_close(got[b:b + 1, p:], alone, atol=1e-5, rtol=1e-5)
+    cache.reset()
+    assert cache.key_padding_mask is None and cache.segment_ids is None
+
+
+def test_module_kv_cache_segment_ids():
+    """Packed sequences decoded through a cache: each call passes its new rows' segment ids, the
+    cache keeps the rest, and the pieces equal one call with the whole [B, L] ids (reference
+    module too); new rows' padding may also be given per call ([B, n])."""
+    torch.manual_seed(0)
+    m, r = _module_pair(True)
+    x = torch.randn(2, 12, 32)
+    seg = torch.tensor([[0] * 5 + [1] * 7, [0] * 2 + [1] * 6 + [2] * 4])
+    pad = torch.zeros(2, 12, dtype=torch.bool)
+    pad[1, 3] = True
+    for layer in (m, r):
+        full, _ = layer(x, key_padding_mask=pad, segment_ids=seg, is_causal=True)
+        cache = relpos_ext.nn.KVCache()
+        outs, start = [], 0
+        for n in (3, 1, 4, 1, 3):
+            outs.append(layer(x[:, start:start + n], key_padding_mask=pad[:, start:start + n],
+                              segment_ids=seg[:, start:start + n], is_causal=True, cache=cache)[0])
+            start += n
+        assert torch.equal(cache.segment_ids, seg) and torch.equal(cache.key_padding_mask, pad)
+        torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_module_kv_cache_bad_padding_and_segment_ids():
+    """Wrong widths and missing ids raise before the cache changes."""
+    m = relpos_ext.nn.RelativeMultiheadAttention(32, 4, 3)
+    x = torch.randn(2, 3, 32)
+    ids = torch.zeros(2, 3, dtype=torch.int64)
+    cache = relpos_ext.nn.KVCache()
+    m(x, is_causal=True, cache=cache)
+    cases = [
+        (dict(key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)),
+         r"key_padding_mask must be \[B, 3\] \(the new rows\) or \[B, 6\]"),
+        (dict(segment_ids=ids), r"this cache holds 3 positions without segment ids"),
+    ]
+    for kw, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            m(x, is_causal=True, cache=cache, **kw)
+        assert cache.length == 3 and cache.key_padding_mask is None and cache.segment_ids is None
+    cache.reset()
+    m(x, is_causal=True, cache=cache, segment_ids=ids)
+    with pytest.raises(ValueError, match="this cache holds segment ids: pass the new rows'"):
+        m(x, is_causal=True, cache=cache)
+    with pytest.raises(ValueError, match=r"one segment_ids tensor holds the new rows' ids, \[B, 3\]"):
+        m(x, is_causal=True, cache=cache, segment_ids=torch.zeros(2, 6, dtype=torch.int64))
+    assert cache.length == 3 and cache.segment_ids.shape == (2, 3)
+
+
 def test_module_compile_training_step():
     torch._dynamo.reset()
     torch.manual_seed(0)

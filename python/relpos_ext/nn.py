@@ -128,6 +128,11 @@ class KVCache:
     O(new rows) in copies instead of the whole cache. When gradients flow into the keys or
     values, and inside ``torch.compile``, the cache grows with ``torch.cat`` (new tensors, as
     autograd and tracing need); nothing is detached.
+
+    The cache also keeps the cached positions' key padding (:attr:`key_padding_mask`, for
+    batched decoding of prompts of different lengths, padded on the left) and segment ids
+    (:attr:`segment_ids`, packed sequences) once a call gives them, so each later call passes
+    only its new rows' (or nothing: new rows are not padding). Both ``[B, T]``, or None.
     """
 
     def __init__(self) -> None:
@@ -135,6 +140,8 @@ class KVCache:
         self.v: Tensor | None = None
         self._k_buf: Tensor | None = None  # k and v are views of these when not None
         self._v_buf: Tensor | None = None
+        self.key_padding_mask: Tensor | None = None  # [B, T] bool, True = ignore
+        self.segment_ids: Tensor | None = None  # [B, T] integers
 
     @property
     def length(self) -> int:
@@ -184,9 +191,48 @@ class KVCache:
             self.v = torch.cat([self.v, v], dim=2)
         return self.k, self.v
 
+    def padding_after(self, mask: Tensor | None, n: int) -> Tensor | None:
+        """The key padding ``[B, T + n]`` of every position once ``n`` rows are appended
+        (the cache is not changed: the layer stores the result after the append).
+
+        ``mask``: bool, True = ignore; ``[B, n]`` (the new rows), ``[B, T + n]`` (every
+        position, replacing what the cache held) or None (the new rows are not padding). None
+        while no call has given a mask.
+        """
+        t = self.length + n
+        if mask is None:
+            if self.key_padding_mask is None:
+                return None
+            mask = self.key_padding_mask.new_zeros(self.key_padding_mask.shape[0], n)
+        if mask.dim() != 2 or mask.shape[1] not in (n, t):
+            raise ValueError(f"with cache=, key_padding_mask must be [B, {n}] (the new rows) or "
+                             f"[B, {t}] (every position after the append), got {tuple(mask.shape)}")
+        if mask.shape[1] == t:
+            return mask
+        old = self.key_padding_mask
+        if old is None:
+            old = mask.new_zeros(mask.shape[0], t - n)
+        return torch.cat([old, mask], dim=1)
+
+    def segment_ids_after(self, ids: Tensor, n: int) -> Tensor:
+        """The segment ids ``[B, T + n]`` of every position once ``n`` rows with ids ``ids``
+        ``[B, n]`` are appended (the cache is not changed); the cache must have had ids since
+        its first row."""
+        if ids.dim() != 2 or ids.shape[1] != n:
+            raise ValueError(f"with cache=, one segment_ids tensor holds the new rows' ids, "
+                             f"[B, {n}]; got {tuple(ids.shape)}")
+        if self.segment_ids is None:
+            if self.length > 0:
+                raise ValueError(f"this cache holds {self.length} positions without segment ids: "
+                                 f"give segment_ids from the first call on, or pass "
+                                 f"(q_segment_ids, k_segment_ids [B, {self.length + n}])")
+            return ids
+        return torch.cat([self.segment_ids, ids], dim=1)
+
     def reset(self) -> None:
         """Forget every cached position (a new sequence)."""
         self.k = self.v = self._k_buf = self._v_buf = None
+        self.key_padding_mask = self.segment_ids = None
 
 
 class RelativeMultiheadAttention(nn.Module):
@@ -381,9 +427,12 @@ class RelativeMultiheadAttention(nn.Module):
         False skips it and returns None, which is what makes the layer O(L) in memory.
         cache: self-attention decoding (key, value None; offsets 0): the query rows are the
         positions after the ``cache.length`` cached ones; their keys and values are appended to
-        the cache and the rows attend to all of it (``key_padding_mask``, if any, is
-        ``[B, cache.length]`` after the append). With ``is_causal=True``, feeding a sequence in
-        pieces gives the rows of one call on the whole sequence.
+        the cache and the rows attend to all of it. With ``is_causal=True``, feeding a sequence
+        in pieces gives the rows of one call on the whole sequence. The cache keeps the padding
+        and segment ids it is given: ``key_padding_mask`` is then ``[B, Lq]`` for the new rows
+        (or ``[B, cache.length]`` after the append, for every position; or None once given:
+        the new rows are not padding), and one ``segment_ids`` tensor is ``[B, Lq]``, the new
+        rows' ids.
         segment_ids: integer ``[B, L]`` for self-attention on packed documents (query i sees key
         j only when their ids are equal), or ``(q_segment_ids [B, Lq], k_segment_ids [B, Lk])``
         (cross-attention; with ``cache``, ``Lk`` is the cache length after the append). O(L),
@@ -413,8 +462,17 @@ class RelativeMultiheadAttention(nn.Module):
         k = self._heads(self.k_proj(key), self.num_kv_heads)
         v = self._heads(self.v_proj(value), self.num_kv_heads)
         if cache is not None:
+            # checked before anything changes, stored after the append succeeds
+            key_padding_mask = cache.padding_after(key_padding_mask, q.shape[2])
+            if isinstance(segment_ids, Tensor):  # the new rows' ids
+                segment_ids = (segment_ids, cache.segment_ids_after(segment_ids, q.shape[2]))
+            elif segment_ids is None and cache.segment_ids is not None:
+                raise ValueError("this cache holds segment ids: pass the new rows' segment_ids")
             q_offset = cache.length  # the new rows follow the cached positions
             k, v = cache.append(k, v)
+            cache.key_padding_mask = key_padding_mask
+            if segment_ids is not None:  # (q ids, ids of every position)
+                cache.segment_ids = segment_ids[1]
         if attn_mask is not None:
             if attn_mask.dim() == 3:  # nn.MultiheadAttention's [B * H, Lq, Lk]
                 if attn_mask.shape[0] != q.shape[0] * self.num_heads:
