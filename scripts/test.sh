@@ -8,11 +8,15 @@ bash scripts/setup.sh
 # shellcheck disable=SC1091
 . "${RELPOS_VENV:-$root/.venv}/bin/activate"
 
+echo "== installing transformers (tests/test_hf_compat.py checks relpos_ext.hf against it)"
+pip install -q "transformers==5.23.0"
+
 echo "== building the CUDA emulator (tests/cuda_emu)"
 bash scripts/build_cuda_emu.sh
 
 echo "== pytest (cpu-scalar, cpu-avx2, cuda-emu; cuda where a GPU exists)"
 export RELPOS_REQUIRE_CUDA_EMU=1
+export RELPOS_REQUIRE_TRANSFORMERS=1  # installed above: its tests must not skip
 python -m pytest tests -q -p no:cacheprovider -ra
 
 echo "== emulator tests under AddressSanitizer"

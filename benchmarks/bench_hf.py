@@ -1,0 +1,194 @@
+#!/usr/bin/env python
+"""Benchmark ``relpos_ext.hf.use_fused_attention`` on a transformers Wav2Vec2-BERT attention layer.
+
+One ``Wav2Vec2BertSelfAttention`` at the width of the released w2v-BERT 2.0 checkpoint (E=1024,
+H=16, D=64), float32, B=1, L audio frames (50 per second: L=4000 is 80 s), with a padding mask
+(the last 5% of frames). ``--position relative_key`` (default; w2v-BERT 2.0's): Shaw keys clipped
+to ``[-64, 8]``; ``--position relative``: Transformer-XL positions (Wav2Vec2-Conformer's), every
+distance of the sequence. Three forms:
+
+* ``eager`` -- transformers' eager attention (``attn_implementation="eager"``): relative_key
+  gathers the keys' embeddings to ``[L, L, D]``, relative forms ``[B, H, L, 2L - 1]`` scores and
+  rel-shifts them; then ``[B, H, L, L]`` scores;
+* ``sdpa`` -- transformers' SDPA path (its default where supported): the same position scores,
+  handed to ``F.scaled_dot_product_attention`` as a ``[B, H, L, L]`` float mask;
+* ``fused`` -- the same module after ``relpos_ext.hf.use_fused_attention``: ``rel_attention``
+  with the module's own parameters, O(L) memory.
+
+Modes: ``inference`` (forward under ``torch.no_grad``) and ``train`` (forward + backward w.r.t.
+the input and every parameter). Each measurement runs in a forked child
+(``_common.measure_call``): peak extra memory of one call, then the median time. A form whose
+analytic live set exceeds ``--mem-cap-gib`` is skipped.
+
+Usage::
+
+    PYTHONPATH=build/dev-bench/stage python benchmarks/bench_hf.py     # ~5 min, needs transformers
+    python benchmarks/bench_hf.py --position relative    # -> bench_hf_relative.json
+    python benchmarks/bench_hf.py -L 500 1000 --out /tmp/h.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from _common import (  # benchmarks/_common.py, beside this script
+    RESULTS, add_common_args, check_platform, in_child, measure_call, print_environment,
+    timestamp, write_json,
+)
+
+EMBED, HEADS, LEFT, RIGHT = 1024, 16, 64, 8
+METHODS = ("eager", "sdpa", "fused")
+MODES = ("inference", "train")
+
+
+def live_gib(method: str, mode: str, length: int, position: str) -> float:
+    """The largest live set of a transformers form (relative_key's [L, L, D] gather or relative's
+    [H, L, 2L] scores, and a few [H, L, L] score tensors; the backward keeps about twice as
+    much), in GiB; 0 for ours."""
+    if method == "fused":
+        return 0.0
+    if position == "relative_key":
+        positions = length * length * (EMBED // HEADS) * 4
+    else:
+        positions = 2 * HEADS * length * 2 * length * 4
+    scores = 3 * HEADS * length * length * 4
+    return (positions + scores) * (2 if mode == "train" else 1) / 2**30
+
+
+def _layer(method: str, length: int, position: str):
+    """The attention module, its input, padding mask, upstream gradient and the keyword
+    arguments of a call."""
+    import transformers
+    from transformers.models.wav2vec2_bert.modeling_wav2vec2_bert import Wav2Vec2BertSelfAttention
+
+    import relpos_ext.hf
+
+    torch.manual_seed(0)
+    from transformers.models.wav2vec2_bert.modeling_wav2vec2_bert import (
+        Wav2Vec2BertRelPositionalEmbedding,
+    )
+
+    config = transformers.Wav2Vec2BertConfig(
+        hidden_size=EMBED, num_attention_heads=HEADS, position_embeddings_type=position,
+        left_max_position_embeddings=LEFT, right_max_position_embeddings=RIGHT,
+        attention_dropout=0.0, attn_implementation="sdpa" if method == "sdpa" else "eager")
+    module = Wav2Vec2BertSelfAttention(config)
+    if position == "relative":  # transformers initialises u and v by xavier_uniform_
+        torch.nn.init.xavier_uniform_(module.pos_bias_u)
+        torch.nn.init.xavier_uniform_(module.pos_bias_v)
+    if method == "fused":
+        relpos_ext.hf.use_fused_attention(module)
+    x = torch.randn(1, length, EMBED)
+    mask = torch.zeros(1, 1, length, length)
+    mask[..., length - length // 20:] = torch.finfo(torch.float32).min  # padded frames
+    if method == "sdpa":  # what transformers' mask code makes for SDPA: bool, True = attend
+        mask = mask == 0
+    kw = {"attention_mask": mask}
+    if position == "relative":  # made once per model by the encoder, shared by its layers
+        kw["relative_position_embeddings"] = Wav2Vec2BertRelPositionalEmbedding(config)(x)
+    return module, x, kw, torch.randn(1, length, EMBED)
+
+
+def measure(method: str, mode: str, length: int, args: argparse.Namespace) -> dict:
+    """Runs in a forked child: the warm-up, then memory and time of one call."""
+    torch.set_num_threads(args.threads)
+    module, x, kw, upstream = _layer(method, length, args.position)
+    if mode == "inference":
+        def run():
+            with torch.no_grad():
+                return module(x, **kw)[0]
+    else:
+        x.requires_grad_()
+        wrt = [x, *module.parameters()]
+
+        def run():
+            return torch.autograd.grad(module(x, **kw)[0], wrt, upstream)
+    run()
+    return measure_call(run, args, trim=True)
+
+
+def check(length: int, position: str) -> dict:
+    """Runs in a forked child: the other forms' outputs against eager's."""
+    outs = {}
+    for method in METHODS:
+        module, x, kw, _ = _layer(method, length, position)
+        with torch.no_grad():
+            outs[method] = module(x, **kw)[0]
+    return {m: (outs[m] - outs["eager"]).abs().max().item() for m in METHODS[1:]}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", "-L", type=int, nargs="+", default=[500, 1000, 2000, 4000])
+    p.add_argument("--position", choices=["relative_key", "relative"], default="relative_key",
+                   help="position_embeddings_type (default relative_key)")
+    p.add_argument("--mem-cap-gib", type=float, default=12.0,
+                   help="skip a form whose analytic live set exceeds this (default 12)")
+    add_common_args(p, RESULTS / "bench_hf.json", rep_budget_s=20.0)
+    args = p.parse_args(argv)
+    if args.out == RESULTS / "bench_hf.json" and args.position == "relative":
+        args.out = RESULTS / "bench_hf_relative.json"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    check_platform("bench_hf.py")
+    import transformers
+
+    info, mach = print_environment(args.threads)
+    where = f" [-{LEFT}, {RIGHT}]" if args.position == "relative_key" else " (Transformer-XL)"
+    print(f"transformers {transformers.__version__}; Wav2Vec2BertSelfAttention E={EMBED} "
+          f"H={HEADS} D={EMBED // HEADS}, {args.position}{where}, float32, B=1")
+    errors = in_child(check, 300, args.position)
+    print("max |out - eager| at L=300: " + ", ".join(f"{m} {e:.2e}" for m, e in errors.items())
+          if "error" not in errors else f"check failed: {errors['error']}")
+    rows = []
+    for mode in MODES:
+        print(f"\n{mode}: time ms (peak extra MiB)")
+        print(f"{'L':>5}" + "".join(f"{m:>22}" for m in METHODS) + "   eager/fused  sdpa/fused")
+        for length in args.lengths:
+            row = {"mode": mode, "L": length, "time_ms": {}, "peak_extra_mib": {}, "skipped": {}}
+            for method in METHODS:
+                need = live_gib(method, mode, length, args.position)
+                if need > args.mem_cap_gib:
+                    row["skipped"][method] = f"{need:.1f} GiB"
+                    row["time_ms"][method] = None
+                    continue
+                res = in_child(measure, method, mode, length, args)
+                row["time_ms"][method] = res.get("time_ms")
+                row["peak_extra_mib"][method] = res.get("peak_extra_bytes", 0) / 2**20
+                if "error" in res:
+                    row.setdefault("errors", {})[method] = res["error"]
+            t = row["time_ms"]
+
+            def cell(m: str) -> str:
+                if m in row["skipped"]:
+                    return f"skip ({row['skipped'][m]})"
+                if t[m] is None:
+                    return "error"
+                return f"{t[m]:.1f} ({row['peak_extra_mib'][m]:.0f})"
+
+            ratios = [t[m] / t["fused"] if t[m] and t["fused"] else None for m in ("eager", "sdpa")]
+            row["over_fused"] = dict(zip(("eager", "sdpa"), ratios))
+            print(f"{length:>5}" + "".join(f"{cell(m):>22}" for m in METHODS) + "   " +
+                  "  ".join(f"{r:>10.2f}" if r else f"{'-':>10}" for r in ratios), flush=True)
+            rows.append(row)
+    write_json({
+        "benchmark": "bench_hf", "timestamp": timestamp(), "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__, "build_info": info, "machine": mach,
+        "config": {"embed_dim": EMBED, "heads": HEADS, "position": args.position,
+                   "left": LEFT, "right": RIGHT,
+                   "dtype": "float32", "batch": 1, "lengths": args.lengths,
+                   "threads": args.threads, "mem_cap_gib": args.mem_cap_gib},
+        "max_abs_error_vs_eager_L300": errors, "methods": list(METHODS), "rows": rows,
+    }, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Fused attention for Hugging Face transformers models with relative positions.
+
+Two position types of transformers' speech encoders are Shaw-style relative keys, which
+:func:`use_fused_attention` routes through :func:`relpos_ext.rel_attention` with the module's own
+parameters (nothing is copied; checkpoints load and save as before):
+
+* ``position_embeddings_type="relative_key"`` (Wav2Vec2-BERT / w2v-BERT 2.0, the SeamlessM4T v2
+  speech encoder; transformers' ``modeling_wav2vec2_bert.py``
+  ``_apply_relative_key_position_encoding``): Shaw et al.'s key term with asymmetric clipping. The
+  distance ``r = j - i`` (key minus query, our convention) is clamped to ``[-left, right]`` (64
+  and 8 in the released checkpoints) and indexes a ``[left + right + 1, D]`` embedding.
+  transformers gathers it to an ``[L, L, D]`` tensor (4 GiB at L = 4096, D = 64, float32).
+* ``position_embeddings_type="relative"`` (Wav2Vec2-Conformer, Wav2Vec2-BERT, the SeamlessM4T v1
+  speech encoder; ``modeling_wav2vec2_conformer.py`` ``_apply_relative_position_encoding``):
+  Transformer-XL's ``(q_i + u) . k_j + (q_i + v) . R[r]`` with projected sinusoids ``R`` for
+  every distance of the sequence, computed there as ``[B, H, L, 2L - 1]`` scores and a rel-shift.
+  That is Shaw's key term, unclipped (K = L - 1), with per-head tables ``R``; the two bias
+  products ride along as two extra feature columns (``q -> [q, 1, 1]``,
+  ``k_j -> [k_j, u . k_j, 0]``, ``R[r] -> [R[r], 0, v . R[r]]``, ``v_j -> [v_j, 0, 0]``).
+
+This file imports nothing from transformers: it recognises the modules by class name and
+attributes, so the package does not depend on it.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import Tensor, nn
+
+from . import ops
+
+__all__ = ["SUPPORTED_CLASSES", "relative_key_table", "transformer_xl_inputs", "use_fused_attention"]
+
+# transformers attention classes -> the position types whose forward use_fused_attention replaces
+SUPPORTED_CLASSES = {
+    "Wav2Vec2BertSelfAttention": ("relative_key", "relative"),
+    "SeamlessM4Tv2ConformerSelfAttention": ("relative_key",),
+    "Wav2Vec2ConformerSelfAttention": ("relative",),
+    "SeamlessM4TConformerSelfAttention": ("relative",),
+}
+
+
+def relative_key_table(weight: Tensor, left: int, right: int) -> Tensor:
+    """A ``[left + right + 1, D]`` table clipped to ``[-left, right]`` as a Shaw table.
+
+    Returns ``[2K + 1, D]`` with ``K = max(left, right)``, whose row ``clamp(r, -K, K) + K``
+    (:func:`relpos_ext.rel_attention`'s bucket) is ``weight[clamp(r, -left, right) + left]`` for
+    every distance r: the shorter side's last row repeated. Differentiable: the gradients of the
+    repeated rows add up in the original row.
+    """
+    if left < 0 or right < 0:
+        raise ValueError(f"left and right must be >= 0, got {left} and {right}")
+    if weight.dim() != 2 or weight.shape[0] != left + right + 1:
+        raise ValueError(f"weight must be [left + right + 1, D] = [{left + right + 1}, D], got "
+                         f"{tuple(weight.shape)}")
+    k = max(left, right)
+    rows = torch.arange(-k, k + 1, device=weight.device).clamp(-left, right) + left
+    return weight.index_select(0, rows)
+
+
+def _hidden_keys(attention_mask: Tensor | None) -> Tensor | None:
+    """transformers' attention mask as rel_attention's bool attn_mask (True = ignore).
+
+    A bool mask there means True = attend; a float one is added to the scores, 0 or a large
+    negative value (``finfo.min``; -inf too). Other float values would be a bias the kernels do
+    not add: they raise (``torch._assert_async``, also under torch.compile).
+    """
+    if attention_mask is None:
+        return None
+    if attention_mask.dtype == torch.bool:
+        return ~attention_mask
+    tiny = torch.finfo(attention_mask.dtype).min / 2
+    hidden = attention_mask <= tiny
+    torch._assert_async((hidden | (attention_mask == 0)).all(),
+                        "relpos_ext.hf: the attention mask must hold only 0 and large negative "
+                        "values (padding); an additive bias is not supported")
+    return hidden
+
+
+def transformer_xl_inputs(
+    q: Tensor, k: Tensor, v: Tensor, pos: Tensor, pos_bias_u: Tensor, pos_bias_v: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Transformer-XL attention as Shaw attention with per-head tables and two more features.
+
+    ``q, k, v``: ``[B, H, L, D]``; ``pos``: ``[H, 2L - 1, D]``, the projected position
+    embedding of distance ``r = j - i`` in row ``r + L - 1``; ``pos_bias_u, pos_bias_v``:
+    ``[H, D]``. Returns ``(q', k', v', table)`` with ``D + 2`` features such that
+    ``q'_i . k'_j + q'_i . table[h, r + L - 1] = (q_i + u) . k_j + (q_i + v) . pos[r]`` and
+    ``v'_j = [v_j, 0, 0]``: ``rel_attention(q', k', v', table, None, L - 1, scale=...)`` is the
+    attention, in its first D features. Differentiable in every input.
+    """
+    ones = q.new_ones(*q.shape[:-1], 2)
+    zeros_k = k.new_zeros(*k.shape[:-1], 1)
+    zeros_p = pos.new_zeros(*pos.shape[:-1], 1)
+    u_dot_k = torch.einsum("bhld,hd->bhl", k, pos_bias_u.to(k.dtype)).unsqueeze(-1)
+    v_dot_p = torch.einsum("hrd,hd->hr", pos, pos_bias_v.to(pos.dtype)).unsqueeze(-1)
+    return (torch.cat([q, ones], -1), torch.cat([k, u_dot_k, zeros_k], -1),
+            torch.cat([v, v.new_zeros(*v.shape[:-1], 2)], -1), torch.cat([pos, zeros_p, v_dot_p], -1))
+
+
+def _fused_forward(
+    self: nn.Module,
+    hidden_states: Tensor,
+    attention_mask: Tensor | None = None,
+    relative_position_embeddings: Tensor | None = None,
+    **kwargs: object,
+) -> tuple[Tensor, None]:
+    """The attention module's forward with the core done by rel_attention: the same projections
+    and relative terms as the module's ``position_embeddings_type``, the module's dropout in
+    training. Returns ``(output, None)``: the fused kernel never forms the attention weights."""
+    if kwargs.get("output_attentions"):
+        raise ValueError("relpos_ext.hf: the fused attention does not form attention weights; "
+                         "call without output_attentions")
+    batch, length, _ = hidden_states.shape
+
+    def heads(proj: nn.Linear) -> Tensor:
+        return proj(hidden_states).view(batch, length, self.num_heads, self.head_size).transpose(1, 2)
+
+    q, k, v = heads(self.linear_q), heads(self.linear_k), heads(self.linear_v)
+    if self.position_embeddings_type == "relative_key":
+        left, right = self.left_max_position_embeddings, self.right_max_position_embeddings
+        table = relative_key_table(self.distance_embedding.weight, left, right).to(q.dtype)
+        max_distance = max(left, right)
+    else:  # "relative": Transformer-XL
+        if relative_position_embeddings is None or relative_position_embeddings.shape[:2] != (
+                1, 2 * length - 1):
+            got = None if relative_position_embeddings is None else tuple(
+                relative_position_embeddings.shape)
+            raise ValueError(f"relpos_ext.hf: relative_position_embeddings must be "
+                             f"[1, 2L - 1, E] = [1, {2 * length - 1}, E], got {got}")
+        pos = self.linear_pos(relative_position_embeddings).to(q.dtype)
+        pos = pos.view(2 * length - 1, self.num_heads, self.head_size).transpose(0, 1)
+        q, k, v, table = transformer_xl_inputs(q, k, v, pos, self.pos_bias_u, self.pos_bias_v)
+        max_distance = length - 1
+    out = ops.rel_attention(q, k, v, table, None, max_distance, scale=self.scaling,
+                            attn_mask=_hidden_keys(attention_mask),  # [B, 1, Lq, Lk] or None
+                            dropout_p=self.dropout.p if self.training else 0.0)
+    out = out[..., :self.head_size].transpose(1, 2)
+    return self.linear_out(out.reshape(batch, length, self.num_heads * self.head_size)), None
+
+
+def use_fused_attention(model: nn.Module) -> list[str]:
+    """Route every supported ``relative_key`` attention module of ``model`` through
+    :func:`relpos_ext.rel_attention`, in place; returns the names of the modules changed.
+
+    Supported: the classes and position types of :data:`SUPPORTED_CLASSES` (others, e.g.
+    rotary positions, are left alone). The outputs match transformers' eager attention to float
+    rounding, except on a query row whose every key is masked (ours gives zeros there);
+    attention weights (``output_attentions``) are not available. Call it after loading the weights; ``model.to(...)`` works before or after.
+    The swap is an instance attribute: ``del module.forward`` gives a module its own back.
+    """
+    changed = []
+    for name, module in model.named_modules():
+        position_types = SUPPORTED_CLASSES.get(type(module).__name__, ())
+        if getattr(module, "position_embeddings_type", None) in position_types:
+            module.forward = types.MethodType(_fused_forward, module)
+            changed.append(name)
+    return changed

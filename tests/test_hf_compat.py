@@ -1,0 +1,300 @@
+"""relpos_ext.hf against Hugging Face transformers' own relative-key attention.
+
+transformers' Wav2Vec2-BERT and SeamlessM4T v2 speech encoder compute Shaw's relative key term
+with asymmetric clipping in eager PyTorch; use_fused_attention swaps in rel_attention. Outputs and
+every parameter's gradient must match transformers' eager attention, on the attention module
+alone and through a whole model with its padding mask.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import relpos_ext
+from relpos_ext import hf
+
+if os.environ.get("RELPOS_REQUIRE_TRANSFORMERS") == "1":  # CI: a missing package is a failure
+    import transformers
+else:
+    transformers = pytest.importorskip("transformers")
+
+from transformers.models.seamless_m4t import modeling_seamless_m4t as seamless_v1  # noqa: E402
+from transformers.models.seamless_m4t_v2 import modeling_seamless_m4t_v2 as seamless  # noqa: E402
+from transformers.models.wav2vec2_bert import modeling_wav2vec2_bert as w2v  # noqa: E402
+from transformers.models.wav2vec2_conformer import (  # noqa: E402
+    modeling_wav2vec2_conformer as conformer,
+)
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float64: dict(atol=1e-10, rtol=1e-10)}
+
+
+def _w2v_config(left, right, attn_implementation="eager"):
+    return transformers.Wav2Vec2BertConfig(
+        hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64,
+        position_embeddings_type="relative_key", left_max_position_embeddings=left,
+        right_max_position_embeddings=right, feature_projection_input_dim=16,
+        output_hidden_size=32, conv_depthwise_kernel_size=3,
+        attn_implementation=attn_implementation)
+
+
+def _attention(kind, left, right, dtype):
+    torch.manual_seed(0)
+    if kind == "wav2vec2_bert":
+        module = w2v.Wav2Vec2BertSelfAttention(_w2v_config(left, right))
+    else:
+        config = transformers.SeamlessM4Tv2Config(
+            hidden_size=32, speech_encoder_attention_heads=4, position_embeddings_type="relative_key",
+            left_max_position_embeddings=left, right_max_position_embeddings=right,
+            attn_implementation="eager")
+        module = seamless.SeamlessM4Tv2ConformerSelfAttention(config)
+    with torch.no_grad():  # nn.Embedding starts N(0, 1): scale it like the projections
+        module.distance_embedding.weight.mul_(0.3)
+    return module.to(dtype).eval()  # eval: no attention dropout
+
+
+# Transformer-XL ("relative") attention: name -> (config maker, attention class, position class)
+XL = {
+    "wav2vec2_bert": (lambda: _w2v_config(0, 0), w2v.Wav2Vec2BertSelfAttention,
+                      w2v.Wav2Vec2BertRelPositionalEmbedding),
+    "wav2vec2_conformer": (lambda: transformers.Wav2Vec2ConformerConfig(
+        hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64,
+        conv_depthwise_kernel_size=3, attn_implementation="eager"),
+        conformer.Wav2Vec2ConformerSelfAttention, conformer.Wav2Vec2ConformerRelPositionalEmbedding),
+    "seamless_m4t": (lambda: transformers.SeamlessM4TConfig(
+        hidden_size=32, speech_encoder_attention_heads=4, attn_implementation="eager"),
+        seamless_v1.SeamlessM4TConformerSelfAttention,
+        seamless_v1.SeamlessM4TConformerRelPositionalEmbedding),
+}
+
+
+def _xl_attention(kind, dtype):
+    """A "relative" (Transformer-XL) attention module with random u and v biases, and its
+    relative position embedding module."""
+    make_config, attention, positions = XL[kind]
+    config = make_config()
+    config.position_embeddings_type = "relative"
+    torch.manual_seed(0)
+    module = attention(config)
+    with torch.no_grad():  # transformers initialises them later (xavier); zeros would hide them
+        module.pos_bias_u.normal_(0, 0.3)
+        module.pos_bias_v.normal_(0, 0.3)
+    return module.to(dtype).eval(), positions(config)  # eval: no attention dropout
+
+
+def _padding_mask(lengths, length, dtype):
+    """transformers' eager 4-D additive mask [B, 1, L, L]: 0, or finfo.min on padded keys."""
+    keep = torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]
+    mask = torch.zeros(len(lengths), 1, length, length, dtype=dtype)
+    return mask.masked_fill(~keep[:, None, None, :], torch.finfo(dtype).min)
+
+
+def _grads(module, x, out, upstream):
+    (out * upstream).sum().backward()
+    return [x.grad.clone()] + [p.grad.clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("left,right", [(5, 2), (2, 5), (64, 8), (0, 0)])
+@pytest.mark.parametrize("kind", ["wav2vec2_bert", "seamless_m4t_v2"])
+def test_attention_module_matches_transformers(kind, left, right, dtype):
+    """One attention module, L = 37 (clipped on both sides unless K >= L), two sequences with
+    padding: output and the gradients of the input and every parameter (distance_embedding
+    included) equal transformers' eager forward."""
+    module = _attention(kind, left, right, dtype)
+    x = torch.randn(2, 37, 32, dtype=dtype)
+    mask = _padding_mask([37, 29], 37, dtype)
+    upstream = torch.randn(2, 37, 32, dtype=dtype)
+    x_hf = x.clone().requires_grad_()
+    exp, _ = module(x_hf, attention_mask=mask)
+    exp_grads = _grads(module, x_hf, exp, upstream)
+    module.zero_grad()
+    assert hf.use_fused_attention(module) == [""]
+    x_ours = x.clone().requires_grad_()
+    got, weights = module(x_ours, attention_mask=mask)
+    assert weights is None
+    got_grads = _grads(module, x_ours, got, upstream)
+    torch.testing.assert_close(got, exp, **TOL[dtype])
+    names = ["input"] + [n for n, _ in module.named_parameters()]
+    for name, g, e in zip(names, got_grads, exp_grads):
+        torch.testing.assert_close(g, e, **TOL[dtype], msg=name)
+    del module.forward  # transformers' forward again
+    torch.testing.assert_close(module(x, attention_mask=mask)[0], exp, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("length", [1, 37])
+@pytest.mark.parametrize("kind", list(XL))
+def test_transformer_xl_attention_matches_transformers(kind, length, dtype):
+    """A "relative" (Transformer-XL) attention module: output and the gradients of the input and
+    every parameter (linear_pos, pos_bias_u and pos_bias_v included) equal transformers' eager
+    forward, padding mask included."""
+    module, positions = _xl_attention(kind, dtype)
+    x = torch.randn(2, length, 32, dtype=dtype)
+    rel = positions(x).to(dtype)
+    assert rel.shape == (1, 2 * length - 1, 32)
+    mask = _padding_mask([length, max(1, length - 8)], length, dtype)
+    upstream = torch.randn(2, length, 32, dtype=dtype)
+    x_hf = x.clone().requires_grad_()
+    exp, _ = module(x_hf, attention_mask=mask, relative_position_embeddings=rel)
+    exp_grads = _grads(module, x_hf, exp, upstream)
+    module.zero_grad()
+    assert hf.use_fused_attention(module) == [""]
+    x_ours = x.clone().requires_grad_()
+    got, _ = module(x_ours, attention_mask=mask, relative_position_embeddings=rel)
+    got_grads = _grads(module, x_ours, got, upstream)
+    torch.testing.assert_close(got, exp, **TOL[dtype])
+    names = ["input"] + [n for n, _ in module.named_parameters()]
+    assert {"linear_pos.weight", "pos_bias_u", "pos_bias_v"} <= set(names)
+    for name, g, e in zip(names, got_grads, exp_grads):
+        torch.testing.assert_close(g, e, **TOL[dtype], msg=name)
+    with pytest.raises(ValueError, match=r"relative_position_embeddings must be \[1, 2L - 1, E\]"):
+        module(x, attention_mask=mask, relative_position_embeddings=rel[:, 1:])
+
+
+def test_transformer_xl_inputs_identity():
+    """transformer_xl_inputs: q' k'^T + q' table'[bucket] is (q + u) k^T + (q + v) pos[r] for
+    every (i, j), in float64."""
+    g = torch.Generator().manual_seed(0)
+    b, h, length, d = 2, 3, 5, 4
+    q, k, v = (torch.randn(b, h, length, d, dtype=torch.float64, generator=g) for _ in range(3))
+    pos = torch.randn(h, 2 * length - 1, d, dtype=torch.float64, generator=g)
+    u, w = (torch.randn(h, d, dtype=torch.float64, generator=g) for _ in range(2))
+    q2, k2, v2, table = hf.transformer_xl_inputs(q, k, v, pos, u, w)
+    assert q2.shape == k2.shape == v2.shape == (b, h, length, d + 2)
+    assert table.shape == (h, 2 * length - 1, d + 2) and not v2[..., d:].any()
+    r = torch.arange(length)[None, :] - torch.arange(length)[:, None]
+    rows = pos[:, r + length - 1]  # [H, L, L, D]
+    want = (q + u[:, None]) @ k.transpose(-1, -2) + torch.einsum(
+        "bhid,hijd->bhij", q + w[:, None], rows)
+    got = q2 @ k2.transpose(-1, -2) + torch.einsum("bhid,hijd->bhij", q2, table[:, r + length - 1])
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_whole_model_matches_transformers(impl):
+    """A two-layer Wav2Vec2-BERT model with a padding attention_mask: the fused model's hidden
+    states equal transformers' on the kept positions, both layers' attention is swapped, and a
+    training step's gradients agree. The masks come from the model's own mask code: float
+    (eager) or bool (sdpa)."""
+    torch.manual_seed(0)
+    model = transformers.Wav2Vec2BertModel(_w2v_config(5, 2, impl)).eval()
+    fused = transformers.Wav2Vec2BertModel(_w2v_config(5, 2, impl)).eval()
+    fused.load_state_dict(model.state_dict())
+    names = hf.use_fused_attention(fused)
+    assert names == ["encoder.layers.0.self_attn", "encoder.layers.1.self_attn"]
+    feats = torch.randn(2, 30, 16)
+    keep = torch.ones(2, 30, dtype=torch.long)
+    keep[1, 21:] = 0
+    exp = model(feats, attention_mask=keep).last_hidden_state
+    got = fused(feats, attention_mask=keep).last_hidden_state
+    torch.testing.assert_close(got[0], exp[0], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got[1, :21], exp[1, :21], atol=2e-5, rtol=2e-5)
+    exp[1, :21].square().sum().backward()
+    got[1, :21].square().sum().backward()
+    for (name, p), q in zip(fused.named_parameters(), model.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=5e-5, rtol=5e-5, msg=name)
+
+
+def test_whole_transformer_xl_model_matches_transformers():
+    """A two-layer Wav2Vec2-Conformer with "relative" positions and padding: the fused model's
+    hidden states and a training step's gradients equal transformers'. In float64: some of
+    these gradients are sums that cancel to ~1e-7, below float32's rounding of their terms
+    (transformers' own float32 gradients are 1e-4 off there)."""
+    torch.manual_seed(0)
+    config = XL["wav2vec2_conformer"][0]()
+    config.position_embeddings_type = "relative"
+    config.conv_dim, config.conv_stride, config.conv_kernel = (16, 16), (5, 2), (10, 3)
+    config.num_feat_extract_layers = 2
+    model = transformers.Wav2Vec2ConformerModel(config).eval().double()
+    fused = transformers.Wav2Vec2ConformerModel(config).eval().double()
+    fused.load_state_dict(model.state_dict())
+    assert len(hf.use_fused_attention(fused)) == 2
+    audio = torch.randn(2, 400, dtype=torch.float64)
+    keep = torch.ones(2, 400, dtype=torch.long)
+    keep[1, 300:] = 0
+    exp = model(audio, attention_mask=keep).last_hidden_state
+    got = fused(audio, attention_mask=keep).last_hidden_state
+    torch.testing.assert_close(got, exp, atol=1e-10, rtol=1e-10)
+    exp.square().sum().backward()
+    got.square().sum().backward()
+    for (name, p), q in zip(fused.named_parameters(), model.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-10, rtol=1e-8, msg=name)
+
+
+def test_other_position_types_left_alone():
+    """Rotary attention (and none) keep transformers' forward."""
+    for position in ("rotary", None):
+        config = _w2v_config(5, 2)
+        config.position_embeddings_type = position
+        module = w2v.Wav2Vec2BertSelfAttention(config)
+        assert hf.use_fused_attention(module) == []
+        assert "forward" not in vars(module)
+
+
+def test_relative_key_table():
+    """relative_key_table's bucket rows are transformers' clamp(r, -left, right) + left rows, and
+    the repeated rows' gradients add up."""
+    weight = torch.randn(5 + 2 + 1, 4, requires_grad=True)
+    table = hf.relative_key_table(weight, 5, 2)
+    assert table.shape == (11, 4)
+    for r in range(-9, 10):
+        ours = table[max(-5, min(5, r)) + 5]
+        theirs = weight[max(-5, min(2, r)) + 5]
+        assert torch.equal(ours, theirs), r
+    table.sum().backward()
+    assert weight.grad[:, 0].tolist() == [1, 1, 1, 1, 1, 1, 1, 4]
+    with pytest.raises(ValueError, match=r"weight must be \[left \+ right \+ 1, D\] = \[7, D\], got \(8, 4\)"):
+        hf.relative_key_table(weight, 4, 2)
+    with pytest.raises(ValueError, match="left and right must be >= 0"):
+        hf.relative_key_table(weight, -1, 8)
+
+
+def test_masks_and_bad_masks():
+    """transformers' bool masks (True = attend) and -inf masks work like finfo.min ones; a mask
+    with other values (a bias) raises; output_attentions is refused."""
+    module = _attention("wav2vec2_bert", 3, 3, torch.float32)
+    hf.use_fused_attention(module)
+    x = torch.randn(2, 9, 32)
+    mask = _padding_mask([9, 6], 9, torch.float32)
+    want, _ = module(x, attention_mask=mask)
+    got_bool, _ = module(x, attention_mask=mask == 0)
+    got_inf, _ = module(x, attention_mask=mask.masked_fill(mask < 0, float("-inf")))
+    torch.testing.assert_close(got_bool, want, atol=0, rtol=0)
+    torch.testing.assert_close(got_inf, want, atol=0, rtol=0)
+    with pytest.raises(RuntimeError, match="must hold only 0 and large negative values"):
+        module(x, attention_mask=mask - 1.0)
+    with pytest.raises(ValueError, match="does not form attention weights"):
+        module(x, attention_mask=mask, output_attentions=True)
+
+
+def test_dropout_follows_training_mode():
+    """The module's attention dropout applies in training mode only, as in transformers."""
+    module, positions = _xl_attention("wav2vec2_conformer", torch.float32)
+    assert module.dropout.p == 0.1
+    hf.use_fused_attention(module)
+    x = torch.randn(2, 40, 32)
+    rel = positions(x)
+    evals = [module(x, relative_position_embeddings=rel)[0] for _ in range(2)]
+    torch.testing.assert_close(evals[0], evals[1], atol=0, rtol=0)
+    module.train()
+    trains = [module(x, relative_position_embeddings=rel)[0] for _ in range(2)]
+    assert not torch.allclose(trains[0], evals[0]) and not torch.allclose(trains[0], trains[1])
+
+
+def test_fused_module_compiles():
+    """The swapped forward compiles with fullgraph=True (the mask check is an op)."""
+    torch._dynamo.reset()
+    module = _attention("seamless_m4t_v2", 4, 2, torch.float32)
+    x = torch.randn(2, 11, 32)
+    mask = _padding_mask([11, 7], 11, torch.float32)
+    want, _ = module(x, attention_mask=mask)
+    hf.use_fused_attention(module)
+    compiled = torch.compile(lambda x, m: module(x, attention_mask=m)[0], fullgraph=True)
+    torch.testing.assert_close(compiled(x, mask)[1, :7], want[1, :7], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(compiled(x, mask)[0], want[0], atol=2e-5, rtol=2e-5)
+    assert relpos_ext.hf is hf
