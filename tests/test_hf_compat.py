@@ -173,6 +173,32 @@ def test_transformer_xl_inputs_identity():
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
 
 
+def test_half_precision_no_less_accurate_than_transformers():
+    """bfloat16 and float16 modules (relative_key and relative): against the float64 module,
+    the fused output's error is within 1.5x transformers' own error in that dtype."""
+    for half in (torch.bfloat16, torch.float16):
+        for kind in ("relative_key", "relative"):
+            if kind == "relative_key":
+                module, kw = _attention("wav2vec2_bert", 5, 2, torch.float64), {}
+                x = torch.randn(2, 37, 32, dtype=torch.float64)
+            else:
+                module, positions = _xl_attention("wav2vec2_conformer", torch.float64)
+                x = torch.randn(2, 37, 32, dtype=torch.float64)
+                kw = {"relative_position_embeddings": positions(x).double()}
+            mask = _padding_mask([37, 29], 37, torch.float64)
+            with torch.no_grad():
+                exact, _ = module(x, attention_mask=mask, **kw)
+                low = module.to(half)
+                args = (x.to(half),)
+                lkw = {n: t.to(half) for n, t in kw.items()}
+                theirs, _ = low(*args, attention_mask=mask.to(half), **lkw)
+                hf.use_fused_attention(low)
+                ours, _ = low(*args, attention_mask=mask.to(half), **lkw)
+            err_theirs = (theirs.double() - exact).abs().max().item()
+            err_ours = (ours.double() - exact).abs().max().item()
+            assert err_ours <= 1.5 * err_theirs + 1e-6, (half, kind, err_ours, err_theirs)
+
+
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 def test_whole_model_matches_transformers(impl):
     """A two-layer Wav2Vec2-BERT model with a padding attention_mask: the fused model's hidden
