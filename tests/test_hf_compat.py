@@ -21,6 +21,9 @@ if os.environ.get("RELPOS_REQUIRE_TRANSFORMERS") == "1":  # CI: a missing packag
 else:
     transformers = pytest.importorskip("transformers")
 
+from transformers.models.fastspeech2_conformer import (  # noqa: E402
+    modeling_fastspeech2_conformer as fastspeech2,
+)
 from transformers.models.seamless_m4t import modeling_seamless_m4t as seamless_v1  # noqa: E402
 from transformers.models.seamless_m4t_v2 import modeling_seamless_m4t_v2 as seamless  # noqa: E402
 from transformers.models.wav2vec2_bert import modeling_wav2vec2_bert as w2v  # noqa: E402
@@ -96,6 +99,26 @@ def _grads(module, x, out, upstream):
     return [x.grad.clone()] + [p.grad.clone() for p in module.parameters()]
 
 
+def _check_swap(module, x, **call_kw):
+    """transformers' forward, then use_fused_attention and ours, on input x and call_kw: the
+    outputs and the gradients of x and every parameter must match. Returns ours' output."""
+    upstream = torch.randn_like(x)
+    x_hf = x.clone().requires_grad_()
+    exp, _ = module(x_hf, **call_kw)
+    exp_grads = _grads(module, x_hf, exp, upstream)
+    module.zero_grad()
+    assert hf.use_fused_attention(module) == [""]
+    x_ours = x.clone().requires_grad_()
+    got, weights = module(x_ours, **call_kw)
+    assert weights is None
+    got_grads = _grads(module, x_ours, got, upstream)
+    torch.testing.assert_close(got, exp, **TOL[x.dtype])
+    names = ["input"] + [n for n, _ in module.named_parameters()]
+    for name, g, e in zip(names, got_grads, exp_grads):
+        torch.testing.assert_close(g, e, **TOL[x.dtype], msg=name)
+    return exp.detach()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("left,right", [(5, 2), (2, 5), (64, 8), (0, 0)])
 @pytest.mark.parametrize("kind", ["wav2vec2_bert", "seamless_m4t_v2"])
@@ -106,20 +129,7 @@ def test_attention_module_matches_transformers(kind, left, right, dtype):
     module = _attention(kind, left, right, dtype)
     x = torch.randn(2, 37, 32, dtype=dtype)
     mask = _padding_mask([37, 29], 37, dtype)
-    upstream = torch.randn(2, 37, 32, dtype=dtype)
-    x_hf = x.clone().requires_grad_()
-    exp, _ = module(x_hf, attention_mask=mask)
-    exp_grads = _grads(module, x_hf, exp, upstream)
-    module.zero_grad()
-    assert hf.use_fused_attention(module) == [""]
-    x_ours = x.clone().requires_grad_()
-    got, weights = module(x_ours, attention_mask=mask)
-    assert weights is None
-    got_grads = _grads(module, x_ours, got, upstream)
-    torch.testing.assert_close(got, exp, **TOL[dtype])
-    names = ["input"] + [n for n, _ in module.named_parameters()]
-    for name, g, e in zip(names, got_grads, exp_grads):
-        torch.testing.assert_close(g, e, **TOL[dtype], msg=name)
+    exp = _check_swap(module, x, attention_mask=mask)
     del module.forward  # transformers' forward again
     torch.testing.assert_close(module(x, attention_mask=mask)[0], exp, atol=0, rtol=0)
 
@@ -136,20 +146,8 @@ def test_transformer_xl_attention_matches_transformers(kind, length, dtype):
     rel = positions(x).to(dtype)
     assert rel.shape == (1, 2 * length - 1, 32)
     mask = _padding_mask([length, max(1, length - 8)], length, dtype)
-    upstream = torch.randn(2, length, 32, dtype=dtype)
-    x_hf = x.clone().requires_grad_()
-    exp, _ = module(x_hf, attention_mask=mask, relative_position_embeddings=rel)
-    exp_grads = _grads(module, x_hf, exp, upstream)
-    module.zero_grad()
-    assert hf.use_fused_attention(module) == [""]
-    x_ours = x.clone().requires_grad_()
-    got, _ = module(x_ours, attention_mask=mask, relative_position_embeddings=rel)
-    got_grads = _grads(module, x_ours, got, upstream)
-    torch.testing.assert_close(got, exp, **TOL[dtype])
-    names = ["input"] + [n for n, _ in module.named_parameters()]
-    assert {"linear_pos.weight", "pos_bias_u", "pos_bias_v"} <= set(names)
-    for name, g, e in zip(names, got_grads, exp_grads):
-        torch.testing.assert_close(g, e, **TOL[dtype], msg=name)
+    assert {"linear_pos.weight", "pos_bias_u", "pos_bias_v"} <= dict(module.named_parameters()).keys()
+    _check_swap(module, x, attention_mask=mask, relative_position_embeddings=rel)
     with pytest.raises(ValueError, match=r"relative_position_embeddings must be \[1, 2L - 1, E\]"):
         module(x, attention_mask=mask, relative_position_embeddings=rel[:, 1:])
 
@@ -225,6 +223,30 @@ def test_whole_model_matches_transformers(impl):
             torch.testing.assert_close(p.grad, q.grad, atol=5e-5, rtol=5e-5, msg=name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("length", [1, 37])
+def test_fastspeech2_conformer_attention_matches_transformers(length, dtype):
+    """FastSpeech2-Conformer's ESPnet attention (Transformer-XL positions, a [B, 1, L] keep-mask,
+    fully masked rows give zeros): output and every gradient equal transformers'."""
+    config = transformers.FastSpeech2ConformerConfig(hidden_size=32)
+    module_config = {"num_attention_heads": 4, "attention_dropout_rate": 0.0,
+                     "positional_dropout_rate": 0.0}
+    torch.manual_seed(0)
+    module = fastspeech2.FastSpeech2ConformerAttention(config, module_config)
+    with torch.no_grad():  # created uninitialised (torch.Tensor): give them values
+        module.pos_bias_u.normal_(0, 0.3)
+        module.pos_bias_v.normal_(0, 0.3)
+    module = module.to(dtype)
+    positions = fastspeech2.FastSpeech2ConformerRelPositionalEncoding(config, module_config)
+    x = torch.randn(2, length, 32, dtype=dtype)
+    _, pos_emb = positions(x)
+    keep = torch.ones(2, 1, length, dtype=torch.long)
+    keep[1, :, max(1, length - 8):] = 0
+    _check_swap(module, x, attention_mask=keep, pos_emb=pos_emb)
+    with pytest.raises(ValueError, match=r"attention_mask must be \[B, 1, L\]"):
+        module(x, attention_mask=keep[:, 0], pos_emb=pos_emb)
+
+
 def test_whole_transformer_xl_model_matches_transformers():
     """A two-layer Wav2Vec2-Conformer with "relative" positions and padding: the fused model's
     hidden states and a training step's gradients equal transformers'. In float64: some of
@@ -282,7 +304,7 @@ def test_relative_key_table():
 
 def test_masks_and_bad_masks():
     """transformers' bool masks (True = attend) and -inf masks work like finfo.min ones; a mask
-    with other values (a bias) raises; output_attentions is refused."""
+    with other values (a bias) raises; output_attentions runs transformers' own forward."""
     module = _attention("wav2vec2_bert", 3, 3, torch.float32)
     hf.use_fused_attention(module)
     x = torch.randn(2, 9, 32)
@@ -294,8 +316,13 @@ def test_masks_and_bad_masks():
     torch.testing.assert_close(got_inf, want, atol=0, rtol=0)
     with pytest.raises(RuntimeError, match="must hold only 0 and large negative values"):
         module(x, attention_mask=mask - 1.0)
-    with pytest.raises(ValueError, match="does not form attention weights"):
-        module(x, attention_mask=mask, output_attentions=True)
+    # weights asked for: transformers' own forward, weights included
+    theirs, theirs_w = w2v.Wav2Vec2BertSelfAttention.forward(module, x, attention_mask=mask,
+                                                             output_attentions=True)
+    with_w, w = module(x, attention_mask=mask, output_attentions=True)
+    assert w is not None and w.shape == (2, 4, 9, 9)
+    torch.testing.assert_close(w, theirs_w, atol=0, rtol=0)
+    torch.testing.assert_close(with_w, want, atol=1e-5, rtol=1e-5)
 
 
 def test_dropout_follows_training_mode():

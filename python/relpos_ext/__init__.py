@@ -9,7 +9,7 @@ from typing import Any
 
 import torch  # noqa: F401  (libtorch must be loaded before the extension)
 
-from . import _C, nn, reference
+from . import _C, hf, nn, reference
 from .ops import (
     rel_attention,
     rel_attention_backward,
@@ -23,6 +23,7 @@ from .ops import (
 
 __all__ = [
     "build_info",
+    "hf",
     "nn",
     "reference",
     "rel_attention",

@@ -11,7 +11,8 @@ parameters (nothing is copied; checkpoints load and save as before):
   and 8 in the released checkpoints) and indexes a ``[left + right + 1, D]`` embedding.
   transformers gathers it to an ``[L, L, D]`` tensor (4 GiB at L = 4096, D = 64, float32).
 * ``position_embeddings_type="relative"`` (Wav2Vec2-Conformer, Wav2Vec2-BERT, the SeamlessM4T v1
-  speech encoder; ``modeling_wav2vec2_conformer.py`` ``_apply_relative_position_encoding``):
+  speech encoder; ``modeling_wav2vec2_conformer.py`` ``_apply_relative_position_encoding``; and
+  FastSpeech2-Conformer's ESPnet attention, ``FastSpeech2ConformerAttention``, the same maths):
   Transformer-XL's ``(q_i + u) . k_j + (q_i + v) . R[r]`` with projected sinusoids ``R`` for
   every distance of the sequence, computed there as ``[B, H, L, 2L - 1]`` scores and a rel-shift.
   That is Shaw's key term, unclipped (K = L - 1), with per-head tables ``R``; the two bias
@@ -34,11 +35,13 @@ from . import ops
 __all__ = ["SUPPORTED_CLASSES", "relative_key_table", "transformer_xl_inputs", "use_fused_attention"]
 
 # transformers attention classes -> the position types whose forward use_fused_attention replaces
+# (the module's position_embeddings_type; None: the class has no such attribute, one fixed type)
 SUPPORTED_CLASSES = {
     "Wav2Vec2BertSelfAttention": ("relative_key", "relative"),
     "SeamlessM4Tv2ConformerSelfAttention": ("relative_key",),
     "Wav2Vec2ConformerSelfAttention": ("relative",),
     "SeamlessM4TConformerSelfAttention": ("relative",),
+    "FastSpeech2ConformerAttention": (None,),  # always Transformer-XL positions (ESPnet)
 }
 
 
@@ -109,10 +112,11 @@ def _fused_forward(
 ) -> tuple[Tensor, None]:
     """The attention module's forward with the core done by rel_attention: the same projections
     and relative terms as the module's ``position_embeddings_type``, the module's dropout in
-    training. Returns ``(output, None)``: the fused kernel never forms the attention weights."""
+    training. Returns ``(output, None)``: the fused kernel never forms the attention weights;
+    a call that asks for them (``output_attentions``) runs transformers' own forward instead."""
     if kwargs.get("output_attentions"):
-        raise ValueError("relpos_ext.hf: the fused attention does not form attention weights; "
-                         "call without output_attentions")
+        return type(self).forward(self, hidden_states, attention_mask,
+                                  relative_position_embeddings, **kwargs)
     batch, length, _ = hidden_states.shape
 
     def heads(proj: nn.Linear) -> Tensor:
@@ -124,14 +128,7 @@ def _fused_forward(
         table = relative_key_table(self.distance_embedding.weight, left, right).to(q.dtype)
         max_distance = max(left, right)
     else:  # "relative": Transformer-XL
-        if relative_position_embeddings is None or relative_position_embeddings.shape[:2] != (
-                1, 2 * length - 1):
-            got = None if relative_position_embeddings is None else tuple(
-                relative_position_embeddings.shape)
-            raise ValueError(f"relpos_ext.hf: relative_position_embeddings must be "
-                             f"[1, 2L - 1, E] = [1, {2 * length - 1}, E], got {got}")
-        pos = self.linear_pos(relative_position_embeddings).to(q.dtype)
-        pos = pos.view(2 * length - 1, self.num_heads, self.head_size).transpose(0, 1)
+        pos = _xl_table(self, relative_position_embeddings, length, q.dtype)
         q, k, v, table = transformer_xl_inputs(q, k, v, pos, self.pos_bias_u, self.pos_bias_v)
         max_distance = length - 1
     out = ops.rel_attention(q, k, v, table, None, max_distance, scale=self.scaling,
@@ -141,20 +138,67 @@ def _fused_forward(
     return self.linear_out(out.reshape(batch, length, self.num_heads * self.head_size)), None
 
 
+def _xl_table(self: nn.Module, pos_emb: Tensor | None, length: int, dtype: torch.dtype) -> Tensor:
+    """The module's projected Transformer-XL position embeddings ``[1, 2L - 1, E]`` as per-head
+    tables ``[H, 2L - 1, D]``."""
+    if pos_emb is None or pos_emb.shape[:2] != (1, 2 * length - 1):
+        got = None if pos_emb is None else tuple(pos_emb.shape)
+        raise ValueError(f"relpos_ext.hf: relative_position_embeddings must be [1, 2L - 1, E] = "
+                         f"[1, {2 * length - 1}, E], got {got}")
+    pos = self.linear_pos(pos_emb).to(dtype)
+    return pos.view(2 * length - 1, self.num_heads, -1).transpose(0, 1)
+
+
+def _fused_espnet_forward(
+    self: nn.Module,
+    hidden_states: Tensor,
+    attention_mask: Tensor | None = None,
+    pos_emb: Tensor | None = None,
+    output_attentions: bool = False,
+) -> tuple[Tensor, None]:
+    """FastSpeech2ConformerAttention's forward (ESPnet's RelPositionMultiHeadedAttention) with
+    the core done by rel_attention. ``attention_mask``: ``[B, 1, Lk]``, nonzero = keep. With
+    ``output_attentions``, transformers' own forward (the fused kernel forms no weights)."""
+    if output_attentions:
+        return type(self).forward(self, hidden_states, attention_mask, pos_emb, output_attentions)
+    batch, length, _ = hidden_states.shape
+
+    def heads(proj: nn.Linear) -> Tensor:
+        return proj(hidden_states).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+
+    q, k, v = heads(self.linear_q), heads(self.linear_k), heads(self.linear_v)
+    pos = _xl_table(self, pos_emb, length, q.dtype)
+    q, k, v, table = transformer_xl_inputs(q, k, v, pos, self.pos_bias_u, self.pos_bias_v)
+    padding = None
+    if attention_mask is not None:
+        if attention_mask.shape != (batch, 1, length):
+            raise ValueError(f"relpos_ext.hf: attention_mask must be [B, 1, L] = "
+                             f"[{batch}, 1, {length}], got {tuple(attention_mask.shape)}")
+        padding = attention_mask[:, 0, :] == 0
+    out = ops.rel_attention(q, k, v, table, None, length - 1, scale=self.dim_key ** -0.5,
+                            key_padding_mask=padding,
+                            dropout_p=self.dropout.p if self.training else 0.0)
+    out = out[..., :self.head_dim].transpose(1, 2)
+    return self.linear_out(out.reshape(batch, length, self.num_heads * self.head_dim)), None
+
+
 def use_fused_attention(model: nn.Module) -> list[str]:
-    """Route every supported ``relative_key`` attention module of ``model`` through
+    """Route every supported relative-position attention module of ``model`` through
     :func:`relpos_ext.rel_attention`, in place; returns the names of the modules changed.
 
     Supported: the classes and position types of :data:`SUPPORTED_CLASSES` (others, e.g.
     rotary positions, are left alone). The outputs match transformers' eager attention to float
-    rounding, except on a query row whose every key is masked (ours gives zeros there);
-    attention weights (``output_attentions``) are not available. Call it after loading the weights; ``model.to(...)`` works before or after.
-    The swap is an instance attribute: ``del module.forward`` gives a module its own back.
+    rounding, except on a query row whose every key is masked (ours gives zeros there, as
+    FastSpeech2-Conformer does). A call with ``output_attentions`` runs transformers' own
+    forward, which forms the weights (O(L^2) memory).
+    Call it after loading the weights; ``model.to(...)`` works before or after. The swap is an
+    instance attribute: ``del module.forward`` gives a module its own back.
     """
     changed = []
     for name, module in model.named_modules():
-        position_types = SUPPORTED_CLASSES.get(type(module).__name__, ())
-        if getattr(module, "position_embeddings_type", None) in position_types:
-            module.forward = types.MethodType(_fused_forward, module)
+        cls = type(module).__name__
+        if getattr(module, "position_embeddings_type", None) in SUPPORTED_CLASSES.get(cls, ()):
+            fused = _fused_espnet_forward if cls == "FastSpeech2ConformerAttention" else _fused_forward
+            module.forward = types.MethodType(fused, module)
             changed.append(name)
     return changed
