@@ -50,6 +50,9 @@ CASES = {
     "D200_gqa4": (2, 4, 1, 19, 23, 200, 3, 0, 0, False, True, True, True, True),
     "odd_D_offsets": (1, 2, 2, 17, 35, 37, 4, 3, 1, True, True, False, True, True),
     "D1_negative_offset": (1, 1, 1, 6, 7, 1, 2, -3, 0, False, False, False, True, True),
+    # what relpos_ext.hf makes of Transformer-XL attention: per-head tables for every distance
+    # (K = L - 1), D + 2 = 66 features, keys only, padding
+    "transformer_xl": (2, 4, 4, 70, 70, 66, 69, 0, 0, True, False, True, True, False),
     # a few query rows against a long cache (the AVX2 forward scores them from the key rows),
     # and more than 32 rows with an odd D (from transposed key tiles)
     "decode_gqa_odd_D": (2, 4, 2, 2, 75, 37, 4, 73, 0, True, True, True, True, True),
