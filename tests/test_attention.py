@@ -1214,6 +1214,36 @@ def test_module_window(window):
     assert relpos_ext.nn.RelativeMultiheadAttention(32, 4, 3, window=(5, 0)).window == (5, 0)
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+def test_module_asymmetric_clipping(per_head):
+    """max_distance=(left, right): tables of left + right + 1 rows; outputs, weights and every
+    parameter's gradient match the reference module, and the layer equals a symmetric K =
+    max(left, right) layer holding the clipped tables (bitwise); a negative side is refused."""
+    torch.manual_seed(0)
+    kw = dict(embed_dim=32, num_heads=4, max_distance=(5, 2), per_head_tables=per_head)
+    m = relpos_ext.nn.RelativeMultiheadAttention(**kw)
+    r = ref.RelativeMultiheadAttentionReference(**kw)
+    r.load_state_dict(m.state_dict())
+    assert m.rel_k.shape == ((4,) if per_head else ()) + (8, 8) and m.max_distance == 5
+    x = torch.randn(2, 11, 32)
+    got, w = m(x, is_causal=False, need_weights=True, average_attn_weights=False)
+    exp, _ = r(x)
+    torch.testing.assert_close(got, exp, atol=1e-5, rtol=1e-5)
+    sym = relpos_ext.nn.RelativeMultiheadAttention(32, 4, 5, per_head_tables=per_head)
+    state = dict(m.state_dict())
+    state.update(rel_k=m.tables()[0].detach(), rel_v=m.tables()[1].detach())
+    sym.load_state_dict(state)
+    got_sym, w_sym = sym(x, need_weights=True, average_attn_weights=False)
+    torch.testing.assert_close(got_sym, got, atol=0, rtol=0)
+    torch.testing.assert_close(w_sym, w, atol=0, rtol=0)
+    got.square().sum().backward()
+    exp.square().sum().backward()
+    for (name, pm), pr in zip(m.named_parameters(), r.parameters()):
+        torch.testing.assert_close(pm.grad, pr.grad, atol=1e-4, rtol=1e-4, msg=name)
+    with pytest.raises(ValueError, match=r"max_distance \(left, right\) must be >= 0"):
+        relpos_ext.nn.RelativeMultiheadAttention(32, 4, (3, -1))
+
+
 def test_module_segment_ids_compiled_training_step():
     """A compiled (fullgraph=True, dynamic=True) training step with segment ids: no graph break,
     and the loss and table gradients of eager."""

@@ -152,6 +152,25 @@ def test_transformer_xl_attention_matches_transformers(kind, length, dtype):
         module(x, attention_mask=mask, relative_position_embeddings=rel[:, 1:])
 
 
+def test_layer_with_asymmetric_clipping_is_wav2vec2_bert_attention():
+    """RelativeMultiheadAttention(max_distance=(left, right), rel_values=False) holding a
+    Wav2Vec2-BERT relative_key module's weights computes that module's attention: the layer's
+    own clipping agrees with transformers' clamp(j - i, -left, right)."""
+    module = _attention("wav2vec2_bert", 6, 3, torch.float32)
+    layer = relpos_ext.nn.RelativeMultiheadAttention(32, 4, (6, 3), rel_values=False)
+    with torch.no_grad():
+        for ours, theirs in ((layer.q_proj, module.linear_q), (layer.k_proj, module.linear_k),
+                             (layer.v_proj, module.linear_v), (layer.out_proj, module.linear_out)):
+            ours.weight.copy_(theirs.weight)
+            ours.bias.copy_(theirs.bias)
+        layer.rel_k.copy_(module.distance_embedding.weight)
+    x = torch.randn(2, 23, 32)
+    mask = _padding_mask([23, 17], 23, torch.float32)
+    exp, _ = module(x, attention_mask=mask)
+    got, _ = layer(x, key_padding_mask=mask[:, 0, 0] < 0)
+    torch.testing.assert_close(got, exp, atol=2e-5, rtol=2e-5)
+
+
 def test_transformer_xl_inputs_identity():
     """transformer_xl_inputs: q' k'^T + q' table'[bucket] is (q + u) k^T + (q + v) pos[r] for
     every (i, j), in float64."""
@@ -284,11 +303,11 @@ def test_other_position_types_left_alone():
         assert "forward" not in vars(module)
 
 
-def test_relative_key_table():
-    """relative_key_table's bucket rows are transformers' clamp(r, -left, right) + left rows, and
-    the repeated rows' gradients add up."""
+def test_clipped_table():
+    """relpos_ext.nn.clipped_table's bucket rows are transformers' clamp(r, -left, right) + left
+    rows (per-head tables too), and the repeated rows' gradients add up."""
     weight = torch.randn(5 + 2 + 1, 4, requires_grad=True)
-    table = hf.relative_key_table(weight, 5, 2)
+    table = relpos_ext.nn.clipped_table(weight, 5, 2)
     assert table.shape == (11, 4)
     for r in range(-9, 10):
         ours = table[max(-5, min(5, r)) + 5]
@@ -296,10 +315,14 @@ def test_relative_key_table():
         assert torch.equal(ours, theirs), r
     table.sum().backward()
     assert weight.grad[:, 0].tolist() == [1, 1, 1, 1, 1, 1, 1, 4]
-    with pytest.raises(ValueError, match=r"weight must be \[left \+ right \+ 1, D\] = \[7, D\], got \(8, 4\)"):
-        hf.relative_key_table(weight, 4, 2)
+    per_head = torch.randn(3, 8, 4)
+    torch.testing.assert_close(relpos_ext.nn.clipped_table(per_head, 5, 2)[1],
+                               relpos_ext.nn.clipped_table(per_head[1], 5, 2), atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"must be \[\.\.\., left \+ right \+ 1, D\] = "
+                                         r"\[\.\.\., 7, D\], got \(8, 4\)"):
+        relpos_ext.nn.clipped_table(weight, 4, 2)
     with pytest.raises(ValueError, match="left and right must be >= 0"):
-        hf.relative_key_table(weight, -1, 8)
+        relpos_ext.nn.clipped_table(weight, -1, 8)
 
 
 def test_masks_and_bad_masks():

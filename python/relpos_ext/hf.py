@@ -31,8 +31,9 @@ import torch
 from torch import Tensor, nn
 
 from . import ops
+from .nn import clipped_table
 
-__all__ = ["SUPPORTED_CLASSES", "relative_key_table", "transformer_xl_inputs", "use_fused_attention"]
+__all__ = ["SUPPORTED_CLASSES", "transformer_xl_inputs", "use_fused_attention"]
 
 # transformers attention classes -> the position types whose forward use_fused_attention replaces
 # (the module's position_embeddings_type; None: the class has no such attribute, one fixed type)
@@ -43,24 +44,6 @@ SUPPORTED_CLASSES = {
     "SeamlessM4TConformerSelfAttention": ("relative",),
     "FastSpeech2ConformerAttention": (None,),  # always Transformer-XL positions (ESPnet)
 }
-
-
-def relative_key_table(weight: Tensor, left: int, right: int) -> Tensor:
-    """A ``[left + right + 1, D]`` table clipped to ``[-left, right]`` as a Shaw table.
-
-    Returns ``[2K + 1, D]`` with ``K = max(left, right)``, whose row ``clamp(r, -K, K) + K``
-    (:func:`relpos_ext.rel_attention`'s bucket) is ``weight[clamp(r, -left, right) + left]`` for
-    every distance r: the shorter side's last row repeated. Differentiable: the gradients of the
-    repeated rows add up in the original row.
-    """
-    if left < 0 or right < 0:
-        raise ValueError(f"left and right must be >= 0, got {left} and {right}")
-    if weight.dim() != 2 or weight.shape[0] != left + right + 1:
-        raise ValueError(f"weight must be [left + right + 1, D] = [{left + right + 1}, D], got "
-                         f"{tuple(weight.shape)}")
-    k = max(left, right)
-    rows = torch.arange(-k, k + 1, device=weight.device).clamp(-left, right) + left
-    return weight.index_select(0, rows)
 
 
 def _hidden_keys(attention_mask: Tensor | None) -> Tensor | None:
@@ -125,7 +108,7 @@ def _fused_forward(
     q, k, v = heads(self.linear_q), heads(self.linear_k), heads(self.linear_v)
     if self.position_embeddings_type == "relative_key":
         left, right = self.left_max_position_embeddings, self.right_max_position_embeddings
-        table = relative_key_table(self.distance_embedding.weight, left, right).to(q.dtype)
+        table = clipped_table(self.distance_embedding.weight, left, right).to(q.dtype)
         max_distance = max(left, right)
     else:  # "relative": Transformer-XL
         pos = _xl_table(self, relative_position_embeddings, length, q.dtype)

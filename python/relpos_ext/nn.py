@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from . import ops
 
-__all__ = ["KVCache", "RelativeMultiheadAttention", "ShawRelativeAttention"]
+__all__ = ["KVCache", "RelativeMultiheadAttention", "ShawRelativeAttention", "clipped_table"]
 
 
 def _table(
@@ -18,6 +18,25 @@ def _table(
     """A learnable relative-embedding table, N(0, 1/D) like the layers' initialisation before."""
     table = torch.randn(shape, device=device, dtype=dtype)
     return nn.Parameter(table * shape[-1] ** -0.5)
+
+
+def clipped_table(table: Tensor, left: int, right: int) -> Tensor:
+    """A table clipped to ``[-left, right]`` as a Shaw table of ``K = max(left, right)``.
+
+    ``table``: ``[..., left + right + 1, D]`` (row ``r + left`` for distance r; e.g. ``[R, D]``
+    or per head ``[H, R, D]``). Returns ``[..., 2K + 1, D]`` whose row ``clamp(r, -K, K) + K``
+    (:func:`relpos_ext.rel_attention`'s bucket) is ``table[..., clamp(r, -left, right) + left, :]``
+    for every distance r: the shorter side's last row repeated. Differentiable: the gradients of
+    the repeated rows add up in the original row.
+    """
+    if left < 0 or right < 0:
+        raise ValueError(f"left and right must be >= 0, got {left} and {right}")
+    if table.dim() < 2 or table.shape[-2] != left + right + 1:
+        raise ValueError(f"the table must be [..., left + right + 1, D] = [..., {left + right + 1}, "
+                         f"D], got {tuple(table.shape)}")
+    k = max(left, right)
+    rows = torch.arange(-k, k + 1, device=table.device).clamp(-left, right) + left
+    return table.index_select(table.dim() - 2, rows)
 
 
 def _bool_mask(mask: Tensor | None, name: str) -> Tensor | None:
@@ -246,7 +265,9 @@ class RelativeMultiheadAttention(nn.Module):
     Args:
         embed_dim: model width ``E``; must be divisible by ``num_heads``.
         num_heads: query heads ``H``.
-        max_distance: ``K``; the tables have ``2K+1`` rows of ``E / H``.
+        max_distance: ``K``; the tables have ``2K+1`` rows of ``E / H``. Or ``(left, right)``:
+            distances clipped to ``[-left, right]`` (e.g. w2v-BERT's ``(64, 8)``), tables of
+            ``left + right + 1`` rows (:func:`clipped_table` makes the Shaw table each call).
         num_kv_heads: key/value heads (grouped-query attention); must divide ``H``. Default ``H``.
         rel_keys, rel_values: learn the relative key / value table (either may be off).
         per_head_tables: ``[H, 2K+1, D]`` tables instead of one shared ``[2K+1, D]``.
@@ -270,7 +291,7 @@ class RelativeMultiheadAttention(nn.Module):
         self,
         embed_dim: int,
         num_heads: int,
-        max_distance: int,
+        max_distance: int | tuple[int, int],
         num_kv_heads: int | None = None,
         rel_keys: bool = True,
         rel_values: bool = True,
@@ -297,6 +318,14 @@ class RelativeMultiheadAttention(nn.Module):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
             raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
+        # clip: (left, right) when the clipping is asymmetric, else None; max_distance: the K
+        # of the Shaw tables the kernels see
+        self.clip = (int(max_distance[0]), int(max_distance[1])) if isinstance(
+            max_distance, (tuple, list)) else None
+        if self.clip is not None:
+            if min(self.clip) < 0:
+                raise ValueError(f"max_distance (left, right) must be >= 0, got {max_distance}")
+            max_distance = max(self.clip)
         if max_distance < 0:
             raise ValueError(f"max_distance must be >= 0, got {max_distance}")
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
@@ -310,7 +339,8 @@ class RelativeMultiheadAttention(nn.Module):
         self.k_proj = nn.Linear(self.kdim, kv_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(self.vdim, kv_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
-        shape = ((num_heads,) if per_head_tables else ()) + (2 * max_distance + 1, self.head_dim)
+        rows = 2 * max_distance + 1 if self.clip is None else sum(self.clip) + 1
+        shape = ((num_heads,) if per_head_tables else ()) + (rows, self.head_dim)
         self.rel_k = _table(shape, **factory) if rel_keys else None
         self.rel_v = _table(shape, **factory) if rel_values else None
 
@@ -318,7 +348,7 @@ class RelativeMultiheadAttention(nn.Module):
     def from_multihead_attention(
         cls,
         mha: nn.MultiheadAttention,
-        max_distance: int,
+        max_distance: int | tuple[int, int],
         rel_keys: bool = True,
         rel_values: bool = True,
         per_head_tables: bool = False,
@@ -362,6 +392,15 @@ class RelativeMultiheadAttention(nn.Module):
                     table.zero_()
         return layer
 
+    def tables(self) -> tuple[Tensor | None, Tensor | None]:
+        """``(rel_k, rel_v)`` as the kernels take them: ``[2K+1, D]`` (or ``[H, 2K+1, D]``)
+        Shaw tables, made from the ``left + right + 1`` learned rows when clipping is
+        asymmetric."""
+        if self.clip is None:
+            return self.rel_k, self.rel_v
+        return tuple(None if t is None else clipped_table(t, *self.clip)
+                     for t in (self.rel_k, self.rel_v))
+
     def _heads(self, x: Tensor, heads: int) -> Tensor:
         batch, length, _ = x.shape
         return x.view(batch, length, heads, self.head_dim).transpose(1, 2)
@@ -383,8 +422,9 @@ class RelativeMultiheadAttention(nn.Module):
         """The attention core on ``[B, H, L, D]`` heads (overridden by the reference module);
         segment_ids: ``(q_segment_ids, k_segment_ids)`` or None."""
         q_seg, k_seg = segment_ids if segment_ids is not None else (None, None)
+        rel_k, rel_v = self.tables()
         return ops.rel_attention(
-            q, k, v, self.rel_k, self.rel_v, self.max_distance, causal, None, q_offset, k_offset,
+            q, k, v, rel_k, rel_v, self.max_distance, causal, None, q_offset, k_offset,
             key_padding_mask, dropout_p=dropout_p, dropout_seed=dropout_seed, attn_mask=attn_mask,
             q_segment_ids=q_seg, k_segment_ids=k_seg, window_left=self.window[0],
             window_right=self.window[1],
@@ -558,8 +598,9 @@ class RelativeMultiheadAttention(nn.Module):
         q_len, k_len = q.shape[2], k.shape[2]
         k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
         logits = torch.matmul(q, k.transpose(-1, -2))
-        if self.rel_k is not None:
-            logits = logits + ops.rel_logits(q.contiguous(), self.rel_k, self.max_distance, k_len,
+        rel_k = self.tables()[0]
+        if rel_k is not None:
+            logits = logits + ops.rel_logits(q.contiguous(), rel_k, self.max_distance, k_len,
                                              q_offset, k_offset)
         q_seg, k_seg = segment_ids if segment_ids is not None else (None, None)
         visible = reference.visible_keys(q.shape[0], q_len, k_len, causal, q_offset, k_offset,

@@ -368,8 +368,9 @@ class RelativeMultiheadAttentionReference(_reference_module_base()):
     def attend(self, q, k, v, key_padding_mask, causal, q_offset, k_offset, dropout_p=0.0,
                dropout_seed=None, attn_mask=None, segment_ids=None):
         q_seg, k_seg = segment_ids if segment_ids is not None else (None, None)
+        rel_k, rel_v = self.tables()
         return shaw_attention(
-            q, k, v, self.rel_k, self.rel_v, self.max_distance, causal, None, q_offset, k_offset,
+            q, k, v, rel_k, rel_v, self.max_distance, causal, None, q_offset, k_offset,
             key_padding_mask, dropout_p=dropout_p, dropout_seed=dropout_seed, attn_mask=attn_mask,
             q_segment_ids=q_seg, k_segment_ids=k_seg, window_left=self.window[0],
             window_right=self.window[1],
