@@ -86,6 +86,31 @@ def transformer_xl_inputs(
             torch.cat([v, v.new_zeros(*v.shape[:-1], 2)], -1), torch.cat([pos, zeros_p, v_dot_p], -1))
 
 
+def _heads(self: nn.Module, hidden_states: Tensor, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The module's q, k, v projections of ``[B, L, E]`` as ``[B, H, L, head_dim]``."""
+    batch, length, _ = hidden_states.shape
+    return tuple(proj(hidden_states).view(batch, length, self.num_heads, head_dim).transpose(1, 2)
+                 for proj in (self.linear_q, self.linear_k, self.linear_v))
+
+
+def _merge(self: nn.Module, out: Tensor, head_dim: int) -> Tensor:
+    """The first ``head_dim`` features of ``[B, H, L, D']`` heads, merged and projected out."""
+    batch, _, length, _ = out.shape
+    out = out[..., :head_dim].transpose(1, 2).reshape(batch, length, self.num_heads * head_dim)
+    return self.linear_out(out)
+
+
+def _xl_table(self: nn.Module, pos_emb: Tensor | None, length: int, dtype: torch.dtype) -> Tensor:
+    """The module's projected Transformer-XL position embeddings ``[1, 2L - 1, E]`` as per-head
+    tables ``[H, 2L - 1, D]``."""
+    if pos_emb is None or pos_emb.shape[:2] != (1, 2 * length - 1):
+        got = None if pos_emb is None else tuple(pos_emb.shape)
+        raise ValueError(f"relpos_ext.hf: relative_position_embeddings must be [1, 2L - 1, E] = "
+                         f"[1, {2 * length - 1}, E], got {got}")
+    pos = self.linear_pos(pos_emb).to(dtype)
+    return pos.view(2 * length - 1, self.num_heads, -1).transpose(0, 1)
+
+
 def _fused_forward(
     self: nn.Module,
     hidden_states: Tensor,
@@ -100,12 +125,8 @@ def _fused_forward(
     if kwargs.get("output_attentions"):
         return type(self).forward(self, hidden_states, attention_mask,
                                   relative_position_embeddings, **kwargs)
-    batch, length, _ = hidden_states.shape
-
-    def heads(proj: nn.Linear) -> Tensor:
-        return proj(hidden_states).view(batch, length, self.num_heads, self.head_size).transpose(1, 2)
-
-    q, k, v = heads(self.linear_q), heads(self.linear_k), heads(self.linear_v)
+    length = hidden_states.shape[1]
+    q, k, v = _heads(self, hidden_states, self.head_size)
     if self.position_embeddings_type == "relative_key":
         left, right = self.left_max_position_embeddings, self.right_max_position_embeddings
         table = clipped_table(self.distance_embedding.weight, left, right).to(q.dtype)
@@ -117,19 +138,7 @@ def _fused_forward(
     out = ops.rel_attention(q, k, v, table, None, max_distance, scale=self.scaling,
                             attn_mask=_hidden_keys(attention_mask),  # [B, 1, Lq, Lk] or None
                             dropout_p=self.dropout.p if self.training else 0.0)
-    out = out[..., :self.head_size].transpose(1, 2)
-    return self.linear_out(out.reshape(batch, length, self.num_heads * self.head_size)), None
-
-
-def _xl_table(self: nn.Module, pos_emb: Tensor | None, length: int, dtype: torch.dtype) -> Tensor:
-    """The module's projected Transformer-XL position embeddings ``[1, 2L - 1, E]`` as per-head
-    tables ``[H, 2L - 1, D]``."""
-    if pos_emb is None or pos_emb.shape[:2] != (1, 2 * length - 1):
-        got = None if pos_emb is None else tuple(pos_emb.shape)
-        raise ValueError(f"relpos_ext.hf: relative_position_embeddings must be [1, 2L - 1, E] = "
-                         f"[1, {2 * length - 1}, E], got {got}")
-    pos = self.linear_pos(pos_emb).to(dtype)
-    return pos.view(2 * length - 1, self.num_heads, -1).transpose(0, 1)
+    return _merge(self, out, self.head_size), None
 
 
 def _fused_espnet_forward(
@@ -145,11 +154,7 @@ def _fused_espnet_forward(
     if output_attentions:
         return type(self).forward(self, hidden_states, attention_mask, pos_emb, output_attentions)
     batch, length, _ = hidden_states.shape
-
-    def heads(proj: nn.Linear) -> Tensor:
-        return proj(hidden_states).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
-
-    q, k, v = heads(self.linear_q), heads(self.linear_k), heads(self.linear_v)
+    q, k, v = _heads(self, hidden_states, self.head_dim)
     pos = _xl_table(self, pos_emb, length, q.dtype)
     q, k, v, table = transformer_xl_inputs(q, k, v, pos, self.pos_bias_u, self.pos_bias_v)
     padding = None
@@ -161,8 +166,7 @@ def _fused_espnet_forward(
     out = ops.rel_attention(q, k, v, table, None, length - 1, scale=self.dim_key ** -0.5,
                             key_padding_mask=padding,
                             dropout_p=self.dropout.p if self.training else 0.0)
-    out = out[..., :self.head_dim].transpose(1, 2)
-    return self.linear_out(out.reshape(batch, length, self.num_heads * self.head_dim)), None
+    return _merge(self, out, self.head_dim), None
 
 
 def use_fused_attention(model: nn.Module) -> list[str]:
