@@ -337,7 +337,8 @@ def test_masks_and_bad_masks():
     got_inf, _ = module(x, attention_mask=mask.masked_fill(mask < 0, float("-inf")))
     torch.testing.assert_close(got_bool, want, atol=0, rtol=0)
     torch.testing.assert_close(got_inf, want, atol=0, rtol=0)
-    with pytest.raises(RuntimeError, match="must hold only 0 and large negative values"):
+    with pytest.raises(RuntimeError, match=r"a float attention mask must hold only 0 \(keep\) "
+                                           r"and -inf or large negative values"):
         module(x, attention_mask=mask - 1.0)
     # weights asked for: transformers' own forward, weights included
     theirs, theirs_w = w2v.Wav2Vec2BertSelfAttention.forward(module, x, attention_mask=mask,

@@ -143,9 +143,27 @@ def test_float_masks_compiled_fullgraph():
         step(x, bias)
 
 
+def test_large_negative_float_masks():
+    """transformers-style additive masks (0 / finfo.min) hide like -inf, in every float dtype;
+    -1e9 is a bias, not a hidden key, and raises."""
+    _, ours = _pair()
+    x = torch.randn(2, 7, E)
+    hide = _random_mask((7, 7), torch.bool)
+    want = ours(x, attn_mask=hide)[0]
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        fmask = torch.zeros(7, 7, dtype=dtype).masked_fill(hide, torch.finfo(dtype).min)
+        torch.testing.assert_close(ours(x, attn_mask=fmask)[0], want, atol=0, rtol=0)
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, -2:] = True
+    torch.testing.assert_close(
+        ours(x, key_padding_mask=torch.zeros(2, 7).masked_fill(pad, torch.finfo().min))[0],
+        ours(x, key_padding_mask=pad)[0], atol=0, rtol=0)
+
+
 BAD_CALLS = [
     ("additive bias", lambda m, x: m(x, attn_mask=torch.full((7, 7), -1e9)), RuntimeError,
-     r"a float attn_mask must hold only 0 \(keep\) and -inf \(ignore\).*attn_mask < 0"),
+     r"a float attn_mask must hold only 0 \(keep\) and -inf or large negative values "
+     r"\(ignore\); additive biases are not supported"),
     ("padding bias", lambda m, x: m(x, key_padding_mask=torch.ones(2, 7)), RuntimeError,
      r"a float key_padding_mask must hold only 0"),
     ("int mask", lambda m, x: m(x, attn_mask=torch.zeros(7, 7, dtype=torch.int64)), ValueError,

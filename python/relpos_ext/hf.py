@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from . import ops
-from .nn import clipped_table
+from .nn import additive_mask_hidden, clipped_table
 
 __all__ = ["SUPPORTED_CLASSES", "transformer_xl_inputs", "use_fused_attention"]
 
@@ -47,22 +47,14 @@ SUPPORTED_CLASSES = {
 
 
 def _hidden_keys(attention_mask: Tensor | None) -> Tensor | None:
-    """transformers' attention mask as rel_attention's bool attn_mask (True = ignore).
-
-    A bool mask there means True = attend; a float one is added to the scores, 0 or a large
-    negative value (``finfo.min``; -inf too). Other float values would be a bias the kernels do
-    not add: they raise (``torch._assert_async``, also under torch.compile).
-    """
+    """transformers' attention mask as rel_attention's bool attn_mask (True = ignore): a bool
+    mask there means True = attend; a float one is added to the scores (0 or ``finfo.min``),
+    read by :func:`relpos_ext.nn.additive_mask_hidden`."""
     if attention_mask is None:
         return None
     if attention_mask.dtype == torch.bool:
         return ~attention_mask
-    tiny = torch.finfo(attention_mask.dtype).min / 2
-    hidden = attention_mask <= tiny
-    torch._assert_async((hidden | (attention_mask == 0)).all(),
-                        "relpos_ext.hf: the attention mask must hold only 0 and large negative "
-                        "values (padding); an additive bias is not supported")
-    return hidden
+    return additive_mask_hidden(attention_mask, "attention mask")
 
 
 def transformer_xl_inputs(

@@ -39,25 +39,32 @@ def clipped_table(table: Tensor, left: int, right: int) -> Tensor:
     return table.index_select(table.dim() - 2, rows)
 
 
-def _bool_mask(mask: Tensor | None, name: str) -> Tensor | None:
-    """An nn.MultiheadAttention mask as the kernels take it: bool, True = ignore.
+def additive_mask_hidden(mask: Tensor, name: str) -> Tensor:
+    """Which keys a float (additive) attention mask hides: bool, True = hidden.
 
-    A float (additive) mask is taken where it only hides or keeps keys: every entry 0 or -inf,
-    as ``nn.Transformer.generate_square_subsequent_mask`` makes. Any other value would be a bias
-    the kernels do not add, so it raises (``torch._assert_async``: checked in eager and inside
-    ``torch.compile`` alike, without a graph break).
+    Such a mask can only hide or keep keys here: every entry 0 (keep), or -inf or a large
+    negative value (hide; at most ``finfo.min / 2``: transformers' masks hold ``finfo.min``).
+    Any other value would be a bias the kernels do not add, so it raises
+    (``torch._assert_async``: checked in eager and inside ``torch.compile`` alike, without a
+    graph break).
     """
+    hidden = mask <= torch.finfo(mask.dtype).min / 2
+    torch._assert_async((hidden | (mask == 0)).all(),
+                        f"a float {name} must hold only 0 (keep) and -inf or large negative "
+                        f"values (ignore); additive biases are not supported")
+    return hidden
+
+
+def _bool_mask(mask: Tensor | None, name: str) -> Tensor | None:
+    """An nn.MultiheadAttention mask as the kernels take it: bool, True = ignore; a float one
+    (``nn.Transformer.generate_square_subsequent_mask``'s 0 / -inf) by
+    :func:`additive_mask_hidden`."""
     if mask is None or mask.dtype == torch.bool:
         return mask
     if not mask.is_floating_point():
         raise ValueError(f"{name} must be bool (True = ignore) or float (0 = keep, -inf = ignore), "
                          f"got {mask.dtype}")
-    hidden = mask == float("-inf")
-    torch._assert_async((hidden | (mask == 0)).all(),
-                        f"a float {name} must hold only 0 (keep) and -inf (ignore); additive "
-                        f"biases are not supported (for a mask of large negative values, pass "
-                        f"{name} < 0)")
-    return hidden
+    return additive_mask_hidden(mask, name)
 
 
 class ShawRelativeAttention(nn.Module):
@@ -456,8 +463,9 @@ class RelativeMultiheadAttention(nn.Module):
         as nn.MultiheadAttention takes it.
         attn_mask: ``[Lq, Lk]`` or ``[B * H, Lq, Lk]`` (nn.MultiheadAttention's shapes;
         ``[B, H, Lq, Lk]`` too), bool (True = query i ignores key j) or float holding only 0
-        and -inf (``nn.Transformer.generate_square_subsequent_mask``); a float mask with other
-        values would be an additive bias, which is not supported and raises. Read by the fused
+        and -inf (``nn.Transformer.generate_square_subsequent_mask``) or large negative values
+        (transformers' ``finfo.min``); a float mask with other values would be an additive
+        bias, which is not supported and raises. Read by the fused
         kernel, combined with ``is_causal`` and the padding.
         is_causal: key j visible to query i iff ``k_offset + j <= q_offset + i``.
         need_weights: also return the attention weights, as nn.MultiheadAttention does (after
