@@ -20,7 +20,7 @@ namespace relpos {
 template <class Backend>
 struct AttentionImpl {
   struct Checked {
-    at::Tensor q, k, v, rel_k, rel_v, mask;  // contiguous (k, v: see kv_stride); undefined when absent
+    at::Tensor q, k, v, rel_k, rel_v, rel_bias, mask;  // contiguous (k, v: see kv_stride); undefined when absent
     at::Tensor attn_mask;  // [1 or B, 1 or H, Lq, Lk], contiguous; undefined when absent
     int64_t attn_mask_b_stride = 0, attn_mask_h_stride = 0;  // 0 where broadcast
     at::Tensor q_seg, k_seg;  // [B, Lq], [B, Lk] int64, contiguous; undefined when absent
@@ -41,6 +41,25 @@ struct AttentionImpl {
     TORCH_CHECK(t->dim() == 2 || t->size(0) == q.size(1), "a per-head ", name,
                 " [H, 2K+1, D] must have H equal to q.size(1)=", q.size(1), "; got shape ",
                 t->sizes());
+  }
+
+  // rel_bias: [2K+1] or [H, 2K+1], one scalar per bucket added to the scaled logits.
+  static void check_bias(const std::optional<at::Tensor>& t, const at::Tensor& q,
+                         int64_t max_distance, double scale) {
+    if (!t.has_value()) return;
+    check_device<Backend>(*t, "rel_bias");
+    TORCH_CHECK((t->dim() == 1 || t->dim() == 2) && t->size(-1) == num_buckets(max_distance),
+                "rel_bias must be [2K+1] (shared) or [H, 2K+1] (per head) with 2*max_distance+1 = ",
+                num_buckets(max_distance), " buckets (max_distance=", max_distance, "); got shape ",
+                t->sizes());
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "rel_bias dtype must match q dtype (",
+                q.scalar_type(), "); got ", t->scalar_type());
+    TORCH_CHECK(t->dim() == 1 || t->size(0) == q.size(1),
+                "a per-head rel_bias [H, 2K+1] must have H equal to q.size(1)=", q.size(1),
+                "; got shape ", t->sizes());
+    // the AVX2 and CUDA backward kernels recover dbias from the scaled dS
+    TORCH_CHECK(scale != 0.0 && std::isfinite(scale), "rel_bias needs a finite nonzero scale; got ",
+                scale);
   }
 
   // The distance between the [Lk, D] slabs of a [B, Hkv, Lk, D] tensor whose slabs, in (b, head)
@@ -76,7 +95,8 @@ struct AttentionImpl {
                        const std::optional<at::Tensor>& key_padding_mask,
                        const std::optional<at::Tensor>& attn_mask,
                        const std::optional<at::Tensor>& q_segment_ids,
-                       const std::optional<at::Tensor>& k_segment_ids, bool kv_slabs = false) {
+                       const std::optional<at::Tensor>& k_segment_ids,
+                       const std::optional<at::Tensor>& rel_bias, bool kv_slabs = false) {
     check_device<Backend>(q, "q");
     check_device<Backend>(k, "k");
     check_device<Backend>(v, "v");
@@ -151,6 +171,8 @@ struct AttentionImpl {
     c.k_len = k.size(2);
     c.dim = q.size(3);
     c.scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(c.dim, 1)));
+    check_bias(rel_bias, q, max_distance, c.scale);
+    if (rel_bias.has_value()) c.rel_bias = rel_bias->contiguous();
     return c;
   }
 
@@ -163,6 +185,7 @@ struct AttentionImpl {
     p.v = c.v.data_ptr();
     p.rel_k = c.rel_k.defined() ? c.rel_k.data_ptr() : nullptr;
     p.rel_v = c.rel_v.defined() ? c.rel_v.data_ptr() : nullptr;
+    p.rel_bias = c.rel_bias.defined() ? c.rel_bias.data_ptr() : nullptr;
     p.key_padding_mask = c.mask.defined() ? static_cast<const bool*>(c.mask.data_ptr()) : nullptr;
     p.attn_mask = c.attn_mask.defined() ? static_cast<const bool*>(c.attn_mask.data_ptr()) : nullptr;
     p.attn_mask_b_stride = c.attn_mask_b_stride;
@@ -183,6 +206,7 @@ struct AttentionImpl {
     p.k_offset = k_offset;
     p.rel_k_per_head = c.rel_k.defined() && c.rel_k.dim() == 3;
     p.rel_v_per_head = c.rel_v.defined() && c.rel_v.dim() == 3;
+    p.rel_bias_per_head = c.rel_bias.defined() && c.rel_bias.dim() == 2;
     p.causal = causal;
     p.scale = c.scale;
     p.dtype = dtype_of(c.q);
@@ -220,9 +244,10 @@ struct AttentionImpl {
       int64_t k_offset, const std::optional<at::Tensor>& key_padding_mask, double dropout_p,
       const std::optional<at::Tensor>& dropout_seed, const std::optional<at::Tensor>& attn_mask,
       const std::optional<at::Tensor>& q_segment_ids,
-      const std::optional<at::Tensor>& k_segment_ids, int64_t window_left, int64_t window_right) {
+      const std::optional<at::Tensor>& k_segment_ids, int64_t window_left, int64_t window_right,
+      const std::optional<at::Tensor>& rel_bias) {
     const Checked c = check(q, k, v, rel_k, rel_v, max_distance, scale, key_padding_mask,
-                            attn_mask, q_segment_ids, k_segment_ids, /*kv_slabs=*/true);
+                            attn_mask, q_segment_ids, k_segment_ids, rel_bias, /*kv_slabs=*/true);
     const DropoutParams drop = dropout(dropout_p, dropout_seed);
     at::Tensor out = at::empty({c.batch, c.heads, c.q_len, c.dim}, c.q.options());
     at::Tensor lse = at::empty({c.batch, c.heads, c.q_len}, c.q.options().dtype(acc_type(c.q)));
@@ -236,7 +261,7 @@ struct AttentionImpl {
     return {out, lse};
   }
 
-  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
   rel_attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                          const at::Tensor& v, const std::optional<at::Tensor>& rel_k,
                          const std::optional<at::Tensor>& rel_v, const at::Tensor& out,
@@ -247,9 +272,9 @@ struct AttentionImpl {
                          const std::optional<at::Tensor>& attn_mask,
                          const std::optional<at::Tensor>& q_segment_ids,
                          const std::optional<at::Tensor>& k_segment_ids, int64_t window_left,
-                         int64_t window_right) {
+                         int64_t window_right, const std::optional<at::Tensor>& rel_bias) {
     const Checked c = check(q, k, v, rel_k, rel_v, max_distance, scale, key_padding_mask,
-                            attn_mask, q_segment_ids, k_segment_ids);
+                            attn_mask, q_segment_ids, k_segment_ids, rel_bias);
     const DropoutParams drop = dropout(dropout_p, dropout_seed);
     TORCH_CHECK(grad_out.sizes() == c.q.sizes() && out.sizes() == c.q.sizes(),
                 "grad_out and out must have the shape of q ", c.q.sizes(), "; got ",
@@ -279,10 +304,14 @@ struct AttentionImpl {
     };
     cu.rel_k = slice(c.rel_k);
     cu.rel_v = slice(c.rel_v);
+    if (c.rel_bias.defined()) {
+      cu.rel_bias = c.rel_bias.narrow(-1, max_distance - used, num_buckets(used)).contiguous();
+    }
     const int64_t rows = num_buckets(used);
     const auto acc_opts = c.q.options().dtype(acc_type(c.q));
     at::Tensor pk = c.rel_k.defined() ? at::zeros({c.batch, c.heads, rows, c.dim}, acc_opts) : at::Tensor();
     at::Tensor pv = c.rel_v.defined() ? at::zeros({c.batch, c.heads, rows, c.dim}, acc_opts) : at::Tensor();
+    at::Tensor pb = c.rel_bias.defined() ? at::zeros({c.batch, c.heads, rows}, acc_opts) : at::Tensor();
     if (c.batch * c.heads * c.q_len * c.k_len * c.dim > 0) {
       RelAttentionBwdParams p{};
       p.fwd = params(cu, used, causal, q_offset, k_offset, window_left, window_right);
@@ -295,20 +324,23 @@ struct AttentionImpl {
       p.dv = dv.data_ptr();
       p.drel_k_partial = pk.defined() ? pk.data_ptr() : nullptr;
       p.drel_v_partial = pv.defined() ? pv.data_ptr() : nullptr;
+      p.drel_bias_partial = pb.defined() ? pb.data_ptr() : nullptr;
       Backend::rel_attention_backward(p);
     }
     auto finish = [&](const at::Tensor& partial, const at::Tensor& table) {
       if (!table.defined()) return at::empty({0}, c.q.options());
       at::Tensor g = partial.sum(0);  // over the batch, in a fixed order
-      if (table.dim() == 2) g = g.sum(0);  // a shared table also sums over heads
+      // a shared table (or bias) also sums over heads
+      if (table.dim() == partial.dim() - 2) g = g.sum(0);
+      const int64_t bucket_dim = partial.dim() == 4 ? -2 : -1;  // a table's rows, a bias's columns
       if (used < max_distance) {  // rows outside the slice get no gradient
         at::Tensor full = at::zeros(table.sizes(), g.options());
-        full.narrow(-2, max_distance - used, rows).copy_(g);
+        full.narrow(bucket_dim, max_distance - used, rows).copy_(g);
         g = full;
       }
       return g.to(table.scalar_type());
     };
-    return {dq, dk, dv, finish(pk, c.rel_k), finish(pv, c.rel_v)};
+    return {dq, dk, dv, finish(pk, c.rel_k), finish(pv, c.rel_v), finish(pb, c.rel_bias)};
   }
 };
 

@@ -70,6 +70,7 @@ namespace relpos {
 // rel_attention (Shaw et al. 2018 with relative keys and values), per (b, h, i):
 //   s_ij = (q_i . k_j + q_i . rel_k[b(i, j)]) * scale,  masked where causal / key padding /
 //   attention mask
+//   (+ rel_bias[b(i, j)] after the scale when given)
 //   p_ij = softmax_j(s_ij),  out_i = sum_j p_ij (v_j + rel_v[b(i, j)]),  lse_i = log sum_j e^s_ij
 // k and v may have fewer heads (grouped-query attention): query head h reads kv head
 // h / (heads / kv_heads). Rows with no visible key get out = 0 and lse = +inf (so that the
@@ -87,6 +88,11 @@ struct RelAttentionParams {
   const void* v;                  // [batch, kv_heads, k_len, dim], slabs kv_stride apart
   const void* rel_k;              // [2K+1, dim] or [heads, 2K+1, dim]; null: no key term
   const void* rel_v;              // same; null: no value term
+  // [2K+1] or [heads, 2K+1]: a scalar per bucket added to the logits after the scale,
+  //   s_ij = (q_i . k_j + q_i . rel_k[b]) * scale + rel_bias[b]   (T5 buckets, ALiBi slopes);
+  // null: none. The glue requires scale != 0 with it: the AVX2 and CUDA backward kernels sum
+  // the scaled dS per bucket and divide by the scale.
+  const void* rel_bias;
   const bool* key_padding_mask;   // [batch, k_len], true = ignore that key; null: none
   // [batch or 1, heads or 1, q_len, k_len], true = query i of head h ignores key j; null: none.
   // A broadcast dimension has stride 0: attn_mask_hides below is the one place that reads it.
@@ -108,7 +114,7 @@ struct RelAttentionParams {
   // a slab are dim apart. The forward reads any kv_stride >= k_len * dim; the backward is
   // always given packed k and v.
   int64_t kv_stride;
-  bool rel_k_per_head, rel_v_per_head, causal;
+  bool rel_k_per_head, rel_v_per_head, rel_bias_per_head, causal;
   double scale;
   DType dtype;
   // Attention dropout (common/dropout.h): out_i = sum_j p_ij keep_ij / (1 - p) (v_j + rel_v[b]),
@@ -121,6 +127,7 @@ struct RelAttentionParams {
 //   dp_ij = dout_i . (v_j + rel_v[b]),  ds_ij = p_ij (dp_ij - dout_i . out_i)
 //   dq_i = scale sum_j ds_ij (k_j + rel_k[b]),  dk_j = scale sum_i ds_ij q_i,  dv_j = sum_i p_ij dout_i
 //   drel_k[b] = scale sum_{b(i,j)=b} ds_ij q_i,  drel_v[b] = sum_{b(i,j)=b} p_ij dout_i
+//   drel_bias[b] = sum_{b(i,j)=b} ds_ij
 // Work items are (b, kv head) so that dk/dv of a kv head have one writer. The table gradients
 // are written per (b, h) into drel_*_partial (acc type) and summed by the glue in a fixed order.
 RELPOS_HD bool attn_mask_hides(const RelAttentionParams& p, int64_t b, int64_t h, int64_t i,
@@ -153,6 +160,7 @@ struct RelAttentionBwdParams {
   void* dv;                       // [batch, kv_heads, k_len, dim]
   void* drel_k_partial;           // [batch, heads, 2K+1, dim] acc type, or null
   void* drel_v_partial;           // [batch, heads, 2K+1, dim] acc type, or null
+  void* drel_bias_partial;        // [batch, heads, 2K+1] acc type, or null
   // CUDA only: one dq block per (b, h) over its query tiles in order, so that the table-gradient
   // atomics add in a fixed order (set under torch.use_deterministic_algorithms; CPU ignores it)
   bool serial_q_tiles = false;

@@ -118,7 +118,7 @@ struct CpuBackend {
   // The AVX2 attention kernels tile the work differently from the scalar ones (kernels.h).
   static void rel_attention(const RelAttentionParams& p) {
 #if defined(RELPOS_HAVE_AVX2)
-    if (p.dtype != DType::Float64 && selected_isa() == Isa::Avx2) {
+    if (p.dtype != DType::Float64 && selected_isa() == Isa::Avx2 && p.rel_bias == nullptr) {
       rel_attention_avx2(p);
       return;
     }
@@ -130,7 +130,7 @@ struct CpuBackend {
   }
   static void rel_attention_backward(const RelAttentionBwdParams& p) {
 #if defined(RELPOS_HAVE_AVX2)
-    if (p.fwd.dtype != DType::Float64 && selected_isa() == Isa::Avx2) {
+    if (p.fwd.dtype != DType::Float64 && selected_isa() == Isa::Avx2 && p.fwd.rel_bias == nullptr) {
       rel_attention_backward_avx2(p);
       return;
     }

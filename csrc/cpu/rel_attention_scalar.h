@@ -121,6 +121,7 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
   T* out = static_cast<T*>(p.out);
   acc_t* lse = static_cast<acc_t*>(p.lse);
   const int64_t rows = num_buckets(p.max_distance), group = p.heads / p.kv_heads;
+  const T* rel_bias = static_cast<const T*>(p.rel_bias);
   // a row reaches at most k_len buckets (max_distance may be huge when there are no tables)
   std::vector<acc_t> s(p.k_len), qe(std::min(rows, p.k_len)), w, acc(p.dim), kt, ekt;
   int64_t kt_of = -1;          // offset of the kv head whose keys are in kt
@@ -145,6 +146,7 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
       }
       scores_row<T, acc_t>(qi, ekt.data() + b_lo, rows, nb, p.dim, qe.data());
     }
+    const T* bias = rel_bias == nullptr ? nullptr : rel_bias + (p.rel_bias_per_head ? h * rows : 0);
     acc_t m = -std::numeric_limits<acc_t>::infinity();
     for (int64_t j = 0; j < p.k_len; ++j) {
       if (!key_visible(p, b, h, i, j)) {
@@ -152,8 +154,10 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
         continue;
       }
       acc_t e = s[j];
-      if (rel_k != nullptr) e += qe[shaw_bucket(i, j, p.max_distance, p.q_offset, p.k_offset) - b_lo];
+      const int64_t bucket = shaw_bucket(i, j, p.max_distance, p.q_offset, p.k_offset);
+      if (rel_k != nullptr) e += qe[bucket - b_lo];
       s[j] = e * static_cast<acc_t>(p.scale);
+      if (bias != nullptr) s[j] += static_cast<acc_t>(bias[bucket]);
       if (s[j] > m || s[j] != s[j]) m = s[j];  // a NaN logit makes the row NaN, as in torch
     }
     T* oi = out + item * p.dim;
@@ -215,6 +219,8 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
   T* dv = static_cast<T*>(bp.dv);
   acc_t* pk = static_cast<acc_t*>(bp.drel_k_partial);
   acc_t* pv = static_cast<acc_t*>(bp.drel_v_partial);
+  acc_t* pbias = static_cast<acc_t*>(bp.drel_bias_partial);
+  const T* rel_bias = static_cast<const T*>(p.rel_bias);
   const int64_t rows = num_buckets(p.max_distance), group = p.heads / p.kv_heads, D = p.dim;
   const acc_t scale = static_cast<acc_t>(p.scale);
   const int64_t reach = std::min(rows, p.k_len);  // buckets one row reaches, at most
@@ -237,6 +243,8 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
       const T* ev = rel_v ? rel_v + (p.rel_v_per_head ? h * rows * D : 0) : nullptr;
       acc_t* pkh = pk ? pk + (b * p.heads + h) * rows * D : nullptr;
       acc_t* pvh = pv ? pv + (b * p.heads + h) * rows * D : nullptr;
+      const T* bias = rel_bias ? rel_bias + (p.rel_bias_per_head ? h * rows : 0) : nullptr;
+      acc_t* pbh = pbias ? pbias + (b * p.heads + h) * rows : nullptr;
       if (ek) transpose_rows<T, acc_t>(ek, rows, D, ekt);
       if (ev) transpose_rows<T, acc_t>(ev, rows, D, evt);
       const int64_t row0 = (b * p.heads + h) * p.q_len;
@@ -276,7 +284,8 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
             }
             const int64_t c = shaw_bucket(i, j, p.max_distance, p.q_offset, p.k_offset) - b_lo;
             const acc_t sij = pr[j] + (ek ? qe[c] : acc_t(0));
-            const acc_t e = std::exp(sij * scale - li);
+            const acc_t e = bias ? std::exp(sij * scale + static_cast<acc_t>(bias[b_lo + c]) - li)
+                                 : std::exp(sij * scale - li);
             // with dropout: dv and drel_v take the dropped p, ds = p (keep / (1 - p) dp - d_i)
             const acc_t f = drop.d.on ? drop.factor(j) : acc_t(1);
             const acc_t pij = e * f;
@@ -316,6 +325,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
             for (int64_t c = 0; c < static_cast<int64_t>(wds[r].size()); ++c) {
               // one output per loop, so each vectorises (as in step 2)
               const acc_t gk = scale * wds[r][c], gv = wp[r][c];
+              if (pbh) pbh[b_lo + c] += wds[r][c];
               if (ek) {
                 const T* e = ek + (b_lo + c) * D;
                 acc_t* tk = pkh + (b_lo + c) * D;

@@ -290,10 +290,11 @@ def rel_attention(
     k_segment_ids: Tensor | None = None,
     window_left: int = -1,
     window_right: int = -1,
+    rel_bias: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Fused Shaw et al. (2018) attention with relative key and value embeddings, O(L) memory.
 
-    ``s_ij = (q_i . k_j + q_i . rel_k[b(i, j)]) * scale``, ``p = softmax_j(s)``,
+    ``s_ij = (q_i . k_j + q_i . rel_k[b(i, j)]) * scale + rel_bias[b(i, j)]``, ``p = softmax_j(s)``,
     ``out_i = sum_j p_ij (v_j + rel_v[b(i, j)])`` with ``b(i, j) = clamp(r, -K, K) + K``.
     Never holds an ``[Lq, Lk]`` or ``[Lq, Lk, D]`` tensor; the backward recomputes the
     probabilities from the saved log-sum-exp. The CPU kernels are deterministic (bitwise, for any
@@ -338,6 +339,11 @@ def rel_attention(
             ``window_left = w - 1`` keeps the last w positions (Mistral's sliding window). Key
             tiles wholly outside the window are skipped, so the cost grows with L times the
             window, not L^2.
+        rel_bias: ``[2K+1]`` or ``[H, 2K+1]``, or None: a scalar per bucket added to the
+            logits after the scale, as T5's bucketed position bias or ALiBi's slopes (expanded to
+            one entry per clipped distance: :func:`relpos_ext.t5_bias_table`,
+            :func:`relpos_ext.alibi_bias_table`). It costs next to nothing: the kernels add it to
+            the ``q . rel_k`` band they compute per query tile anyway. Needs a nonzero ``scale``.
 
     Returns:
         ``out [B, H, Lq, D]`` (rows with no visible key are 0), or ``(out, lse)``.
@@ -347,7 +353,7 @@ def rel_attention(
     out, lse = torch.ops.relpos.rel_attention.default(
         q, k, v, rel_k, rel_v, max_distance, causal, scale, q_offset, k_offset, key_padding_mask,
         dropout_p, dropout_seed, attn_mask, q_segment_ids, k_segment_ids, window_left,
-        window_right,
+        window_right, rel_bias,
     )
     return (out, lse) if return_lse else out
 
@@ -380,16 +386,18 @@ def rel_attention_backward(
     k_segment_ids: Tensor | None = None,
     window_left: int = -1,
     window_right: int = -1,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
-    """Gradients ``(dq, dk, dv, drel_k, drel_v)`` of :func:`rel_attention` (None for absent tables);
-    the masks, segment ids, window and ``dropout_p`` / ``dropout_seed`` must be those of the
-    forward."""
-    dq, dk, dv, drk, drv = torch.ops.relpos.rel_attention_backward.default(
+    rel_bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """Gradients ``(dq, dk, dv, drel_k, drel_v, drel_bias)`` of :func:`rel_attention` (None for
+    absent tables); the masks, segment ids, window, bias and ``dropout_p`` / ``dropout_seed`` must
+    be those of the forward."""
+    dq, dk, dv, drk, drv, drb = torch.ops.relpos.rel_attention_backward.default(
         grad_out, q, k, v, rel_k, rel_v, out, lse, max_distance, causal, scale, q_offset,
         k_offset, key_padding_mask, dropout_p, dropout_seed, attn_mask, q_segment_ids,
-        k_segment_ids, window_left, window_right,
+        k_segment_ids, window_left, window_right, rel_bias,
     )
-    return dq, dk, dv, (drk if rel_k is not None else None), (drv if rel_v is not None else None)
+    return (dq, dk, dv, (drk if rel_k is not None else None),
+            (drv if rel_v is not None else None), (drb if rel_bias is not None else None))
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -400,7 +408,7 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 def _rel_attention_fake(q, k, v, rel_k, rel_v, max_distance, causal=False, scale=None,
                         q_offset=0, k_offset=0, key_padding_mask=None, dropout_p=0.0,
                         dropout_seed=None, attn_mask=None, q_segment_ids=None,
-                        k_segment_ids=None, window_left=-1, window_right=-1):
+                        k_segment_ids=None, window_left=-1, window_right=-1, rel_bias=None):
     torch._check(q.dim() == 4 and k.dim() == 4, lambda: "q and k must be 4-D")
     torch._check(v.shape == k.shape, lambda: "v must have the shape of k")
     torch._check(k.dtype == q.dtype and v.dtype == q.dtype, lambda: "k/v dtype must match q")
@@ -408,6 +416,8 @@ def _rel_attention_fake(q, k, v, rel_k, rel_v, max_distance, causal=False, scale
     for t in (rel_k, rel_v):
         if t is not None:
             torch._check(t.shape[-2] == 2 * max_distance + 1, lambda: "tables need 2K+1 rows")
+    if rel_bias is not None:
+        torch._check(rel_bias.shape[-1] == 2 * max_distance + 1, lambda: "rel_bias needs 2K+1 columns")
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
     return out, lse
@@ -418,34 +428,37 @@ def _rel_attention_backward_fake(grad_out, q, k, v, rel_k, rel_v, out, lse, max_
                                  causal, scale, q_offset, k_offset, key_padding_mask,
                                  dropout_p=0.0, dropout_seed=None, attn_mask=None,
                                  q_segment_ids=None, k_segment_ids=None, window_left=-1,
-                                 window_right=-1):
+                                 window_right=-1, rel_bias=None):
     def like(t):
         return torch.empty_like(t, memory_format=torch.contiguous_format)
 
     def table_grad(t):
         return q.new_empty((0,)) if t is None else like(t)
 
-    return like(q), like(k), like(v), table_grad(rel_k), table_grad(rel_v)
+    return (like(q), like(k), like(v), table_grad(rel_k), table_grad(rel_v),
+            table_grad(rel_bias))
 
 
 def _rel_attention_setup(ctx, inputs, output) -> None:
     (q, k, v, rel_k, rel_v, ctx.max_distance, ctx.causal, ctx.scale, ctx.q_offset, ctx.k_offset,
-     mask, ctx.dropout_p, seed, attn_mask, q_seg, k_seg, ctx.window_left, ctx.window_right) = inputs
+     mask, ctx.dropout_p, seed, attn_mask, q_seg, k_seg, ctx.window_left, ctx.window_right,
+     rel_bias) = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, rel_k, rel_v, out, lse, mask, seed, attn_mask, q_seg, k_seg)
+    ctx.save_for_backward(q, k, v, rel_k, rel_v, out, lse, mask, seed, attn_mask, q_seg, k_seg,
+                          rel_bias)
 
 
 def _rel_attention_bwd(ctx, grad_out: Tensor, _grad_lse: Tensor | None):
     # saved_tensors gives back None for the absent tables / masks / seed
-    q, k, v, rel_k, rel_v, out, lse, mask, seed, attn_mask, q_seg, k_seg = ctx.saved_tensors
-    dq, dk, dv, drk, drv = torch.ops.relpos.rel_attention_backward.default(
+    q, k, v, rel_k, rel_v, out, lse, mask, seed, attn_mask, q_seg, k_seg, rel_bias = ctx.saved_tensors
+    dq, dk, dv, drk, drv, drb = torch.ops.relpos.rel_attention_backward.default(
         grad_out.contiguous(), q, k, v, rel_k, rel_v, out, lse, ctx.max_distance, ctx.causal,
         ctx.scale, ctx.q_offset, ctx.k_offset, mask, ctx.dropout_p, seed, attn_mask, q_seg, k_seg,
-        ctx.window_left, ctx.window_right,
+        ctx.window_left, ctx.window_right, rel_bias,
     )
     return (dq, dk, dv, drk if rel_k is not None else None, drv if rel_v is not None else None,
-            *([None] * 13))
+            *([None] * 13), drb if rel_bias is not None else None)
 
 
 torch.library.register_autograd(

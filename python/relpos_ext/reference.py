@@ -258,10 +258,11 @@ def shaw_attention(
     k_segment_ids: Tensor | None = None,
     window_left: int = -1,
     window_right: int = -1,
+    rel_bias: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Shaw et al. 2018 attention with relative keys and values, fully materialised.
 
-    ``e = (q k^T + q . EK[b]) * scale``, ``p = softmax(e)``, ``z = p v + sum_j p_ij EV[b(i, j)]``.
+    ``e = (q k^T + q . EK[b]) * scale + bias[b]``, ``p = softmax(e)``, ``z = p v + sum_j p_ij EV[b(i, j)]``.
     q: ``[B, H, Lq, D]``; k, v: ``[B, Hkv, Lk, D]`` (Hkv divides H: grouped-query attention);
     tables ``[2K+1, D]`` or ``[H, 2K+1, D]``; key_padding_mask ``[B, Lk]`` and attn_mask
     ``[Lq, Lk]`` or ``[B or 1, H or 1, Lq, Lk]``, bool, True = ignore; segment ids ``[B, Lq]``
@@ -270,7 +271,8 @@ def shaw_attention(
     visible key give zeros (and ``lse = +inf``). With return_lse, also returns the
     log-sum-exp of the scaled logits, ``[B, H, Lq]``. With ``dropout_p > 0`` the probabilities
     ``p`` of both terms are multiplied by ``dropout_keep(dropout_seed, ...) / (1 - p)`` (0 for
-    ``p = 1``); the log-sum-exp is the one without dropout.
+    ``p = 1``); the log-sum-exp is the one without dropout. ``rel_bias`` ``[2K+1]`` or
+    ``[H, 2K+1]`` (or None) is a scalar per bucket added after the scale (T5, ALiBi).
     """
     q_len, k_len, dim = q.shape[2], k.shape[2], q.shape[3]
     group = q.shape[1] // k.shape[1] if k.shape[1] else 1  # no heads at all: nothing to repeat
@@ -281,6 +283,9 @@ def shaw_attention(
     if rel_k is not None:
         logits = logits + rel_logits(q, rel_k, max_distance, k_len, q_offset, k_offset)
     logits = logits * scale
+    if rel_bias is not None:
+        logits = logits + rel_bias[..., shaw_buckets(q_len, k_len, max_distance, q_offset,
+                                                     k_offset, q.device)]
     visible = visible_keys(q.shape[0], q_len, k_len, causal, q_offset, k_offset,
                            key_padding_mask, q.device, attn_mask, q_segment_ids, k_segment_ids,
                            window_left, window_right)
