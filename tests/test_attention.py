@@ -115,13 +115,15 @@ def _f64(x):
 
 def _extra_args(backend, kw):
     """The op's trailing (dropout_p, dropout_seed, attn_mask, q_segment_ids, k_segment_ids,
-    window_left, window_right) from kw (the seed a CPU int64 tensor), as far as kw sets them."""
+    window_left, window_right, rel_bias) from kw (the seed a CPU int64 tensor), as far as kw
+    sets them."""
     p = kw.get("dropout_p", 0.0)
     seed = torch.tensor([kw["dropout_seed"]], dtype=torch.int64) if p > 0 else None
     args = [p, seed] + [None if kw.get(n) is None else backend.tensor(kw[n])
                         for n in ("attn_mask", "q_segment_ids", "k_segment_ids")]
     args += [kw.get("window_left", -1), kw.get("window_right", -1)]
-    defaults = [0.0, None, None, None, None, -1, -1]
+    args += [None if kw.get("rel_bias") is None else backend.tensor(kw["rel_bias"].detach())]
+    defaults = [0.0, None, None, None, None, -1, -1, None]
     n = len(args)
     while n > 0 and (args[n - 1] is None if defaults[n - 1] is None else
                      isinstance(args[n - 1], (int, float)) and args[n - 1] == defaults[n - 1]):
@@ -154,7 +156,7 @@ def _check_forward(backend, dtype, case, extra=None):
     tensors, kw = make_inputs(case, dtype)
     kw.update(extra or {})
     out, lse = _call(backend, tensors, kw)
-    exp_out, exp_lse = ref.shaw_attention(*(_f64(x) for x in tensors), **kw, return_lse=True)
+    exp_out, exp_lse = ref.shaw_attention(*(_f64(x) for x in tensors), **_kw64(kw), return_lse=True)
     assert out.shape == exp_out.shape and lse.shape == exp_lse.shape
     assert torch.isfinite(out).all()
     assert_close(out, exp_out, dtype, scale=4)
@@ -162,22 +164,32 @@ def _check_forward(backend, dtype, case, extra=None):
     assert_close(lse, exp_lse.to(lse_dtype), lse_dtype, scale=4 if dtype == lse_dtype else 1000)
 
 
+def _kw64(kw):
+    """kw for the float64 reference: a rel_bias becomes a float64 leaf."""
+    return {**kw, "rel_bias": _f64(kw.get("rel_bias"))}
+
+
 def _check_backward(backend, dtype, case, extra=None):
     tensors, kw = make_inputs(case, dtype)
     kw.update(extra or {})
     t64 = [_f64(x) for x in tensors]
-    exp_out = ref.shaw_attention(*t64, **kw)
+    kw64 = _kw64(kw)
+    t64.append(kw64["rel_bias"])  # the sixth gradient
+    exp_out = ref.shaw_attention(*t64[:5], **kw64)
     grad = torch.randn(exp_out.shape, dtype=torch.float64).to(dtype)
     wrt = [x for x in t64 if x is not None]
     expected = iter(torch.autograd.grad(exp_out, wrt, grad.double()))
     out, lse = _call(backend, tensors, kw)
     grads = _call_backward(backend, grad, tensors, out, lse, kw)
+    assert len(grads) == 6
     for got, x in zip(grads, t64):
         if x is None:
             assert got.numel() == 0
             continue
         assert torch.isfinite(got).all()
-        assert_close(got, next(expected), dtype, scale=8 * (x.shape[-2] ** 0.5))
+        # the bias gradient of a bucket sums dS over up to B x H x Lq x Lk pairs
+        n = tensors[0].shape[:3].numel() if x is t64[5] else x.shape[-2]
+        assert_close(got, next(expected), dtype, scale=8 * (n ** 0.5))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -248,6 +260,74 @@ def test_rel_attention_random_long_cases(backend, seed):
     case = random_long_case(seed)
     _check_forward(backend, torch.float32, case)
     _check_backward(backend, torch.float32, case)
+
+
+# ----------------------------------------------------------------------------------- rel_bias
+# A scalar per bucket after the scale (T5, ALiBi): every kernel path (tiles on both clamped
+# sides, the uniform tiles, decoding and the AVX2 split of a long cache, the backward's key
+# runs), bias with and without the tables, offsets, K edges, empty and fully masked inputs.
+BIAS_CASES = ["basic", "causal", "cross_lq_ne_lk", "decode_offset", "padding", "K0", "K_ge_L",
+              "only_rel_k", "only_rel_v", "no_rel", "gqa", "fully_masked_rows", "L1",
+              "tiles_causal_padding", "tiles_unclipped", "unclipped_offsets_gqa",
+              "tiles_two_sided", "tiles_decode_gqa", "D200_gqa4", "odd_D_offsets",
+              "D1_negative_offset", "transformer_xl", "decode_one_row_D45", "decode_split_keys",
+              "decode_split_hidden_chunk", "decode_five_rows", "bwd_key_runs", "tiles_uniform",
+              "tiles_uniform_padding", "all_keys_padded", "no_keys", "no_queries", "no_heads"]
+
+
+def random_bias(case, per_head: bool, seed: int = 0) -> torch.Tensor:
+    """A float64 bias for `case`, [2K+1] or [H, 2K+1], of the size of the logits' spread."""
+    h, k = case[1], case[6]
+    g = torch.Generator().manual_seed(seed)
+    return 2 * torch.randn(((h,) if per_head else ()) + (2 * k + 1,), generator=g,
+                           dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per_head"])
+@pytest.mark.parametrize("name", BIAS_CASES)
+def test_rel_attention_bias(backend, dtype, per_head, name):
+    """Forward and backward (all six gradients) with a rel_bias against the reference."""
+    _attention_backend(backend)
+    kw = dict(rel_bias=random_bias(CASES[name], per_head).to(dtype))
+    _check_forward(backend, dtype, CASES[name], kw)
+    _check_backward(backend, dtype, CASES[name], kw)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_rel_attention_bias_random_cases(backend, seed):
+    """Seeded random configurations (float32, long-key ones among them) with a bias and, at
+    random, dropout, a window and an attention mask."""
+    _attention_backend(backend)
+    r = random.Random(3000 + seed)
+    case = random_long_case(300 + seed, max_size=4_000_000) if seed % 3 == 2 else random_case(300 + seed)
+    kw = dict(rel_bias=random_bias(case, r.random() < 0.5, seed).float())
+    if r.random() < 0.4:
+        kw.update(dropout_p=r.choice([0.1, 0.5]), dropout_seed=r.randint(0, 2**62))
+    if r.random() < 0.4:
+        kw.update(window_left=r.choice([-1, 0, 3, 40]), window_right=r.choice([-1, 0, 2, 70]))
+    if r.random() < 0.3:
+        kw.update(attn_mask=torch.rand(case[3], case[4], generator=torch.Generator().manual_seed(seed)) < 0.2)
+    _check_forward(backend, torch.float32, case, kw)
+    _check_backward(backend, torch.float32, case, kw)
+
+
+def test_rel_attention_bias_is_a_logit_offset():
+    """A bias constant over the buckets shifts every logit of a row equally: the output is
+    unchanged and the log-sum-exp moves by that constant; a bias that is -inf-like far away
+    (-1e4 beyond distance 1) is a window of 1 on each side."""
+    tensors, kw = make_inputs(CASES["tiles_two_sided"], torch.float64)
+    out, lse = relpos_ext.rel_attention(*tensors, **kw, return_lse=True)
+    k = kw["max_distance"]
+    out2, lse2 = relpos_ext.rel_attention(*tensors, **kw, return_lse=True,
+                                          rel_bias=torch.full((2 * k + 1,), 3.0, dtype=torch.float64))
+    torch.testing.assert_close(out2, out)
+    torch.testing.assert_close(lse2, lse + 3.0)
+    far = torch.full((2 * k + 1,), -1e4, dtype=torch.float64)
+    far[k - 1:k + 2] = 0.0
+    windowed = relpos_ext.rel_attention(*tensors, **kw, rel_bias=far)
+    torch.testing.assert_close(windowed, relpos_ext.rel_attention(*tensors, **kw, window_left=1,
+                                                                  window_right=1))
 
 
 # ------------------------------------------------------------------------------------ dropout
@@ -738,25 +818,30 @@ def test_rel_attention_backward_under_deterministic_algorithms(backend, tables):
         torch.testing.assert_close(g.cpu(), w.cpu(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.4])
-def test_gradcheck_rel_attention(dropout_p):
+def test_gradcheck_rel_attention(dropout_p, bias):
     """gradcheck through the autograd wrapper; with dropout a fixed seed, so every call of the
     function draws the same mask."""
     seed = torch.tensor([77], dtype=torch.int64)
     for name in ("basic", "causal", "padding", "gqa", "fully_masked_rows", "only_rel_v"):
         tensors, kw = make_inputs(CASES[name], torch.float64, requires_grad=True)
+        if bias:
+            tensors = (*tensors, random_bias(CASES[name], name == "gqa").requires_grad_())
         args = [x for x in tensors if x is not None]
         has = [x is not None for x in tensors]
 
         def fn(*a, kw=kw, has=has):
             it = iter(a)
             full = [next(it) if h else None for h in has]
-            return relpos_ext.rel_attention(*full, **kw, dropout_p=dropout_p, dropout_seed=seed)
+            rel_bias = full.pop() if len(full) == 6 else None
+            return relpos_ext.rel_attention(*full, **kw, dropout_p=dropout_p, dropout_seed=seed,
+                                            rel_bias=rel_bias)
 
         assert torch.autograd.gradcheck(fn, args), name
 
 
-@pytest.mark.parametrize("extra", ["none", "dropout", "attn_mask", "segment_ids", "window"])
+@pytest.mark.parametrize("extra", ["none", "dropout", "attn_mask", "segment_ids", "window", "bias"])
 @pytest.mark.parametrize("requires_grad", [False, True])
 def test_opcheck_rel_attention(requires_grad, extra):
     for name in ("basic", "gqa", "only_rel_k"):
@@ -766,7 +851,10 @@ def test_opcheck_rel_attention(requires_grad, extra):
                     "attn_mask": (0.0, None, torch.eye(lq, lk, dtype=torch.bool)),
                     "segment_ids": (0.0, None, None,
                                     *random_segment_ids(CASES[name], "random", 3)),
-                "window": (0.0, None, None, None, None, 1, 2)}[extra]
+                "window": (0.0, None, None, None, None, 1, 2),
+                "bias": (0.0, None, None, None, None, -1, -1,
+                         random_bias(CASES[name], name == "gqa").float()
+                         .requires_grad_(requires_grad))}[extra]
         args = (*tensors, kw["max_distance"], kw["causal"], None, kw["q_offset"], kw["k_offset"],
                 kw["key_padding_mask"], *trailing)
         torch.library.opcheck(torch.ops.relpos.rel_attention.default, args)
@@ -774,7 +862,8 @@ def test_opcheck_rel_attention(requires_grad, extra):
         # The backward op has no derivative of its own (double backward raises), so check it
         # on plain tensors.
         plain = [None if x is None else x.detach() for x in tensors]
-        bargs = (torch.randn_like(out), *plain, out.detach(), lse, *args[5:])
+        bargs = (torch.randn_like(out), *plain, out.detach(), lse,
+                 *(x.detach() if isinstance(x, torch.Tensor) else x for x in args[5:]))
         torch.library.opcheck(torch.ops.relpos.rel_attention_backward.default, bargs)
 
 
@@ -1350,6 +1439,11 @@ BAD = [
     ("segment ids bool", _bad(q_segment_ids=torch.zeros(2, 5, dtype=torch.int32), k_segment_ids=torch.zeros(2, 5, dtype=torch.bool)), r"k_segment_ids must be an integer tensor"),
     ("segment ids shape", _bad(q_segment_ids=torch.zeros(2, 5, dtype=torch.int32), k_segment_ids=torch.zeros(2, 4, dtype=torch.int32)), r"k_segment_ids must be \[B, Lk\] = \[2, 5\]"),
     ("segment ids batch", _bad(q_segment_ids=torch.zeros(1, 5, dtype=torch.int32), k_segment_ids=torch.zeros(2, 5, dtype=torch.int32)), r"q_segment_ids must be \[B, Lq\] = \[2, 5\]"),
+    ("bias columns", _bad(rel_bias=torch.randn(4)), r"rel_bias must be \[2K\+1\] \(shared\) or \[H, 2K\+1\]"),
+    ("bias 3-D", _bad(rel_bias=torch.randn(2, 2, 5)), r"rel_bias must be \[2K\+1\] \(shared\) or \[H, 2K\+1\]"),
+    ("bias heads", _bad(rel_bias=torch.randn(3, 5)), r"a per-head rel_bias \[H, 2K\+1\] must have H equal to q.size\(1\)=2"),
+    ("bias dtype", _bad(rel_bias=torch.randn(5, dtype=torch.float64)), r"rel_bias dtype must match q dtype"),
+    ("bias zero scale", _bad(rel_bias=torch.randn(5), scale=0.0), r"rel_bias needs a finite nonzero scale; got 0"),
     ("dropout no seed", lambda: torch.ops.relpos.rel_attention.default(
         *make_inputs(CASES["basic"], torch.float32)[0], 2, False, None, 0, 0, None, 0.1, None),
      r"dropout_p > 0 needs dropout_seed"),

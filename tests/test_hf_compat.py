@@ -172,21 +172,21 @@ def test_layer_with_asymmetric_clipping_is_wav2vec2_bert_attention():
 
 
 def test_transformer_xl_inputs_identity():
-    """transformer_xl_inputs: q' k'^T + q' table'[bucket] is (q + u) k^T + (q + v) pos[r] for
-    every (i, j), in float64."""
+    """transformer_xl_inputs: ((q + u) k^T + (q + u) pos[r]) scale + rel_bias[r] is ((q + u) k^T +
+    (q + v) pos[r]) scale for every (i, j), in float64."""
     g = torch.Generator().manual_seed(0)
-    b, h, length, d = 2, 3, 5, 4
-    q, k, v = (torch.randn(b, h, length, d, dtype=torch.float64, generator=g) for _ in range(3))
+    b, h, length, d, scale = 2, 3, 5, 4, 0.7
+    q, k = (torch.randn(b, h, length, d, dtype=torch.float64, generator=g) for _ in range(2))
     pos = torch.randn(h, 2 * length - 1, d, dtype=torch.float64, generator=g)
     u, w = (torch.randn(h, d, dtype=torch.float64, generator=g) for _ in range(2))
-    q2, k2, v2, table = hf.transformer_xl_inputs(q, k, v, pos, u, w)
-    assert q2.shape == k2.shape == v2.shape == (b, h, length, d + 2)
-    assert table.shape == (h, 2 * length - 1, d + 2) and not v2[..., d:].any()
+    q2, bias = hf.transformer_xl_inputs(q, pos, u, w, scale)
+    assert q2.shape == q.shape and bias.shape == (h, 2 * length - 1)
     r = torch.arange(length)[None, :] - torch.arange(length)[:, None]
     rows = pos[:, r + length - 1]  # [H, L, L, D]
-    want = (q + u[:, None]) @ k.transpose(-1, -2) + torch.einsum(
-        "bhid,hijd->bhij", q + w[:, None], rows)
-    got = q2 @ k2.transpose(-1, -2) + torch.einsum("bhid,hijd->bhij", q2, table[:, r + length - 1])
+    want = ((q + u[:, None]) @ k.transpose(-1, -2)
+            + torch.einsum("bhid,hijd->bhij", q + w[:, None], rows)) * scale
+    got = ((q2 @ k.transpose(-1, -2) + torch.einsum("bhid,hijd->bhij", q2, rows)) * scale
+           + bias[:, r + length - 1])
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
 
 

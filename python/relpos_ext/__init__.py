@@ -9,7 +9,7 @@ from typing import Any
 
 import torch  # noqa: F401  (libtorch must be loaded before the extension)
 
-from . import _C, hf, nn, reference
+from . import _C, hf, nn, positions, reference
 from .ops import (
     rel_attention,
     rel_attention_backward,
@@ -20,11 +20,15 @@ from .ops import (
     skew,
     skew_backward,
 )
+from .positions import alibi_bias_table, alibi_slopes, t5_bias_table
 
 __all__ = [
+    "alibi_bias_table",
+    "alibi_slopes",
     "build_info",
     "hf",
     "nn",
+    "positions",
     "reference",
     "rel_attention",
     "rel_attention_backward",
@@ -34,6 +38,7 @@ __all__ = [
     "rel_logits_backward",
     "skew",
     "skew_backward",
+    "t5_bias_table",
 ]
 
 

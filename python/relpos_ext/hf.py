@@ -15,9 +15,9 @@ parameters (nothing is copied; checkpoints load and save as before):
   FastSpeech2-Conformer's ESPnet attention, ``FastSpeech2ConformerAttention``, the same maths):
   Transformer-XL's ``(q_i + u) . k_j + (q_i + v) . R[r]`` with projected sinusoids ``R`` for
   every distance of the sequence, computed there as ``[B, H, L, 2L - 1]`` scores and a rel-shift.
-  That is Shaw's key term, unclipped (K = L - 1), with per-head tables ``R``; the two bias
-  products ride along as two extra feature columns (``q -> [q, 1, 1]``,
-  ``k_j -> [k_j, u . k_j, 0]``, ``R[r] -> [R[r], 0, v . R[r]]``, ``v_j -> [v_j, 0, 0]``).
+  That is Shaw's key term, unclipped (K = L - 1), with per-head tables ``R``, on the queries
+  ``q + u``, plus the scalar ``(v - u) . R[r]`` per head and distance as ``rel_bias``
+  (:func:`transformer_xl_inputs`).
 
 This file imports nothing from transformers: it recognises the modules by class name and
 attributes, so the package does not depend on it.
@@ -58,24 +58,20 @@ def _hidden_keys(attention_mask: Tensor | None) -> Tensor | None:
 
 
 def transformer_xl_inputs(
-    q: Tensor, k: Tensor, v: Tensor, pos: Tensor, pos_bias_u: Tensor, pos_bias_v: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Transformer-XL attention as Shaw attention with per-head tables and two more features.
+    q: Tensor, pos: Tensor, pos_bias_u: Tensor, pos_bias_v: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Transformer-XL attention as Shaw attention with per-head tables and a bias per distance.
 
-    ``q, k, v``: ``[B, H, L, D]``; ``pos``: ``[H, 2L - 1, D]``, the projected position
-    embedding of distance ``r = j - i`` in row ``r + L - 1``; ``pos_bias_u, pos_bias_v``:
-    ``[H, D]``. Returns ``(q', k', v', table)`` with ``D + 2`` features such that
-    ``q'_i . k'_j + q'_i . table[h, r + L - 1] = (q_i + u) . k_j + (q_i + v) . pos[r]`` and
-    ``v'_j = [v_j, 0, 0]``: ``rel_attention(q', k', v', table, None, L - 1, scale=...)`` is the
-    attention, in its first D features. Differentiable in every input.
+    ``q``: ``[B, H, L, D]``; ``pos``: ``[H, 2L - 1, D]``, the projected position embedding of
+    distance ``r = j - i`` in row ``r + L - 1``; ``pos_bias_u, pos_bias_v``: ``[H, D]``.
+    ``((q_i + u) . k_j + (q_i + v) . pos[r]) scale`` is ``((q_i + u) . k_j + (q_i + u) . pos[r])
+    scale + (v - u) . pos[r] scale``, so this returns ``(q + u, rel_bias)`` with ``rel_bias[h,
+    r + L - 1] = scale (v_h - u_h) . pos[h, r]``, and ``rel_attention(q + u, k, v, pos, None,
+    L - 1, scale=scale, rel_bias=rel_bias)`` is the attention. Differentiable in every input.
     """
-    ones = q.new_ones(*q.shape[:-1], 2)
-    zeros_k = k.new_zeros(*k.shape[:-1], 1)
-    zeros_p = pos.new_zeros(*pos.shape[:-1], 1)
-    u_dot_k = torch.einsum("bhld,hd->bhl", k, pos_bias_u.to(k.dtype)).unsqueeze(-1)
-    v_dot_p = torch.einsum("hrd,hd->hr", pos, pos_bias_v.to(pos.dtype)).unsqueeze(-1)
-    return (torch.cat([q, ones], -1), torch.cat([k, u_dot_k, zeros_k], -1),
-            torch.cat([v, v.new_zeros(*v.shape[:-1], 2)], -1), torch.cat([pos, zeros_p, v_dot_p], -1))
+    u, v = pos_bias_u.to(q.dtype), pos_bias_v.to(q.dtype)
+    rel_bias = torch.einsum("hrd,hd->hr", pos, v - u) * scale
+    return q + u[:, None, :], rel_bias
 
 
 def _heads(self: nn.Module, hidden_states: Tensor, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -86,9 +82,9 @@ def _heads(self: nn.Module, hidden_states: Tensor, head_dim: int) -> tuple[Tenso
 
 
 def _merge(self: nn.Module, out: Tensor, head_dim: int) -> Tensor:
-    """The first ``head_dim`` features of ``[B, H, L, D']`` heads, merged and projected out."""
+    """``[B, H, L, head_dim]`` heads, merged and projected out."""
     batch, _, length, _ = out.shape
-    out = out[..., :head_dim].transpose(1, 2).reshape(batch, length, self.num_heads * head_dim)
+    out = out.transpose(1, 2).reshape(batch, length, self.num_heads * head_dim)
     return self.linear_out(out)
 
 
@@ -123,13 +119,14 @@ def _fused_forward(
         left, right = self.left_max_position_embeddings, self.right_max_position_embeddings
         table = clipped_table(self.distance_embedding.weight, left, right).to(q.dtype)
         max_distance = max(left, right)
+        bias = None
     else:  # "relative": Transformer-XL
-        pos = _xl_table(self, relative_position_embeddings, length, q.dtype)
-        q, k, v, table = transformer_xl_inputs(q, k, v, pos, self.pos_bias_u, self.pos_bias_v)
+        table = _xl_table(self, relative_position_embeddings, length, q.dtype)
+        q, bias = transformer_xl_inputs(q, table, self.pos_bias_u, self.pos_bias_v, self.scaling)
         max_distance = length - 1
     out = ops.rel_attention(q, k, v, table, None, max_distance, scale=self.scaling,
                             attn_mask=_hidden_keys(attention_mask),  # [B, 1, Lq, Lk] or None
-                            dropout_p=self.dropout.p if self.training else 0.0)
+                            dropout_p=self.dropout.p if self.training else 0.0, rel_bias=bias)
     return _merge(self, out, self.head_size), None
 
 
@@ -147,16 +144,17 @@ def _fused_espnet_forward(
         return type(self).forward(self, hidden_states, attention_mask, pos_emb, output_attentions)
     batch, length, _ = hidden_states.shape
     q, k, v = _heads(self, hidden_states, self.head_dim)
-    pos = _xl_table(self, pos_emb, length, q.dtype)
-    q, k, v, table = transformer_xl_inputs(q, k, v, pos, self.pos_bias_u, self.pos_bias_v)
+    table = _xl_table(self, pos_emb, length, q.dtype)
+    scale = self.dim_key ** -0.5
+    q, bias = transformer_xl_inputs(q, table, self.pos_bias_u, self.pos_bias_v, scale)
     padding = None
     if attention_mask is not None:
         if attention_mask.shape != (batch, 1, length):
             raise ValueError(f"relpos_ext.hf: attention_mask must be [B, 1, L] = "
                              f"[{batch}, 1, {length}], got {tuple(attention_mask.shape)}")
         padding = attention_mask[:, 0, :] == 0
-    out = ops.rel_attention(q, k, v, table, None, length - 1, scale=self.dim_key ** -0.5,
-                            key_padding_mask=padding,
+    out = ops.rel_attention(q, k, v, table, None, length - 1, scale=scale,
+                            key_padding_mask=padding, rel_bias=bias,
                             dropout_p=self.dropout.p if self.training else 0.0)
     return _merge(self, out, self.head_dim), None
 
