@@ -1333,6 +1333,62 @@ def test_module_asymmetric_clipping(per_head):
         relpos_ext.nn.RelativeMultiheadAttention(32, 4, (3, -1))
 
 
+@pytest.mark.parametrize("clip", [3, (5, 2)], ids=["symmetric", "asymmetric"])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_module_rel_bias(gqa, clip):
+    """rel_bias=True: a learned [H, 2K+1] (or [H, left + right + 1]) bias, zero at first. With
+    random values: output and every gradient (the bias's included) match the reference module;
+    need_weights returns the probabilities the kernels applied (without a value table, the
+    output is out_proj(weights @ v)); a KV cache decodes the rows of one call; a compiled
+    (fullgraph) step gives eager's loss and bias gradient."""
+    torch.manual_seed(0)
+    kw = dict(embed_dim=32, num_heads=4, max_distance=clip, num_kv_heads=2 if gqa else None,
+              rel_values=False, rel_bias=True)
+    m = relpos_ext.nn.RelativeMultiheadAttention(**kw)
+    rows = 7 if clip == 3 else 8
+    assert m.rel_bias.shape == (4, rows) and not m.rel_bias.any()
+    with torch.no_grad():
+        m.rel_bias.normal_(0, 2)
+    r = ref.RelativeMultiheadAttentionReference(**kw)
+    r.load_state_dict(m.state_dict())
+    x = torch.randn(2, 13, 32)
+    got, w = m(x, is_causal=True, need_weights=True, average_attn_weights=False)
+    exp, _ = r(x, is_causal=True)
+    torch.testing.assert_close(got, exp, atol=1e-5, rtol=1e-5)
+    v = m._heads(m.v_proj(x), m.num_kv_heads).repeat_interleave(4 // m.num_kv_heads, 1)
+    by_weights = m.out_proj((w @ v).transpose(1, 2).reshape(2, 13, 32))
+    torch.testing.assert_close(by_weights, got, atol=1e-5, rtol=1e-5)
+    got.square().sum().backward()
+    exp.square().sum().backward()
+    for (name, pm), pr in zip(m.named_parameters(), r.parameters()):
+        torch.testing.assert_close(pm.grad, pr.grad, atol=1e-4, rtol=1e-4, msg=name)
+    cache, pieces, start = relpos_ext.nn.KVCache(), [], 0
+    with torch.no_grad():
+        for n in (5, 1, 7):
+            pieces.append(m(x[:, start:start + n], is_causal=True, cache=cache)[0])
+            start += n
+    torch.testing.assert_close(torch.cat(pieces, 1), got.detach(), atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    m.zero_grad()
+    step = torch.compile(lambda x: m(x, is_causal=True)[0].square().sum(), fullgraph=True)
+    loss = step(x)
+    loss.backward()
+    torch.testing.assert_close(loss, exp.square().sum(), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(m.rel_bias.grad, r.rel_bias.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_module_from_multihead_attention_with_rel_bias():
+    """from_multihead_attention(..., rel_bias=True): a zero bias, so the layer still computes
+    what the nn.MultiheadAttention did."""
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+    layer = relpos_ext.nn.RelativeMultiheadAttention.from_multihead_attention(mha, 4, rel_bias=True)
+    assert layer.rel_bias.shape == (4, 9) and not layer.rel_bias.any()
+    x = torch.randn(2, 10, 32)
+    torch.testing.assert_close(layer(x)[0], mha(x, x, x, need_weights=False)[0], atol=1e-5,
+                               rtol=1e-5)
+
+
 def test_module_segment_ids_compiled_training_step():
     """A compiled (fullgraph=True, dynamic=True) training step with segment ids: no graph break,
     and the loss and table gradients of eager."""

@@ -292,6 +292,10 @@ class RelativeMultiheadAttention(nn.Module):
             positions ``-left <= r <= right`` (``rel_attention``'s ``window_left`` /
             ``window_right``; -1 leaves a side unbounded). With ``is_causal``, ``(w - 1, 0)``
             is a sliding window of w positions. Default: none.
+        rel_bias: also learn a scalar per head and (clipped) distance added to the logits
+            after the scale (``rel_attention``'s ``rel_bias``; T5-style, with one bucket per
+            distance), ``[H, 2K+1]`` (or ``[H, left + right + 1]``), starting at zero. Costs
+            next to nothing in the kernels.
     """
 
     def __init__(
@@ -311,6 +315,7 @@ class RelativeMultiheadAttention(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         window: tuple[int, int] | None = None,
+        rel_bias: bool = False,
     ) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype}
@@ -350,6 +355,7 @@ class RelativeMultiheadAttention(nn.Module):
         shape = ((num_heads,) if per_head_tables else ()) + (rows, self.head_dim)
         self.rel_k = _table(shape, **factory) if rel_keys else None
         self.rel_v = _table(shape, **factory) if rel_values else None
+        self.rel_bias = nn.Parameter(torch.zeros(num_heads, rows, **factory)) if rel_bias else None
 
     @classmethod
     def from_multihead_attention(
@@ -360,6 +366,7 @@ class RelativeMultiheadAttention(nn.Module):
         rel_values: bool = True,
         per_head_tables: bool = False,
         window: tuple[int, int] | None = None,
+        rel_bias: bool = False,
     ) -> RelativeMultiheadAttention:
         """A layer holding ``mha``'s projections (copied) and relative tables of zeros.
 
@@ -370,7 +377,8 @@ class RelativeMultiheadAttention(nn.Module):
 
         Args:
             mha: the layer to convert; ``add_bias_kv`` and ``add_zero_attn`` are not supported.
-            max_distance, rel_keys, rel_values, per_head_tables, window: as in the constructor.
+            max_distance, rel_keys, rel_values, per_head_tables, window, rel_bias: as in the
+                constructor (the bias starts at zero too).
         """
         if mha.bias_k is not None or mha.bias_v is not None or mha.add_zero_attn:
             raise ValueError("from_multihead_attention: add_bias_kv and add_zero_attn are not "
@@ -379,7 +387,8 @@ class RelativeMultiheadAttention(nn.Module):
         layer = cls(mha.embed_dim, mha.num_heads, max_distance, rel_keys=rel_keys,
                     rel_values=rel_values, per_head_tables=per_head_tables,
                     bias=mha.in_proj_bias is not None, kdim=mha.kdim, vdim=mha.vdim,
-                    dropout=mha.dropout, device=weight.device, dtype=weight.dtype, window=window)
+                    dropout=mha.dropout, device=weight.device, dtype=weight.dtype, window=window,
+                    rel_bias=rel_bias)
         if mha.in_proj_weight is not None:  # one packed [3E, E] weight when kdim == vdim == E
             weights = mha.in_proj_weight.chunk(3)
         else:
@@ -408,6 +417,13 @@ class RelativeMultiheadAttention(nn.Module):
         return tuple(None if t is None else clipped_table(t, *self.clip)
                      for t in (self.rel_k, self.rel_v))
 
+    def bias_table(self) -> Tensor | None:
+        """The learned ``rel_bias`` as the kernels take it, ``[H, 2K+1]`` (clipped rows repeated
+        when clipping is asymmetric), or None."""
+        if self.rel_bias is None or self.clip is None:
+            return self.rel_bias
+        return clipped_table(self.rel_bias.unsqueeze(-1), *self.clip).squeeze(-1)
+
     def _heads(self, x: Tensor, heads: int) -> Tensor:
         batch, length, _ = x.shape
         return x.view(batch, length, heads, self.head_dim).transpose(1, 2)
@@ -434,7 +450,7 @@ class RelativeMultiheadAttention(nn.Module):
             q, k, v, rel_k, rel_v, self.max_distance, causal, None, q_offset, k_offset,
             key_padding_mask, dropout_p=dropout_p, dropout_seed=dropout_seed, attn_mask=attn_mask,
             q_segment_ids=q_seg, k_segment_ids=k_seg, window_left=self.window[0],
-            window_right=self.window[1],
+            window_right=self.window[1], rel_bias=self.bias_table(),
         )
 
     def forward(
@@ -614,7 +630,13 @@ class RelativeMultiheadAttention(nn.Module):
         visible = reference.visible_keys(q.shape[0], q_len, k_len, causal, q_offset, k_offset,
                                          key_padding_mask, q.device, attn_mask, q_seg, k_seg,
                                          *self.window)
-        logits = (logits * self.head_dim**-0.5).masked_fill(~visible, float("-inf"))
+        logits = logits * self.head_dim**-0.5
+        bias = self.bias_table()
+        if bias is not None:
+            buckets = reference.shaw_buckets(q_len, k_len, self.max_distance, q_offset, k_offset,
+                                             q.device)
+            logits = logits + bias[:, buckets]
+        logits = logits.masked_fill(~visible, float("-inf"))
         any_visible = visible.any(-1, keepdim=True)  # rows with no visible key give 0, not NaN
         weights = torch.softmax(logits.masked_fill(~any_visible, 0.0), dim=-1) * any_visible
         if dropout_p > 0:  # the kernels' mask, in PyTorch
