@@ -375,3 +375,89 @@ def test_fused_module_compiles():
     torch.testing.assert_close(compiled(x, mask)[1, :7], want[1, :7], atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(compiled(x, mask)[0], want[0], atol=2e-5, rtol=2e-5)
     assert relpos_ext.hf is hf
+
+
+# ------------------------------------------------------------------------------------------ T5
+def _t5_config(impl, **kw):
+    return transformers.T5Config(
+        vocab_size=97, d_model=32, d_kv=8, num_heads=4, d_ff=64, num_layers=2,
+        num_decoder_layers=2, relative_attention_num_buckets=32,
+        relative_attention_max_distance=128, dropout_rate=0.0, attn_implementation=impl,
+        decoder_start_token_id=0, pad_token_id=0, **kw)
+
+
+def _t5_pair(cls, config):
+    torch.manual_seed(0)
+    model = cls(config).eval().double()
+    fused = cls(config).eval().double()
+    fused.load_state_dict(model.state_dict())
+    return model, fused
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("cls_name", ["T5Model", "MT5Model"])
+def test_t5_model_matches_transformers(cls_name, impl):
+    """A two-layer T5 (and mT5) encoder-decoder, 300 source and 140 target positions (past T5's
+    max distance of 128, so the last buckets are read), padding in both, float64: the fused
+    model's encoder and decoder states equal transformers' on the kept positions, and so do a
+    training step's gradients (the bias embeddings' included). Every self-attention is swapped;
+    cross-attention keeps transformers' forward."""
+    model, fused = _t5_pair(getattr(transformers, cls_name), _t5_config(impl))
+    names = hf.use_fused_attention(fused)
+    assert len(names) == 4 and all(n.endswith("SelfAttention") for n in names)
+    src = torch.randint(1, 97, (2, 300))
+    src_keep = torch.ones(2, 300, dtype=torch.long)
+    src_keep[1, 250:] = 0
+    tgt = torch.randint(1, 97, (2, 140))
+    tgt_keep = torch.ones(2, 140, dtype=torch.long)
+    tgt_keep[0, 120:] = 0
+    kw = dict(input_ids=src, attention_mask=src_keep, decoder_input_ids=tgt,
+              decoder_attention_mask=tgt_keep, use_cache=False)
+    exp, got = model(**kw), fused(**kw)
+    enc_keep, dec_keep = src_keep.bool(), tgt_keep.bool()
+    torch.testing.assert_close(got.encoder_last_hidden_state[enc_keep],
+                               exp.encoder_last_hidden_state[enc_keep], atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(got.last_hidden_state[dec_keep], exp.last_hidden_state[dec_keep],
+                               atol=1e-10, rtol=1e-10)
+    exp.last_hidden_state[dec_keep].square().sum().backward()
+    got.last_hidden_state[dec_keep].square().sum().backward()
+    for (name, p), q in zip(fused.named_parameters(), model.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-9, rtol=1e-8, msg=name)
+
+
+def test_t5_generation_and_attention_outputs_unchanged():
+    """generate() runs the fused encoder (no cache) and transformers' decoder steps (with their
+    KV cache): the same tokens as the unfused model; output_attentions falls back to
+    transformers' forward and returns its weights."""
+    model, fused = _t5_pair(transformers.T5ForConditionalGeneration, _t5_config("eager"))
+    hf.use_fused_attention(fused)
+    src = torch.randint(1, 97, (2, 150))
+    keep = torch.ones(2, 150, dtype=torch.long)
+    keep[0, 130:] = 0
+    kw = dict(input_ids=src, attention_mask=keep, max_new_tokens=12, do_sample=False)
+    assert torch.equal(fused.generate(**kw), model.generate(**kw))
+    out = fused(input_ids=src, attention_mask=keep, decoder_input_ids=src[:, :5],
+                output_attentions=True)
+    want = model(input_ids=src, attention_mask=keep, decoder_input_ids=src[:, :5],
+                 output_attentions=True)
+    for got, exp in zip(out.encoder_attentions + out.decoder_attentions,
+                        want.encoder_attentions + want.decoder_attentions, strict=True):
+        torch.testing.assert_close(got, exp, atol=1e-10, rtol=1e-10)
+
+
+def test_t5_encoder_training_compiles():
+    """A T5 encoder with the fused attention, compiled (fullgraph) in training mode with
+    attention dropout: no graph break, finite gradients reaching the bias embedding."""
+    torch.manual_seed(0)
+    config = _t5_config("sdpa")
+    config.dropout_rate = 0.1
+    encoder = transformers.T5EncoderModel(config).train()
+    hf.use_fused_attention(encoder)
+    ids = torch.randint(1, 97, (2, 40))
+    torch._dynamo.reset()
+    step = torch.compile(lambda ids: encoder(input_ids=ids).last_hidden_state.square().sum(),
+                         fullgraph=True)
+    step(ids).backward()
+    grad = encoder.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.grad
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0

@@ -19,6 +19,15 @@ parameters (nothing is copied; checkpoints load and save as before):
   ``q + u``, plus the scalar ``(v - u) . R[r]`` per head and distance as ``rel_bias``
   (:func:`transformer_xl_inputs`).
 
+T5's bucketed scalar bias (T5, mT5, Switch Transformers, LongT5's decoder, Pop2Piano, UDOP:
+their ``T5Attention`` copies) is ``rel_bias``: :func:`relpos_ext.t5_bias_table` expands the
+``[num_buckets, H]`` embedding to one entry per distance up to ``relative_attention_max_distance``
+(beyond it T5's last bucket holds), and the fused first layer hands that ``[H, 2K+1]`` table to
+the others in place of the ``[1, H, L, L]`` ``position_bias`` transformers passes down the stack.
+Self-attention without a cache is fused (encoders, and decoders in training or scoring); a call
+with a KV cache (generation), cross-attention and ``output_attentions`` run transformers' own
+forward.
+
 This file imports nothing from transformers: it recognises the modules by class name and
 attributes, so the package does not depend on it.
 """
@@ -32,6 +41,7 @@ from torch import Tensor, nn
 
 from . import ops
 from .nn import additive_mask_hidden, clipped_table
+from .positions import t5_bias_table
 
 __all__ = ["SUPPORTED_CLASSES", "transformer_xl_inputs", "use_fused_attention"]
 
@@ -43,7 +53,16 @@ SUPPORTED_CLASSES = {
     "Wav2Vec2ConformerSelfAttention": ("relative",),
     "SeamlessM4TConformerSelfAttention": ("relative",),
     "FastSpeech2ConformerAttention": (None,),  # always Transformer-XL positions (ESPnet)
+    # T5's bucketed bias; the same forward in each model (transformers' "Copied from")
+    "T5Attention": (None,),
+    "MT5Attention": (None,),
+    "SwitchTransformersAttention": (None,),
+    "LongT5Attention": (None,),
+    "Pop2PianoAttention": (None,),
+    "UdopAttention": (None,),
 }
+T5_CLASSES = ("T5Attention", "MT5Attention", "SwitchTransformersAttention", "LongT5Attention",
+              "Pop2PianoAttention", "UdopAttention")
 
 
 def _hidden_keys(attention_mask: Tensor | None) -> Tensor | None:
@@ -159,6 +178,46 @@ def _fused_espnet_forward(
     return _merge(self, out, self.head_dim), None
 
 
+def _fused_t5_forward(
+    self: nn.Module,
+    hidden_states: Tensor,
+    mask: Tensor | None = None,
+    key_value_states: Tensor | None = None,
+    position_bias: Tensor | None = None,
+    past_key_values: object | None = None,
+    **kwargs: object,
+) -> tuple[Tensor, Tensor | None, None]:
+    """T5Attention's forward for self-attention without a cache, the core done by rel_attention
+    with T5's bias as ``rel_bias``. Returns ``(output, position_bias, None)`` where
+    position_bias is the ``[H, 2K+1]`` table (made by the layer that owns the bias embedding,
+    passed down the stack to the others). Cross-attention, a KV cache, ``output_attentions``
+    or a ``[1, H, Lq, Lk]`` position_bias made by transformers run transformers' forward."""
+    if (key_value_states is not None or past_key_values is not None
+            or kwargs.get("output_attentions")
+            or (position_bias is not None and position_bias.dim() != 2)):
+        return type(self).forward(self, hidden_states, mask, key_value_states, position_bias,
+                                  past_key_values, **kwargs)
+    batch, length, _ = hidden_states.shape
+    shape = (batch, length, self.n_heads, self.key_value_proj_dim)
+    q, k, v = (proj(hidden_states).view(shape).transpose(1, 2) for proj in (self.q, self.k, self.v))
+    if position_bias is None and self.has_relative_attention_bias:
+        position_bias = t5_bias_table(self.relative_attention_bias.weight, not self.is_decoder,
+                                      self.relative_attention_max_distance)
+    padding = attn_mask = None
+    hidden = _hidden_keys(mask)  # [B, 1, Lq or 1, Lk] or None
+    if hidden is not None and hidden.shape[-2] == 1:  # one row for all queries: key padding
+        padding = hidden.reshape(batch, hidden.shape[-1])
+    else:
+        attn_mask = hidden
+    out = ops.rel_attention(
+        q, k, v, None, None, 0 if position_bias is None else position_bias.shape[-1] // 2,
+        causal=self.is_decoder, scale=1.0, key_padding_mask=padding, attn_mask=attn_mask,
+        dropout_p=self.dropout if self.training else 0.0,
+        rel_bias=None if position_bias is None else position_bias.to(q.dtype))
+    out = self.o(out.transpose(1, 2).reshape(batch, length, self.inner_dim))
+    return out, position_bias, None
+
+
 def use_fused_attention(model: nn.Module) -> list[str]:
     """Route every supported relative-position attention module of ``model`` through
     :func:`relpos_ext.rel_attention`, in place; returns the names of the modules changed.
@@ -174,8 +233,12 @@ def use_fused_attention(model: nn.Module) -> list[str]:
     changed = []
     for name, module in model.named_modules():
         cls = type(module).__name__
-        if getattr(module, "position_embeddings_type", None) in SUPPORTED_CLASSES.get(cls, ()):
-            fused = _fused_espnet_forward if cls == "FastSpeech2ConformerAttention" else _fused_forward
-            module.forward = types.MethodType(fused, module)
-            changed.append(name)
+        if getattr(module, "position_embeddings_type", None) not in SUPPORTED_CLASSES.get(cls, ()):
+            continue
+        if cls in T5_CLASSES and module.is_decoder and not getattr(module, "is_causal", True):
+            continue  # T5's cross-attention: no position bias, nothing to fuse
+        fused = (_fused_espnet_forward if cls == "FastSpeech2ConformerAttention"
+                 else _fused_t5_forward if cls in T5_CLASSES else _fused_forward)
+        module.forward = types.MethodType(fused, module)
+        changed.append(name)
     return changed
