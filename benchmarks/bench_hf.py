@@ -5,7 +5,9 @@ One ``Wav2Vec2BertSelfAttention`` at the width of the released w2v-BERT 2.0 chec
 H=16, D=64), float32, B=1, L audio frames (50 per second: L=4000 is 80 s), with a padding mask
 (the last 5% of frames). ``--position relative_key`` (default; w2v-BERT 2.0's): Shaw keys clipped
 to ``[-64, 8]``; ``--position relative``: Transformer-XL positions (Wav2Vec2-Conformer's), every
-distance of the sequence. Three forms:
+distance of the sequence; ``--position t5``: instead, a ``T5Attention`` encoder layer at t5-base's
+width (E=768, H=12, D=64), T5's bucketed bias (32 buckets, max distance 128), L tokens. Three
+forms:
 
 * ``eager`` -- transformers' eager attention (``attn_implementation="eager"``): relative_key
   gathers the keys' embeddings to ``[L, L, D]``, relative forms ``[B, H, L, 2L - 1]`` scores and
@@ -44,12 +46,17 @@ METHODS = ("eager", "sdpa", "fused")
 MODES = ("inference", "train")
 
 
+T5_EMBED, T5_HEADS = 768, 12
+
+
 def live_gib(method: str, mode: str, length: int, position: str) -> float:
-    """The largest live set of a transformers form (relative_key's [L, L, D] gather or relative's
-    [H, L, 2L] scores, and a few [H, L, L] score tensors; the backward keeps about twice as
-    much), in GiB; 0 for ours."""
+    """The largest live set of a transformers form (relative_key's [L, L, D] gather, relative's
+    [H, L, 2L] scores or T5's [H, L, L] bias, and a few [H, L, L] score tensors; the backward
+    keeps about twice as much), in GiB; 0 for ours."""
     if method == "fused":
         return 0.0
+    if position == "t5":
+        return 4 * T5_HEADS * length * length * 4 * (2 if mode == "train" else 1) / 2**30
     if position == "relative_key":
         positions = length * length * (EMBED // HEADS) * 4
     else:
@@ -67,6 +74,8 @@ def _layer(method: str, length: int, position: str):
     import relpos_ext.hf
 
     torch.manual_seed(0)
+    if position == "t5":
+        return _t5_layer(method, length)
     from transformers.models.wav2vec2_bert.modeling_wav2vec2_bert import (
         Wav2Vec2BertRelPositionalEmbedding,
     )
@@ -90,6 +99,29 @@ def _layer(method: str, length: int, position: str):
     if position == "relative":  # made once per model by the encoder, shared by its layers
         kw["relative_position_embeddings"] = Wav2Vec2BertRelPositionalEmbedding(config)(x)
     return module, x, kw, torch.randn(1, length, EMBED)
+
+
+def _t5_layer(method: str, length: int):
+    """A T5Attention encoder layer (it owns the bias embedding), with padding on the last 5% of
+    the tokens in the form transformers' mask code gives each implementation."""
+    import transformers
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    import relpos_ext.hf
+
+    config = transformers.T5Config(
+        d_model=T5_EMBED, num_heads=T5_HEADS, d_kv=T5_EMBED // T5_HEADS, dropout_rate=0.0,
+        attn_implementation="sdpa" if method == "sdpa" else "eager")
+    module = T5Attention(config, has_relative_attention_bias=True)
+    if method == "fused":
+        relpos_ext.hf.use_fused_attention(module)
+    x = torch.randn(1, length, T5_EMBED)
+    keep = torch.arange(length) < length - length // 20
+    if method == "sdpa":
+        mask = keep[None, None, None, :]  # bool, True = attend
+    else:
+        mask = torch.zeros(1, 1, 1, length).masked_fill(~keep, torch.finfo(torch.float32).min)
+    return module, x, {"mask": mask}, torch.randn(1, length, T5_EMBED)
 
 
 def measure(method: str, mode: str, length: int, args: argparse.Namespace) -> dict:
@@ -124,14 +156,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", "-L", type=int, nargs="+", default=[500, 1000, 2000, 4000])
-    p.add_argument("--position", choices=["relative_key", "relative"], default="relative_key",
-                   help="position_embeddings_type (default relative_key)")
+    p.add_argument("--position", choices=["relative_key", "relative", "t5"], default="relative_key",
+                   help="position_embeddings_type (default relative_key), or t5")
     p.add_argument("--mem-cap-gib", type=float, default=12.0,
                    help="skip a form whose analytic live set exceeds this (default 12)")
     add_common_args(p, RESULTS / "bench_hf.json", rep_budget_s=20.0)
     args = p.parse_args(argv)
-    if args.out == RESULTS / "bench_hf.json" and args.position == "relative":
-        args.out = RESULTS / "bench_hf_relative.json"
+    if args.out == RESULTS / "bench_hf.json" and args.position != "relative_key":
+        args.out = RESULTS / f"bench_hf_{args.position}.json"
     return args
 
 
@@ -141,9 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     info, mach = print_environment(args.threads)
-    where = f" [-{LEFT}, {RIGHT}]" if args.position == "relative_key" else " (Transformer-XL)"
-    print(f"transformers {transformers.__version__}; Wav2Vec2BertSelfAttention E={EMBED} "
-          f"H={HEADS} D={EMBED // HEADS}, {args.position}{where}, float32, B=1")
+    if args.position == "t5":
+        embed, heads = T5_EMBED, T5_HEADS
+        print(f"transformers {transformers.__version__}; T5Attention E={embed} H={heads} "
+              f"D={embed // heads}, 32 buckets, max distance 128, float32, B=1")
+    else:
+        embed, heads = EMBED, HEADS
+        where = f" [-{LEFT}, {RIGHT}]" if args.position == "relative_key" else " (Transformer-XL)"
+        print(f"transformers {transformers.__version__}; Wav2Vec2BertSelfAttention E={EMBED} "
+              f"H={HEADS} D={EMBED // HEADS}, {args.position}{where}, float32, B=1")
     errors = in_child(check, 300, args.position)
     print("max |out - eager| at L=300: " + ", ".join(f"{m} {e:.2e}" for m, e in errors.items())
           if "error" not in errors else f"check failed: {errors['error']}")
@@ -181,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json({
         "benchmark": "bench_hf", "timestamp": timestamp(), "torch_version": torch.__version__,
         "transformers_version": transformers.__version__, "build_info": info, "machine": mach,
-        "config": {"embed_dim": EMBED, "heads": HEADS, "position": args.position,
+        "config": {"embed_dim": embed, "heads": heads, "position": args.position,
                    "left": LEFT, "right": RIGHT,
                    "dtype": "float32", "batch": 1, "lengths": args.lengths,
                    "threads": args.threads, "mem_cap_gib": args.mem_cap_gib},
