@@ -153,6 +153,48 @@ def in_child(fn: Callable[..., dict], *fn_args: Any) -> dict:
     return {"error": why}
 
 
+def measure_grid(
+    measure: Callable[..., dict], args: argparse.Namespace, modes: tuple[str, ...],
+    methods: tuple[str, ...], skip: Callable[[str, str, int], str | None], width: int = 18,
+) -> list[dict]:
+    """``measure(method, mode, length, args)`` in a forked child for every mode x L x method,
+    ``methods[0]`` being ours: rows of ``time_ms``, ``peak_extra_mib``, ``skipped`` (``skip``'s
+    reason, or None to measure), ``errors`` and ``over_fused`` (each method's time over ours),
+    printed as a table per mode as they come."""
+    ours, others = methods[0], methods[1:]
+    rows = []
+    for mode in modes:
+        print(f"\n{mode}: time ms (peak extra MiB)")
+        print(f"{'L':>5}" + "".join(f"{m:>{width}}" for m in methods) + "   " +
+              " ".join(f"{m + '/' + ours:>12}" for m in others))
+        for length in args.lengths:
+            row = {"mode": mode, "L": length, "time_ms": {}, "peak_extra_mib": {}, "skipped": {}}
+            for method in methods:
+                why = skip(method, mode, length)
+                if why is not None:
+                    row["skipped"][method] = why
+                    row["time_ms"][method] = None
+                    continue
+                res = in_child(measure, method, mode, length, args)
+                row["time_ms"][method] = res.get("time_ms")
+                row["peak_extra_mib"][method] = res.get("peak_extra_bytes", 0) / 2**20
+                if "error" in res:
+                    row.setdefault("errors", {})[method] = res["error"]
+            t = row["time_ms"]
+            row["over_fused"] = {m: t[m] / t[ours] if t[m] and t[ours] else None for m in others}
+
+            def cell(m: str) -> str:
+                if m in row["skipped"]:
+                    return row["skipped"][m]
+                return "error" if t[m] is None else f"{t[m]:.1f} ({row['peak_extra_mib'][m]:.0f})"
+
+            print(f"{length:>5}" + "".join(f"{cell(m):>{width}}" for m in methods) + "   " +
+                  " ".join(f"{r:>12.2f}" if r else f"{'-':>12}" for r in row["over_fused"].values()),
+                  flush=True)
+            rows.append(row)
+    return rows
+
+
 def error_cell(res: dict, width: int = 60) -> str:
     """The first line of a child's error, for a table cell."""
     return "error: " + res["error"].splitlines()[0][:width]

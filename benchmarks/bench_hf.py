@@ -37,12 +37,12 @@ import sys
 import torch
 
 from _common import (  # benchmarks/_common.py, beside this script
-    RESULTS, add_common_args, check_platform, in_child, measure_call, print_environment,
-    timestamp, write_json,
+    RESULTS, add_common_args, check_platform, in_child, measure_call, measure_grid,
+    print_environment, timestamp, write_json,
 )
 
 EMBED, HEADS, LEFT, RIGHT = 1024, 16, 64, 8
-METHODS = ("eager", "sdpa", "fused")
+METHODS = ("fused", "eager", "sdpa")
 MODES = ("inference", "train")
 
 
@@ -149,7 +149,7 @@ def check(length: int, position: str) -> dict:
         module, x, kw, _ = _layer(method, length, position)
         with torch.no_grad():
             outs[method] = module(x, **kw)[0]
-    return {m: (outs[m] - outs["eager"]).abs().max().item() for m in METHODS[1:]}
+    return {m: (outs[m] - outs["eager"]).abs().max().item() for m in METHODS if m != "eager"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -185,37 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     errors = in_child(check, 300, args.position)
     print("max |out - eager| at L=300: " + ", ".join(f"{m} {e:.2e}" for m, e in errors.items())
           if "error" not in errors else f"check failed: {errors['error']}")
-    rows = []
-    for mode in MODES:
-        print(f"\n{mode}: time ms (peak extra MiB)")
-        print(f"{'L':>5}" + "".join(f"{m:>22}" for m in METHODS) + "   eager/fused  sdpa/fused")
-        for length in args.lengths:
-            row = {"mode": mode, "L": length, "time_ms": {}, "peak_extra_mib": {}, "skipped": {}}
-            for method in METHODS:
-                need = live_gib(method, mode, length, args.position)
-                if need > args.mem_cap_gib:
-                    row["skipped"][method] = f"{need:.1f} GiB"
-                    row["time_ms"][method] = None
-                    continue
-                res = in_child(measure, method, mode, length, args)
-                row["time_ms"][method] = res.get("time_ms")
-                row["peak_extra_mib"][method] = res.get("peak_extra_bytes", 0) / 2**20
-                if "error" in res:
-                    row.setdefault("errors", {})[method] = res["error"]
-            t = row["time_ms"]
 
-            def cell(m: str) -> str:
-                if m in row["skipped"]:
-                    return f"skip ({row['skipped'][m]})"
-                if t[m] is None:
-                    return "error"
-                return f"{t[m]:.1f} ({row['peak_extra_mib'][m]:.0f})"
+    def skip(method: str, mode: str, length: int) -> str | None:
+        need = live_gib(method, mode, length, args.position)
+        return f"skip ({need:.1f} GiB)" if need > args.mem_cap_gib else None
 
-            ratios = [t[m] / t["fused"] if t[m] and t["fused"] else None for m in ("eager", "sdpa")]
-            row["over_fused"] = dict(zip(("eager", "sdpa"), ratios))
-            print(f"{length:>5}" + "".join(f"{cell(m):>22}" for m in METHODS) + "   " +
-                  "  ".join(f"{r:>10.2f}" if r else f"{'-':>10}" for r in ratios), flush=True)
-            rows.append(row)
+    rows = measure_grid(measure, args, MODES, METHODS, skip, width=22)
     write_json({
         "benchmark": "bench_hf", "timestamp": timestamp(), "torch_version": torch.__version__,
         "transformers_version": transformers.__version__, "build_info": info, "machine": mach,

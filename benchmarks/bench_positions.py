@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from _common import (  # benchmarks/_common.py, beside this script
-    RESULTS, add_common_args, check_platform, in_child, measure_call, print_environment,
-    timestamp, write_json,
+    RESULTS, add_common_args, check_platform, in_child, measure_call, measure_grid,
+    print_environment, timestamp, write_json,
 )
 
 HEADS, DIM, T5_BUCKETS, T5_MAX = 8, 64, 32, 128
@@ -154,34 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     errors = in_child(check, args.position, 300)
     print("max |out - eager| at L=300: " + ", ".join(f"{m} {e:.2e}" for m, e in errors.items())
           if "error" not in errors else f"check failed: {errors['error']}")
-    rows = []
-    for mode in MODES:
-        print(f"\n{mode}: time ms (peak extra MiB)")
-        print(f"{'L':>5}" + "".join(f"{m:>18}" for m in METHODS) + "   sdpa/fused eager/fused flex/fused")
-        for length in args.lengths:
-            row = {"mode": mode, "L": length, "time_ms": {}, "peak_extra_mib": {}}
-            for method in METHODS:
-                if method == "flex" and mode == "train":
-                    row["time_ms"][method] = None
-                    continue
-                res = in_child(measure, method, mode, length, args)
-                row["time_ms"][method] = res.get("time_ms")
-                row["peak_extra_mib"][method] = res.get("peak_extra_bytes", 0) / 2**20
-                if "error" in res:
-                    row.setdefault("errors", {})[method] = res["error"].splitlines()[0][:200]
-            t = row["time_ms"]
-            ratios = {m: t[m] / t["fused"] if t[m] and t["fused"] else None for m in METHODS[1:]}
-            row["over_fused"] = ratios
 
-            def cell(m: str) -> str:
-                if t[m] is None:
-                    return "n/a" if m == "flex" and mode == "train" else "error"
-                return f"{t[m]:.1f} ({row['peak_extra_mib'][m]:.0f})"
+    def skip(method: str, mode: str, length: int) -> str | None:
+        return "n/a" if method == "flex" and mode == "train" else None  # no CPU backward
 
-            print(f"{length:>5}" + "".join(f"{cell(m):>18}" for m in METHODS) + "   " +
-                  " ".join(f"{r:>10.2f}" if r else f"{'-':>10}" for r in ratios.values()),
-                  flush=True)
-            rows.append(row)
+    rows = measure_grid(measure, args, MODES, METHODS, skip)
     write_json({
         "benchmark": "bench_positions", "timestamp": timestamp(), "torch_version": torch.__version__,
         "build_info": info, "machine": mach,
