@@ -766,11 +766,12 @@ THREAD_SHAPES = [(2, 4, 2, 300, 260, 32, 40), (1, 8, 2, 5, 8200, 64, 8195),
                  (1, 8, 8, 70, 1100, 64, 1030)]
 
 
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", THREAD_SHAPES, ids=["tiles", "decode_split", "bwd_runs"])
-def test_rel_attention_cpu_results_do_not_depend_on_threads(shape):
+def test_rel_attention_cpu_results_do_not_depend_on_threads(shape, bias):
     """The CPU kernels hand work chunks to whichever thread is free: the outputs and gradients
     must still be bitwise the same for any thread count (each item writes its own rows, and
-    any split of the keys is chosen from the shapes alone)."""
+    any split of the keys is chosen from the shapes alone), a bias's gradient included."""
     b, h, hk, lq, lk, d, qo = shape
     g = torch.Generator().manual_seed(3)
     q = torch.randn(b, h, lq, d, generator=g)
@@ -778,6 +779,8 @@ def test_rel_attention_cpu_results_do_not_depend_on_threads(shape):
     rk, rv = (torch.randn(h, 2 * 6 + 1, d, generator=g) for _ in range(2))
     go = torch.randn(b, h, lq, d, generator=g)
     args = (q, k, v, rk, rv, 6, True, None, qo, 0, None)
+    if bias:
+        args += (0.0, None, None, None, None, -1, -1, torch.randn(h, 13, generator=g))
     results = []
     before = torch.get_num_threads()
     try:

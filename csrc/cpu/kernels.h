@@ -66,6 +66,7 @@ struct AttentionBwdSplit {
   float* dq_partial = nullptr;        // [chunks, batch, heads, q_len, dim]
   float* drel_k_partial = nullptr;    // [chunks, batch, heads, 2K+1, dim], or null
   float* drel_v_partial = nullptr;    // [chunks, batch, heads, 2K+1, dim], or null
+  float* drel_bias_partial = nullptr;  // [chunks, batch, heads, 2K+1], or null
   AttnMaskTiles mask_tiles;
 };
 

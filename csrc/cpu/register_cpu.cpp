@@ -118,7 +118,7 @@ struct CpuBackend {
   // The AVX2 attention kernels tile the work differently from the scalar ones (kernels.h).
   static void rel_attention(const RelAttentionParams& p) {
 #if defined(RELPOS_HAVE_AVX2)
-    if (p.dtype != DType::Float64 && selected_isa() == Isa::Avx2 && p.rel_bias == nullptr) {
+    if (p.dtype != DType::Float64 && selected_isa() == Isa::Avx2) {
       rel_attention_avx2(p);
       return;
     }
@@ -130,7 +130,7 @@ struct CpuBackend {
   }
   static void rel_attention_backward(const RelAttentionBwdParams& p) {
 #if defined(RELPOS_HAVE_AVX2)
-    if (p.fwd.dtype != DType::Float64 && selected_isa() == Isa::Avx2 && p.fwd.rel_bias == nullptr) {
+    if (p.fwd.dtype != DType::Float64 && selected_isa() == Isa::Avx2) {
       rel_attention_backward_avx2(p);
       return;
     }
@@ -206,9 +206,9 @@ struct CpuBackend {
 
   // Work items (b, kv head, key chunk): when batch * kv_heads is small (few kv heads, B = 1),
   // the keys of each kv head are split into chunks so that up to kBwdTargetItems items exist,
-  // with per-chunk float partials for dq and the table gradients (at most kBwdPartialBytes for
-  // the dq partials) reduced in chunk order. Shapes alone decide the split, so the results are
-  // the same for any thread count.
+  // with per-chunk float partials for dq and the table and bias gradients (at most
+  // kBwdPartialBytes for the dq partials) reduced in chunk order. Shapes alone decide the split,
+  // so the results are the same for any thread count.
   static constexpr int64_t kBwdTargetItems = 8;
   static constexpr int64_t kBwdPartialBytes = int64_t(32) << 20;
 
@@ -223,7 +223,7 @@ struct CpuBackend {
       chunks = std::min(chunks, std::max<int64_t>(1, kBwdPartialBytes / std::max<int64_t>(1, dq_bytes)));
     }
     AttentionBwdSplit split;
-    at::Tensor dq_partial, rk_partial, rv_partial;
+    at::Tensor dq_partial, rk_partial, rv_partial, rb_partial;
     if (chunks > 1) {
       const int64_t tiles_per_chunk = (k_tiles + chunks - 1) / chunks;
       split.chunk_keys = tiles_per_chunk * kAttentionTileK;
@@ -241,6 +241,10 @@ struct CpuBackend {
       if (p.drel_v_partial != nullptr) {
         rv_partial = at::zeros({c, f.batch, f.heads, rows, f.dim}, opts);
         split.drel_v_partial = rv_partial.data_ptr<float>();
+      }
+      if (p.drel_bias_partial != nullptr) {
+        rb_partial = at::zeros({c, f.batch, f.heads, rows}, opts);
+        split.drel_bias_partial = rb_partial.data_ptr<float>();
       }
     }
     at::Tensor tile_classes;

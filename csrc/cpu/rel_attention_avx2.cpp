@@ -12,6 +12,9 @@
 // Logits are kept in base 2: the query tile is multiplied by scale * log2(e) before S = Q K^T and
 // QE = Q rel_k^T, so the softmax needs no per-logit scaling and its exponential is exp2, whose
 // range reduction is one rounding (exp2_256). The log-sum-exp the op returns is in base e.
+// A bias per bucket (rel_bias, added after the scale) is part of the key term: rel_bias[b] *
+// log2(e) joins QE's band column or clamped bucket, so the key loops do not see it; the backward
+// takes its gradient from the per-bucket sums of dS that drel_k needs anyway.
 // This file is compiled with -mavx2 -mfma -mf16c and includes no torch headers (kernels.h).
 #include <immintrin.h>
 
@@ -406,6 +409,7 @@ struct Head {
   const char* v;
   const char* rel_k;   // table rows of head h (or the shared table); null when absent
   const char* rel_v;
+  const char* rel_bias;  // [2K+1] of head h (or the shared one); null when absent
   const bool* pad;     // key padding row of batch b, or null
   const bool* amask;   // attention mask of (b, h), [q_len, k_len] rows (broadcast resolved), or null
   const int64_t* qseg;  // segment ids of batch b's queries [q_len] and keys [k_len], or null
@@ -423,6 +427,7 @@ Head head_of(const RelAttentionParams& p, int64_t b, int64_t h, const AttnMaskTi
   hd.v = static_cast<const char*>(p.v) + kvh * p.kv_stride * es;
   hd.rel_k = p.rel_k ? static_cast<const char*>(p.rel_k) + (p.rel_k_per_head ? h * rows * p.dim * es : 0) : nullptr;
   hd.rel_v = p.rel_v ? static_cast<const char*>(p.rel_v) + (p.rel_v_per_head ? h * rows * p.dim * es : 0) : nullptr;
+  hd.rel_bias = p.rel_bias ? static_cast<const char*>(p.rel_bias) + (p.rel_bias_per_head ? h * rows * es : 0) : nullptr;
   hd.pad = p.key_padding_mask ? p.key_padding_mask + b * p.k_len : nullptr;
   hd.amask = p.attn_mask ? &p.attn_mask[b * p.attn_mask_b_stride + h * p.attn_mask_h_stride] : nullptr;
   hd.qseg = p.q_segment_ids ? p.q_segment_ids + b * p.q_len : nullptr;
@@ -896,7 +901,7 @@ inline void grad_row_uniform(float* sr, float* dpr, int64_t nk, int64_t vis, flo
   }
 }
 
-// Add the key term to a row of logits: s[j - j0] += q_i . rel_k[b(i, j)].
+// Add the key term to a row of logits: s[j - j0] += q_i . rel_k[b(i, j)] (+ the bias of b(i, j)).
 void add_rel_logits(float* s, int64_t j0, int64_t nk, const RowSplit& sp, float lo, float hi,
                     const float* qe_row) {
   add_const(lo, s, sp.a - j0);
@@ -944,6 +949,58 @@ void table_terms(DType d, const char* table, int64_t D, const Band& band, const 
                  float* band_rows, float* band_t) {
   table_ends(x, mq, D, e0, e1, lo, hi);
   table_band(d, table, D, band, x, mq, xe, band_rows, band_t);
+}
+
+// The bias's part of the key term, rel_bias[b] * log2(e) in QE's units (scaled, base 2), added
+// to the table's part (with_table) or written alone: bias_ends to the clamped buckets' lo[r] and
+// hi[r] (buckets 0 and 2K) of n rows; bias_band to the band's xe[r, c] (bucket band.lo + c) of mq
+// rows, through tmp (band.n floats), or without a table into xe's first row alone: the bias
+// depends on the bucket only, so every row reads that one (key_term_stride).
+void bias_ends(DType d, const char* bias, int64_t rows_tab, int64_t n, bool with_table, float* lo,
+               float* hi) {
+  float b0, b1;
+  load_row(d, bias, &b0, 1);
+  load_row(d, bias + (rows_tab - 1) * elem_bytes(d), &b1, 1);
+  b0 *= kLog2e;
+  b1 *= kLog2e;
+  if (with_table) {
+    add_const(b0, lo, n);
+    add_const(b1, hi, n);
+  } else {
+    fill_f32(lo, b0, n);
+    fill_f32(hi, b1, n);
+  }
+}
+
+void bias_band(DType d, const char* bias, const Band& band, int64_t mq, bool with_table, float* xe,
+               float* tmp) {
+  if (band.n == 0) return;
+  float* b = with_table ? tmp : xe;
+  load_row(d, bias + band.lo * elem_bytes(d), b, band.n);
+  scale_row(kLog2e, b, band.n);
+  if (!with_table) return;
+  for (int64_t r = 0; r < mq; ++r) add_row(b, xe + r * band.n, band.n);
+}
+
+// Whether logits have a key term beyond Q K^T (a table, a bias or both); and the rows (of mq
+// query rows) and row stride of its band xe and, in the backward, of the band's dS sums W_ds:
+// with the bias alone one row that every query row reads (bias_band) and adds its dS into, as
+// drel_bias needs only the sums over the rows (bias_grad_band).
+inline bool has_key_term(const Head& hd) { return hd.rel_k != nullptr || hd.rel_bias != nullptr; }
+inline int64_t key_term_rows(const Head& hd, int64_t mq) { return hd.rel_k ? mq : 1; }
+inline int64_t key_term_stride(const Head& hd, const Band& band) { return hd.rel_k ? band.n : 0; }
+
+// drel_bias over the band: partial[band.lo + c] += inv_scale * sum_r wds[r, c] over the rows of
+// the scaled dS sums (several rows summed in order into sum, band.n floats, then scaled once).
+void bias_grad_band(const float* wds, int64_t rows, const Band& band, float inv_scale, float* sum,
+                    float* partial) {
+  if (band.n == 0) return;
+  if (rows > 1) {
+    std::memcpy(sum, wds, sizeof(float) * band.n);
+    for (int64_t r = 1; r < rows; ++r) add_row(wds + r * band.n, sum, band.n);
+    wds = sum;
+  }
+  axpy(inv_scale, wds, partial + band.lo, band.n);
 }
 
 // Keys [j_begin, j_end) of a kv head (dtype d, rows of D) as float for the matmuls: tiles
@@ -1041,6 +1098,7 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
   float* mref = buf.take(BQ * n_ktiles);
   float* ek0 = buf.take(D);
   float* ek1 = buf.take(D);
+  float* band_row = p.rel_bias ? buf.take(max_band) : nullptr;  // the bias over a band (bias_band)
   const char* cached = nullptr;  // kv head whose tiles [0, built) are in kt_all / v_all
   int64_t built = 0;
   ItemCursor cursor(work);
@@ -1059,6 +1117,12 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       load_row(p.dtype, hd.rel_k + (rows_tab - 1) * D * es, ek1, D);
       table_terms(p.dtype, hd.rel_k, D, band, qs, mq, ek0, ek1, qe_lo, qe_hi, qe, band_k, band_kt);
     }
+    if (hd.rel_bias) {  // and the bias, in QE's units
+      bias_ends(p.dtype, hd.rel_bias, rows_tab, mq, hd.rel_k != nullptr, qe_lo, qe_hi);
+      bias_band(p.dtype, hd.rel_bias, band, mq, hd.rel_k != nullptr, qe, band_row);
+    }
+    const bool key_term = has_key_term(hd);
+    const int64_t ld_qe = key_term_stride(hd, band);
     fill_f32(m, kNegInf, BQ);
     fill_f32(l, 0.f, BQ);
     fill_f32(w_lo, 0.f, BQ);
@@ -1115,7 +1179,7 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
         // probabilities); whole uniform tiles apply the mask in exp_sum_rows8_stale
         const bool uni = !drop_on && uniform_row(sp, j0, nk, clear);
         const bool lo_side = sp.a == j0 + nk;  // uniform: all keys in bucket 0 (else 2K)
-        const float c = uni && hd.rel_k ? (lo_side ? qe_lo[r] : qe_hi[r]) : 0.f;
+        const float c = uni && key_term ? (lo_side ? qe_lo[r] : qe_hi[r]) : 0.f;
         float rs;
         if (overwritten) {
           scores(r, 1);
@@ -1137,7 +1201,7 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
         if (uni) {
           mt = fmax_(m[r], logits_row_uniform(sr, nk, visible_keys(p, i, j0, nk), c));
         } else {
-          if (hd.rel_k) add_rel_logits(sr, j0, nk, sp, qe_lo[r], qe_hi[r], qe + r * band.n);
+          if (key_term) add_rel_logits(sr, j0, nk, sp, qe_lo[r], qe_hi[r], qe + r * ld_qe);
           mask_logits(p, hd, i, j0, nk, clear, sr);
           mt = fmax_(m[r], max_row(sr, nk));
         }
@@ -1170,7 +1234,7 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       int64_t r = 0;
       // Every row of the tile on one clamped side: 8 rows at a time, in one pass each
       if (const int side = uniform_tile(p, clear, i0, mq, j0, nk); side != 0) {
-        const float* c = hd.rel_k ? (side == 1 ? qe_lo : qe_hi) : nullptr;
+        const float* c = key_term ? (side == 1 ? qe_lo : qe_hi) : nullptr;
         float* ws = hd.rel_v ? (side == 1 ? w_lo : w_hi) : nullptr;
         for (; r + 8 <= mq; r += 8) {
           bool started = true;  // every row has a running maximum
@@ -1374,6 +1438,9 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
   float* ek1 = buf.take(D);
   float* ev0 = buf.take(D);
   float* ev1 = buf.take(D);
+  // the bias over a band (bias_band), then the sums of dS over it (bias_grad_band)
+  float* band_row = p.rel_bias ? buf.take(max_band) : nullptr;
+  const float inv_scale = static_cast<float>(1.0 / p.scale);  // drel_bias from the scaled dS
   ItemCursor cursor(work);
   for (int64_t item; cursor.next(item);) {
     const int64_t c = item % chunks, hk = (item / chunks) % p.kv_heads;
@@ -1391,6 +1458,11 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
       const int64_t bh = b * p.heads + h;
       if (chunks == 1) return whole ? static_cast<float*>(whole) + bh * rows_tab * D : nullptr;
       return parts ? parts + (c * p.batch * p.heads + bh) * rows_tab * D : nullptr;
+    };
+    auto bias_partial_of = [&](int64_t h) -> float* {  // as partial_of, without the D dimension
+      const int64_t bh = b * p.heads + h;
+      if (chunks == 1) return bp.drel_bias_partial ? static_cast<float*>(bp.drel_bias_partial) + bh * rows_tab : nullptr;
+      return split.drel_bias_partial ? split.drel_bias_partial + (c * p.batch * p.heads + bh) * rows_tab : nullptr;
     };
     // what depends on the query rows alone, once per head (not once per run)
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
@@ -1419,6 +1491,10 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
         }
         if (hd.rel_v) table_ends(dop, mq, D, ev0, ev1, de_lo_all + g0 + i0, de_hi_all + g0 + i0);
       }
+      if (hd.rel_bias) {
+        bias_ends(p.dtype, hd.rel_bias, rows_tab, p.q_len, hd.rel_k != nullptr, qe_lo_all + g0,
+                  qe_hi_all + g0);
+      }
       if (dq_own) fill_f32(dq_of(h), 0.f, p.q_len * D);
     }
     fill_f32(ds_lo_all, 0.f, gq);
@@ -1440,7 +1516,9 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
         const int64_t bh = b * p.heads + h, g0 = (h - hk * group) * p.q_len;
         float* pk = partial_of(h, bp.drel_k_partial, split.drel_k_partial);
         float* pv = partial_of(h, bp.drel_v_partial, split.drel_v_partial);
+        float* pb = bias_partial_of(h);
         float* dq_h = dq_of(h);
+        const bool key_term = has_key_term(hd);  // then dS is summed per bucket (wds, ds_lo / hi)
         for (int64_t i0 = 0; i0 < p.q_len; i0 += BQ) {
           const int64_t mq = imin(BQ, p.q_len - i0);
           const int64_t row0 = bh * p.q_len + i0;
@@ -1463,10 +1541,11 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
           float* p_hi = p_hi_all + g0 + i0;
           // the band of inside buckets this run's keys reach from the query tile
           const Band band = band_of(p, i0, mq, rb, re);
-          if (hd.rel_k) {  // QE = Q @ rel_k^T over the band
-            table_band(p.dtype, hd.rel_k, D, band, qs, mq, qe, band_k, band_kt);
-            fill_f32(wds, 0.f, mq * band.n);
-          }
+          // QE = Q @ rel_k^T over the band, and the bias in its units
+          if (hd.rel_k) table_band(p.dtype, hd.rel_k, D, band, qs, mq, qe, band_k, band_kt);
+          if (hd.rel_bias) bias_band(p.dtype, hd.rel_bias, band, mq, hd.rel_k != nullptr, qe, band_row);
+          const int64_t ld_qe = key_term_stride(hd, band);  // and of wds
+          if (key_term) fill_f32(wds, 0.f, key_term_rows(hd, mq) * band.n);
           if (hd.rel_v) {  // dO @ rel_v^T: the value term's part of dP
             table_band(p.dtype, hd.rel_v, D, band, dop, mq, de, band_v, band_vt);
             fill_f32(wp, 0.f, mq * band.n);
@@ -1484,10 +1563,10 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
             if (const int side = uniform_tile(p, clear, i0, mq, j0, nk); side != 0) {
               const bool lo_side = side == 1;
               for (; r + 8 <= mq; r += 8) {
-                const float* ck = hd.rel_k ? (lo_side ? qe_lo : qe_hi) + r : nullptr;
+                const float* ck = key_term ? (lo_side ? qe_lo : qe_hi) + r : nullptr;
                 const float* cv = hd.rel_v ? (lo_side ? de_lo : de_hi) + r : nullptr;
                 float* ps = hd.rel_v ? (lo_side ? p_lo : p_hi) + r : nullptr;
-                float* dss = hd.rel_k ? (lo_side ? ds_lo : ds_hi) + r : nullptr;
+                float* dss = key_term ? (lo_side ? ds_lo : ds_hi) + r : nullptr;
                 if (drop_on) {  // the rows' dropout masks, applied in the same pass
                   const int64_t i = i0 + r;
                   const RowDropout drops[8] = {
@@ -1510,15 +1589,15 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
               const RowSplit sp = split_row(p, i, j0, nk, band);
               if (!drop_on && uniform_row(sp, j0, nk, clear)) {
                 const bool lo_side = sp.a == j0 + nk;
-                const float ck = hd.rel_k ? (lo_side ? qe_lo[r] : qe_hi[r]) : 0.f;
+                const float ck = key_term ? (lo_side ? qe_lo[r] : qe_hi[r]) : 0.f;
                 const float cv = hd.rel_v ? (lo_side ? de_lo[r] : de_hi[r]) : 0.f;
                 float ps = 0.f, dss = 0.f;
                 grad_row_uniform(sr, dpr, nk, visible_keys(p, i, j0, nk), ck, cv, scale, lse[r], di[r], ps, dss);
                 if (hd.rel_v) (lo_side ? p_lo[r] : p_hi[r]) += ps;
-                if (hd.rel_k) (lo_side ? ds_lo[r] : ds_hi[r]) += dss;
+                if (key_term) (lo_side ? ds_lo[r] : ds_hi[r]) += dss;
                 continue;
               }
-              if (hd.rel_k) add_rel_logits(sr, j0, nk, sp, qe_lo[r], qe_hi[r], qe + r * band.n);
+              if (key_term) add_rel_logits(sr, j0, nk, sp, qe_lo[r], qe_hi[r], qe + r * ld_qe);
               if (hd.rel_v) add_rel_logits(dpr, j0, nk, sp, de_lo[r], de_hi[r], de + r * band.n);
               mask_logits(p, hd, i, j0, nk, clear, sr);  // P = 2^(S - lse), all in base 2
               exp_row(sr, nk, lse[r]);
@@ -1528,7 +1607,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
                 softmax_grad_row(sr, dpr, nk, di[r], scale);  // dS = scale P (dP - D_i)
               }
               if (hd.rel_v) add_bucket_mass(sr, j0, nk, sp, p_lo[r], p_hi[r], wp + r * band.n);
-              if (hd.rel_k) add_bucket_mass(dpr, j0, nk, sp, ds_lo[r], ds_hi[r], wds + r * band.n);
+              if (key_term) add_bucket_mass(dpr, j0, nk, sp, ds_lo[r], ds_hi[r], wds + r * ld_qe);
             }
             float* dv_t = dv_run + (j0 - rb) * D;
             float* dk_t = dk_run + (j0 - rb) * D;
@@ -1543,6 +1622,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
           if (hd.rel_v && band.n > 0) {  // drel_v += W_p^T dO over the band
             gemm_at(band.n, D, mq, wp, band.n, dop, D, pv + band.lo * D, D);
           }
+          if (pb != nullptr) bias_grad_band(wds, key_term_rows(hd, mq), band, inv_scale, band_row, pb);
         }
       }
       const int64_t kv_off = ((b * p.kv_heads + hk) * p.k_len + rb) * D * es;
@@ -1552,13 +1632,18 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
       }
     }
     // the clamped buckets, over all the runs: dQ += dS sums x rel_k rows 0 / 2K, drel_k rows
-    // 0 / 2K += dS sums x Q, drel_v rows 0 / 2K += P sums x dO (rows without any: skipped)
+    // 0 / 2K += dS sums x Q, drel_v rows 0 / 2K += P sums x dO (rows without any: skipped),
+    // drel_bias[0 / 2K] += the dS sums over the rows / scale
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       const Head hd = head_of(p, b, h, split.mask_tiles);
       const int64_t bh = b * p.heads + h, g0 = (h - hk * group) * p.q_len;
       float* pk = partial_of(h, bp.drel_k_partial, split.drel_k_partial);
       float* pv = partial_of(h, bp.drel_v_partial, split.drel_v_partial);
       float* dq_h = dq_of(h);
+      if (float* pb = bias_partial_of(h); pb != nullptr) {
+        pb[0] += inv_scale * sum_row(ds_lo_all + g0, p.q_len);
+        pb[rows_tab - 1] += inv_scale * sum_row(ds_hi_all + g0, p.q_len);
+      }
       if (hd.rel_k) {
         load_row(p.dtype, hd.rel_k, ek0, D);
         load_row(p.dtype, hd.rel_k + (rows_tab - 1) * D * es, ek1, D);
@@ -1620,6 +1705,10 @@ void rel_attention_backward_reduce(const RelAttentionBwdParams& bp, const Attent
     };
     reduce(split.drel_k_partial, bp.drel_k_partial);
     reduce(split.drel_v_partial, bp.drel_v_partial);
+    if (split.drel_bias_partial != nullptr) {
+      float* o = static_cast<float*>(bp.drel_bias_partial) + bh * rows_tab;
+      for (int64_t c = 0; c < split.chunks; ++c) add_row(split.drel_bias_partial + (c * bh_total + bh) * rows_tab, o, rows_tab);
+    }
   }
 }
 
