@@ -57,7 +57,7 @@ struct AttentionImpl {
     TORCH_CHECK(t->dim() == 1 || t->size(0) == q.size(1),
                 "a per-head rel_bias [H, 2K+1] must have H equal to q.size(1)=", q.size(1),
                 "; got shape ", t->sizes());
-    // the AVX2 and CUDA backward kernels recover dbias from the scaled dS
+    // the AVX2 backward recovers dbias from the scaled dS
     TORCH_CHECK(scale != 0.0 && std::isfinite(scale), "rel_bias needs a finite nonzero scale; got ",
                 scale);
   }

@@ -90,8 +90,8 @@ struct RelAttentionParams {
   const void* rel_v;              // same; null: no value term
   // [2K+1] or [heads, 2K+1]: a scalar per bucket added to the logits after the scale,
   //   s_ij = (q_i . k_j + q_i . rel_k[b]) * scale + rel_bias[b]   (T5 buckets, ALiBi slopes);
-  // null: none. The glue requires scale != 0 with it: the AVX2 and CUDA backward kernels sum
-  // the scaled dS per bucket and divide by the scale.
+  // null: none. The glue requires scale != 0 with it: the AVX2 backward sums the scaled dS per
+  // bucket and divides by the scale.
   const void* rel_bias;
   const bool* key_padding_mask;   // [batch, k_len], true = ignore that key; null: none
   // [batch or 1, heads or 1, q_len, k_len], true = query i of head h ignores key j; null: none.

@@ -42,7 +42,8 @@ void launch_rel_attention(const RelAttentionParams& p, Stream stream) {
       using Tl = AttnTile<acc_t<T>, kDC>;
       const int64_t blocks = p.batch * p.heads * cdiv(p.q_len, Tl::kOwn);
       launch(rel_attention_fwd_kernel<T, kDC>, dim3(grid_x(blocks, "rel_attention"), 1, 1),
-             dim3(Tl::kThreads, 1, 1), Tl::fwd_smem() * sizeof(acc_t<T>), stream, p);
+             dim3(Tl::kThreads, 1, 1), Tl::fwd_smem(p.rel_bias != nullptr) * sizeof(acc_t<T>),
+             stream, p);
     });
   });
 }
@@ -66,14 +67,18 @@ void launch_rel_attention_backward(const RelAttentionBwdParams& p, void* workspa
     dispatch_head_dim(f.dim, [&]<int kDC>() {
       using Tl = AttnTile<A, kDC>;
       const int64_t q_blocks = f.batch * f.heads * (p.serial_q_tiles ? 1 : cdiv(f.q_len, Tl::kOwn));
-      launch(p.serial_q_tiles ? rel_attention_bwd_dq_kernel<T, kDC, true>
-                              : rel_attention_bwd_dq_kernel<T, kDC, false>,
+      const bool bias = f.rel_bias != nullptr;  // the kernels' kBias
+      launch(p.serial_q_tiles ? (bias ? rel_attention_bwd_dq_kernel<T, kDC, true, true>
+                                      : rel_attention_bwd_dq_kernel<T, kDC, true, false>)
+                              : (bias ? rel_attention_bwd_dq_kernel<T, kDC, false, true>
+                                      : rel_attention_bwd_dq_kernel<T, kDC, false, false>),
              dim3(grid_x(q_blocks, "rel_attention_backward"), 1, 1), dim3(Tl::kThreads, 1, 1),
-             Tl::dq_smem() * sizeof(A), stream, p, static_cast<const A*>(ws));
+             Tl::dq_smem(bias) * sizeof(A), stream, p, static_cast<const A*>(ws));
       const int64_t k_blocks = f.batch * f.kv_heads * cdiv(f.k_len, Tl::kOwn);
-      launch(rel_attention_bwd_dkdv_kernel<T, kDC>,
+      launch(bias ? rel_attention_bwd_dkdv_kernel<T, kDC, true>
+                  : rel_attention_bwd_dkdv_kernel<T, kDC, false>,
              dim3(grid_x(k_blocks, "rel_attention_backward"), 1, 1), dim3(Tl::kThreads, 1, 1),
-             Tl::dkdv_smem() * sizeof(A), stream, p, static_cast<const A*>(ws));
+             Tl::dkdv_smem(bias) * sizeof(A), stream, p, static_cast<const A*>(ws));
     });
   });
 }

@@ -1,7 +1,8 @@
 // Fused Shaw attention (Shaw et al. 2018, relative keys and values), forward and backward, in the
 // style of FlashAttention-2 (Dao 2023): tiles of queries and keys, an online softmax, no [Lq, Lk]
 // matrix anywhere. Maths and layouts: RelAttentionParams / RelAttentionBwdParams (common/params.h);
-//   s_ij = (q_i . k_j + q_i . rel_k[b(i, j)]) * scale,  out_i = sum_j p_ij (v_j + rel_v[b(i, j)])
+//   s_ij = (q_i . k_j + q_i . rel_k[b(i, j)]) * scale (+ rel_bias[b(i, j)]),
+//   out_i = sum_j p_ij (v_j + rel_v[b(i, j)])
 //
 // Relative terms (as the AVX2 kernel, cpu/rel_attention_avx2.cpp): per query row the keys split into
 // bucket-0 keys, the inner keys (common/relpos_index.h inner_keys, bucket = r + K, one new bucket per
@@ -9,7 +10,10 @@
 // q_i . rel_k[2K] and the probability mass of each, rescaled with the online softmax, applied at the
 // end). The inner buckets of a (query tile, key tile) pair are a contiguous band of at most
 // kOwn + 32 - 1 table rows (tile_inner_buckets); the band is staged in shared memory next to the
-// key tile and each (i, j) reads its row along the skew.
+// key tile and each (i, j) reads its row along the skew. rel_bias (one scalar per bucket, added
+// after the scale) is staged the same way per tile pair, its two clamped entries first
+// (stage_bias); its gradient is the unscaled dS summed per bucket, in the dq kernel with the
+// table gradients.
 //
 // Tiling: a block of 4 warps owns 16 rows (8 for float64; query rows in the forward and the dq
 // kernel, key rows in the dk/dv kernel), 4 (2) per warp, held in shared memory at full head dim (up to kD = 32 kDC) and as
@@ -19,7 +23,8 @@
 // Backward (all deterministic except the table-gradient partials, which take float atomics, in a
 // fixed order only with RelAttentionBwdParams::serial_q_tiles):
 //   rows kernel  per query row: D_i = dO_i . O_i and the four clamped-bucket dots -> workspace
-//   dq kernel    per query tile, loops over key tiles: dq, and drel_k/drel_v partials (atomicAdd)
+//   dq kernel    per query tile, loops over key tiles: dq, and drel_k/drel_v/drel_bias partials
+//                (atomicAdd)
 //   dkdv kernel  per key tile of one kv head, loops over the group's query heads and query tiles
 #pragma once
 
@@ -53,13 +58,20 @@ struct AttnTile {
   static constexpr int kLd = kDK + 1;                  // chunk row stride: odd, conflict-free
   static constexpr int kBand = kOwn + kLanes - 1;      // table rows of one tile pair
   static constexpr int kLdP = kLanes + 1;
+  static constexpr int kBiasSmem = 2 + kBand;          // staged rel_bias (stage_bias)
 
-  // Dynamic shared memory of each kernel, in elements of A (layouts in the kernels).
-  static constexpr int fwd_smem() { return kOwn * kD + (kLanes + kBand) * kLd + kOwn * kLdP + 2 * kOwn; }
-  static constexpr int dq_smem() {
-    return 2 * kOwn * kD + 2 * (kLanes + kBand) * kLd + 2 * kOwn * kLdP + (4 + 1 + kRowTerms) * kOwn;
+  // Dynamic shared memory of each kernel, in elements of A (layouts in the kernels); the staged
+  // bias at the end, only with a bias.
+  static constexpr int fwd_smem(bool bias) {
+    return kOwn * kD + (kLanes + kBand) * kLd + kOwn * kLdP + 2 * kOwn + (bias ? kBiasSmem : 0);
   }
-  static constexpr int dkdv_smem() { return 2 * kOwn * kD + 2 * (kLanes + kBand) * kLd + 2 * kOwn * kLdP; }
+  static constexpr int dq_smem(bool bias) {
+    return 2 * kOwn * kD + 2 * (kLanes + kBand) * kLd + 2 * kOwn * kLdP +
+           (4 + 1 + kRowTerms) * kOwn + (bias ? kBiasSmem : 0);
+  }
+  static constexpr int dkdv_smem(bool bias) {
+    return 2 * kOwn * kD + 2 * (kLanes + kBand) * kLd + 2 * kOwn * kLdP + (bias ? kBiasSmem : 0);
+  }
 };
 
 // The softmax works in base 2, as the CPU AVX2 kernel does: logits are scaled by
@@ -136,6 +148,26 @@ RELPOS_DEVICE int band_row(const RelAttentionParams& p, int64_t i, int64_t j, co
   int64_t r = shaw_bucket(i, j, p.max_distance, p.q_offset, p.k_offset) - band.begin;
   r = r < 0 ? 0 : (r >= n ? n - 1 : r);
   return static_cast<int>(r < 0 ? 0 : r);
+}
+
+// The rel_bias of one (query tile, key tile) pair in base 2 (times log2 e, as the logits):
+// dst[0] = bias[0], dst[1] = bias[2K] (the clamped buckets), dst[2 + c] = bias[band.begin + c] for
+// the nb inner buckets of the band. `bias` is the head's row of rel_bias; table_rows = 2K + 1.
+// The caller orders it between barriers (the previous tile's readers done before, its own after).
+template <typename Tl, typename T, typename A>
+RELPOS_DEVICE void stage_bias(A* dst, const T* bias, int64_t table_rows, const BucketSpan& band,
+                              int nb) {
+  for (int idx = threadIdx.x; idx < nb + 2; idx += Tl::kThreads) {
+    const int64_t bucket = idx == 0 ? 0 : (idx == 1 ? table_rows - 1 : band.begin + idx - 2);
+    dst[idx] = A(to_float(bias[bucket])) * A(kLog2e);
+  }
+}
+
+// The staged bias (stage_bias) of key j for a row whose inner keys are `in` and whose band row
+// for j is erow (band_row): bucket 0 left of the inner keys, bucket 2K right of them.
+template <typename A>
+RELPOS_DEVICE A staged_bias(const A* sB, int64_t j, const KeySpan& in, int erow) {
+  return j < in.begin ? sB[0] : (j >= in.end ? sB[1] : sB[2 + erow]);
 }
 
 // dst[r][c] = src[r][d0 + c] for r < rows, c < kDK (row stride kLd), zero beyond `valid` rows and
@@ -276,7 +308,8 @@ RELPOS_DEVICE void accumulate_inner_band(A (&acc)[Tl::kRows][Tl::kChunks * Tl::k
 // Grid: batch * heads * ceil(q_len / kOwn) blocks of kThreads. Shared memory (dynamic, elements of
 // the accumulation type): sQ [kOwn][kD] | sKV [32][kLd] a chunk of K, then of V | sE [kBand][kLd] a
 // chunk of the rel_k band, then of the rel_v band | sP [kOwn][33] the tile's probabilities |
-// sQe [kOwn][2] q_i . rel_k[0] and q_i . rel_k[2K].
+// sQe [kOwn][2] q_i . rel_k[0] and q_i . rel_k[2K] | sB [2 + kBand] the tile pair's rel_bias
+// (stage_bias; only with a bias).
 template <typename T, int kDC>
 __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
     rel_attention_fwd_kernel(RelAttentionParams p) {
@@ -289,6 +322,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
   A* sE = sKV + Tl::kLanes * Tl::kLd;
   A* sP = sE + Tl::kBand * Tl::kLd;
   A* sQe = sP + Tl::kOwn * Tl::kLdP;
+  A* sB = sQe + 2 * Tl::kOwn;
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t q_tiles = (p.q_len + Tl::kOwn - 1) / Tl::kOwn;
@@ -303,6 +337,8 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
                 : static_cast<const T*>(p.rel_k) + (p.rel_k_per_head ? h * table_rows * D : 0);
   const T* ev = p.rel_v == nullptr ? nullptr
                 : static_cast<const T*>(p.rel_v) + (p.rel_v_per_head ? h * table_rows * D : 0);
+  const T* eb = p.rel_bias == nullptr ? nullptr
+                : static_cast<const T*>(p.rel_bias) + (p.rel_bias_per_head ? h * table_rows : 0);
   const A scale2 = static_cast<A>(p.scale * kLog2e);  // logits in base 2
   const int n_chunks = static_cast<int>((D + Tl::kDK - 1) / Tl::kDK);
 
@@ -349,6 +385,13 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
     int erow[R];
     RELPOS_UNROLL
     for (int rr = 0; rr < R; ++rr) erow[rr] = nb > 0 ? band_row(p, i0 + warp * R + rr, j, band) : 0;
+    if (eb != nullptr) {
+      // The previous tile's softmax read sB before the barrier of its P V loop, and the score
+      // loop's barriers publish it; with D = 0 neither loop runs, so barriers of its own.
+      if (n_chunks == 0) __syncthreads();
+      stage_bias<Tl>(sB, eb, table_rows, band, nb);
+      if (n_chunks == 0) __syncthreads();
+    }
 
     // S = Q K^T (+ Q . rel_k along the skew), chunk by chunk of columns.
     A s[R], se[R];
@@ -374,6 +417,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
         const A* qe = sQe + (warp * R + rr) * 2;
         const A rel = ek == nullptr ? A(0) : (j < in.begin ? qe[0] : (j >= in.end ? qe[1] : se[rr]));
         x = (s[rr] + rel) * scale2;
+        if (eb != nullptr) x += staged_bias(sB, j, in, erow[rr]);  // bias * log2 e, after the scale
       }
       const A mt = warp_max(x);
       const A mn = mt > m[rr] || mt != mt ? mt : m[rr];  // a NaN logit makes the row NaN
@@ -476,7 +520,8 @@ __global__ void rel_attention_bwd_rows_kernel(RelAttentionBwdParams bp, acc_t<T>
 }
 
 // p_ij and ds_ij = p_ij (dp_ij - D_i) of one (query row, key) pair from the accumulated dots;
-// under dropout (factor f: keep_scale or 0) p_ij f and p_ij (f dp_ij - D_i).
+// under dropout (factor f: keep_scale or 0) p_ij f and p_ij (f dp_ij - D_i). bias2: rel_bias of
+// the pair times log2 e (staged_bias), 0 without a bias.
 template <typename A>
 struct ProbGrad {
   A p, ds;
@@ -485,14 +530,15 @@ struct ProbGrad {
 template <typename A>
 RELPOS_DEVICE ProbGrad<A> prob_grad(bool visible, bool has_k, bool has_v, int64_t j,
                                     int64_t in_begin, int64_t in_end, A s, A se, A dp, A dpe,
-                                    const A* row, A lse2, A scale2, bool drop, A f) {
+                                    const A* row, A lse2, A bias2, A scale2, bool drop, A f) {
   ProbGrad<A> r{0, 0};
   if (!visible) return r;
   const bool lo = j < in_begin, hi = j >= in_end;
   const A qe = has_k ? (lo ? row[kRowQeLo] : (hi ? row[kRowQeHi] : se)) : A(0);
   const A de = has_v ? (lo ? row[kRowDeLo] : (hi ? row[kRowDeHi] : dpe)) : A(0);
-  // base 2 (scale2 = scale * log2 e, lse2 = lse * log2 e); lse = +inf (no visible key) gives 0
-  r.p = exp2_acc((s + qe) * scale2 - lse2);
+  // base 2 (scale2 = scale * log2 e, lse2 = lse * log2 e); lse = +inf (no visible key) gives 0.
+  // The bias goes with lse2 so that without one (bias2 = 0) the exponent is the same expression.
+  r.p = exp2_acc((s + qe) * scale2 - (lse2 - bias2));
   if (drop) {
     r.ds = r.p * (f * (dp + de) - row[kRowDi]);
     r.p *= f;
@@ -504,11 +550,15 @@ RELPOS_DEVICE ProbGrad<A> prob_grad(bool visible, bool has_k, bool has_v, int64_
 
 // ---- backward: dq and the table gradients ------------------------------------------------------
 // One query tile (tile) of one (b, h) (bh); the dq kernel below runs one per block, or, with
-// bp.serial_q_tiles, all the tiles of its (b, h) in order. Shared memory: sQ, sdO [kOwn][kD] |
-// sK, sV [32][kLd] chunks | sEk, sEv [kBand][kLd] band chunks | sP, sDS [kOwn][33] | sLo [kOwn][4]
-// (per row: clamped ds mass lo/hi, clamped p mass lo/hi) | sRow [kOwn][1 + kRowTerms] (lse in base 2, ws row). dq accumulates in registers; the table
-// gradients of the band go straight to drel_*_partial with atomicAdd (rows shared by query tiles).
-template <typename T, int kDC>
+// bp.serial_q_tiles, all the tiles of its (b, h) in order. Shared memory: sQ, sdO [kOwn][kD] | sK,
+// sV [32][kLd] chunks | sEk, sEv [kBand][kLd] band chunks | sP, sDS [kOwn][33] | sLo [kOwn][4] (per
+// row: clamped ds mass lo/hi, clamped p mass lo/hi) | sRow [kOwn][1 + kRowTerms] (lse in base 2, ws
+// row) | sB [2 + kBand] the tile pair's rel_bias (stage_bias; kBias only). dq accumulates in
+// registers; the table (and bias) gradients of the band go straight to drel_*_partial with
+// atomicAdd (rows shared by query tiles), those of the clamped buckets at the end of the tile.
+// kBias: rel_bias is given (a template flag so that the kernels without one keep the registers they
+// had without bias code).
+template <typename T, int kDC, bool kBias>
 __device__ void bwd_dq_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws, int64_t bh,
                             int64_t tile) {
   using A = acc_t<T>;
@@ -526,6 +576,7 @@ __device__ void bwd_dq_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws,
   A* sDS = sP + Tl::kOwn * Tl::kLdP;
   A* sLo = sDS + Tl::kOwn * Tl::kLdP;
   A* sRow = sLo + 4 * Tl::kOwn;
+  A* sB = sRow + (1 + kRowTerms) * Tl::kOwn;
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t h = bh % p.heads, b = bh / p.heads;
@@ -543,6 +594,10 @@ __device__ void bwd_dq_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws,
           : static_cast<A*>(bp.drel_k_partial) + bh * table_rows * D;
   A* pv = bp.drel_v_partial == nullptr ? nullptr
           : static_cast<A*>(bp.drel_v_partial) + bh * table_rows * D;
+  const T* eb = !kBias ? nullptr
+                : static_cast<const T*>(p.rel_bias) + (p.rel_bias_per_head ? h * table_rows : 0);
+  A* pb = !kBias || bp.drel_bias_partial == nullptr ? nullptr
+          : static_cast<A*>(bp.drel_bias_partial) + bh * table_rows;
   const A scale = static_cast<A>(p.scale);
   const A scale2 = static_cast<A>(p.scale * kLog2e);  // the softmax is in base 2
   const int n_chunks = static_cast<int>((D + Tl::kDK - 1) / Tl::kDK);
@@ -580,6 +635,9 @@ __device__ void bwd_dq_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws,
     int erow[R];
     RELPOS_UNROLL
     for (int rr = 0; rr < R; ++rr) erow[rr] = nb > 0 ? band_row(p, i0 + warp * R + rr, j, band) : 0;
+    // the previous tile read sB before its "sP / sDS complete" barrier; the chunk loop below (at
+    // least one chunk: the backward does not run for D = 0) publishes it
+    if (eb != nullptr) stage_bias<Tl>(sB, eb, table_rows, band, nb);
 
     A s[R], se[R], dp[R], dpe[R];
     RELPOS_UNROLL
@@ -601,9 +659,10 @@ __device__ void bwd_dq_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws,
       const int64_t i = i0 + warp * R + rr;
       const KeySpan in = inner_keys(i, p.k_len, K, p.q_offset, p.k_offset);
       const A* row = sRow + (warp * R + rr) * (1 + kRowTerms);
+      const A bias2 = eb == nullptr ? A(0) : staged_bias(sB, j, in, erow[rr]);
       const ProbGrad<A> g = prob_grad(attn_visible(p, b, h, i, j), ek != nullptr, ev != nullptr, j,
                                       in.begin, in.end, s[rr], se[rr], dp[rr], dpe[rr], row + 1,
-                                      row[0], scale2, p.dropout.on,
+                                      row[0], bias2, scale2, p.dropout.on,
                                       attn_dropout<A>(p, attn_dropout_key(p, bh, i), j));
       const bool lo = j < in.begin, hi = j >= in.end;
       m_lo[rr][0] += lo ? g.ds : A(0);
@@ -628,6 +687,17 @@ __device__ void bwd_dq_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws,
         }
         if (pk != nullptr) atomicAdd(pk + bucket * D + d, gk * scale);
         if (pv != nullptr) atomicAdd(pv + bucket * D + d, gv);
+      }
+    }
+    if (nb > 0 && pb != nullptr) {  // drel_bias of the band: the unscaled dS
+      for (int c = threadIdx.x; c < nb; c += Tl::kThreads) {
+        const int64_t bucket = band.begin + c;
+        A gb = 0;
+        for (int r = 0; r < nq; ++r) {
+          const int64_t jj = p.q_offset + i0 + r - p.k_offset + (bucket - K) - j0;
+          if (jj >= 0 && jj < nk) gb += sDS[r * Tl::kLdP + jj];
+        }
+        atomicAdd(pb + bucket, gb);
       }
     }
 
@@ -675,8 +745,18 @@ __device__ void bwd_dq_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws,
       dq[r * D + d] = from_float<T>(x * scale);
     }
   }
-  if (pk == nullptr && pv == nullptr) return;
+  if (pk == nullptr && pv == nullptr && pb == nullptr) return;
   __syncthreads();
+  if (pb != nullptr && threadIdx.x == Tl::kThreads - 1) {  // idle in the loop below for D < 128
+    A b_lo = 0, b_hi = 0;
+    for (int r = 0; r < nq; ++r) {
+      b_lo += sLo[r * 4 + 0];
+      b_hi += sLo[r * 4 + 1];
+    }
+    atomicAdd(pb, b_lo);
+    atomicAdd(pb + table_rows - 1, b_hi);
+  }
+  if (pk == nullptr && pv == nullptr) return;
   for (int64_t d = threadIdx.x; d < D; d += Tl::kThreads) {
     A k_lo = 0, k_hi = 0, v_lo = 0, v_hi = 0;
     for (int r = 0; r < nq; ++r) {
@@ -697,23 +777,25 @@ __device__ void bwd_dq_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws,
 }
 
 // Grid: batch * heads * ceil(q_len / kOwn) blocks, one query tile each; or, kSerial (set from
-// bp.serial_q_tiles: torch.use_deterministic_algorithms with tables), batch * heads blocks that
-// each take their (b, h)'s query tiles in order. Within a block every table-gradient entry is
-// added to by one thread at a time, between barriers, so one block per (b, h) adds in a fixed
-// order and the table gradients come out bitwise the same on every run, with far fewer blocks in
-// flight. Two instantiations rather than one loop: a loop over tiles costs the one-tile form
-// 25-37 registers (ptxas, sm_80 and sm_90), for D <= 64 161-168 -> 192-194, which at 128 threads
-// a block leaves registers for 2 blocks per SM instead of 3.
-template <typename T, int kDC, bool kSerial>
+// bp.serial_q_tiles: torch.use_deterministic_algorithms with tables or a bias), batch * heads
+// blocks that each take their (b, h)'s query tiles in order. Within a block every table-gradient
+// entry is added to by one thread at a time, between barriers, so one block per (b, h) adds in a
+// fixed order and the table gradients come out bitwise the same on every run, with far fewer blocks
+// in flight. Two instantiations rather than one loop: a loop over tiles costs the one-tile form
+// 25-37 registers (ptxas, sm_80 and sm_90), for D <= 64 161-168 -> 192-194, which at 128 threads a
+// block leaves registers for 2 blocks per SM instead of 3. Likewise kBias (set when rel_bias is
+// given): the bias code costs the one-tile form without a bias 13-18 registers (sm_80 and sm_90; at
+// D <= 32 168 -> 184-186, again 3 blocks per SM -> 2), so only the bias instantiations hold it.
+template <typename T, int kDC, bool kSerial, bool kBias>
 __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
     rel_attention_bwd_dq_kernel(RelAttentionBwdParams bp, const acc_t<T>* ws) {
   using Tl = AttnTile<acc_t<T>, kDC>;
   const int64_t q_tiles = (bp.fwd.q_len + Tl::kOwn - 1) / Tl::kOwn;
   if constexpr (!kSerial) {
-    bwd_dq_tile<T, kDC>(bp, ws, blockIdx.x / q_tiles, blockIdx.x % q_tiles);
+    bwd_dq_tile<T, kDC, kBias>(bp, ws, blockIdx.x / q_tiles, blockIdx.x % q_tiles);
   } else {
     for (int64_t t = 0; t < q_tiles; ++t) {
-      bwd_dq_tile<T, kDC>(bp, ws, blockIdx.x, t);
+      bwd_dq_tile<T, kDC, kBias>(bp, ws, blockIdx.x, t);
       __syncthreads();  // the next tile restages the shared memory this one read last
     }
   }
@@ -722,9 +804,11 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
 // ---- backward: dk and dv ------------------------------------------------------------------------
 // Grid: batch * kv_heads * ceil(k_len / kOwn) blocks; each owns kOwn keys of one kv head (the only
 // writer of their dk / dv) and loops over the query heads of the group and their query tiles of 32
-// (one query row per lane). Shared memory: sK, sV [kOwn][kD] | sQ, sdO [32][kLd] chunks |
-// sEk, sEv [kBand][kLd] band chunks | sP, sDS [kOwn][33] (key row x query lane).
-template <typename T, int kDC>
+// (one query row per lane). Shared memory: sK, sV [kOwn][kD] | sQ, sdO [32][kLd] chunks | sEk, sEv
+// [kBand][kLd] band chunks | sP, sDS [kOwn][33] (key row x query lane) | sB [2 + kBand] the tile
+// pair's rel_bias (stage_bias; kBias only). kBias: rel_bias is given (a template flag as for the dq
+// kernel: the bias code costs a kernel without one 0-9 registers, at D <= 64 168 -> 173-177).
+template <typename T, int kDC, bool kBias>
 __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
     rel_attention_bwd_dkdv_kernel(RelAttentionBwdParams bp, const acc_t<T>* ws) {
   using A = acc_t<T>;
@@ -740,6 +824,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
   A* sEv = sEk + Tl::kBand * Tl::kLd;
   A* sP = sEv + Tl::kBand * Tl::kLd;
   A* sDS = sP + Tl::kOwn * Tl::kLdP;
+  A* sB = sDS + Tl::kOwn * Tl::kLdP;
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t k_tiles = (p.k_len + Tl::kOwn - 1) / Tl::kOwn;
@@ -785,6 +870,8 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
                   : static_cast<const T*>(p.rel_k) + (p.rel_k_per_head ? h * table_rows * D : 0);
     const T* ev = p.rel_v == nullptr ? nullptr
                   : static_cast<const T*>(p.rel_v) + (p.rel_v_per_head ? h * table_rows * D : 0);
+    const T* eb = !kBias ? nullptr
+                  : static_cast<const T*>(p.rel_bias) + (p.rel_bias_per_head ? h * table_rows : 0);
     for (int64_t i0 = (i_first / Tl::kLanes) * Tl::kLanes; i0 < i_end; i0 += Tl::kLanes) {
       const int64_t i = i0 + lane;
       const int nq = static_cast<int>(p.q_len - i0 < Tl::kLanes ? p.q_len - i0 : Tl::kLanes);
@@ -802,6 +889,9 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
       int erow[R];
       RELPOS_UNROLL
       for (int rr = 0; rr < R; ++rr) erow[rr] = nb > 0 ? band_row(p, i, j0 + warp * R + rr, band) : 0;
+      // the previous query tile read sB before the first barrier of its dk / dv loop; the chunk
+      // loop below (at least one chunk: the backward does not run for D = 0) publishes it
+      if (eb != nullptr) stage_bias<Tl>(sB, eb, table_rows, band, nb);
 
       A s[R], se[R], dp[R], dpe[R];
       RELPOS_UNROLL
@@ -821,9 +911,10 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
       RELPOS_UNROLL
       for (int rr = 0; rr < R; ++rr) {
         const int64_t j = j0 + warp * R + rr;
+        const A bias2 = eb == nullptr ? A(0) : staged_bias(sB, j, in, erow[rr]);
         const ProbGrad<A> pg = prob_grad(attn_visible(p, b, h, i, j), ek != nullptr, ev != nullptr, j,
                                          in.begin, in.end, s[rr], se[rr], dp[rr], dpe[rr], row,
-                                         lse2, scale2, p.dropout.on,
+                                         lse2, bias2, scale2, p.dropout.on,
                                          attn_dropout<A>(p, drop_key, j));
         sP[(warp * R + rr) * Tl::kLdP + lane] = pg.p;
         sDS[(warp * R + rr) * Tl::kLdP + lane] = pg.ds;
