@@ -77,15 +77,16 @@ def _form(name: str, x: dict, args, length: int):
     if name == "flex_keys":  # q rel_k^T [B, H, L, 2K+1] first, gathered in the score_mod
         kk = args.k
 
-        def keys():
+        def keys(q, k, v, rk):
             qe = torch.matmul(q, rk.transpose(-1, -2))
 
             def key_term(score, b, h, qi, ki):
                 return score + qe[b, h, qi, torch.clamp(ki - qi, -kk, kk) + kk] * scale
 
-            return flex(q, k, v, score_mod=key_term)
+            return flex_attention(q, k, v, score_mod=key_term)
 
-        return keys, [q, k, v, rk]
+        compiled = torch.compile(keys, fullgraph=True)
+        return lambda: compiled(q, k, v, rk), [q, k, v, rk]
     kb = args.bias_k
 
     def bias_term(score, b, h, qi, ki):
