@@ -299,14 +299,12 @@ struct AttentionImpl {
     // on one 389 -> 253-269 ms, as at K = 512).
     const int64_t used = used_max_distance(c.q_len, c.k_len, max_distance, q_offset, k_offset);
     Checked cu = c;
-    auto slice = [&](const at::Tensor& t) {
-      return t.defined() ? t.narrow(-2, max_distance - used, num_buckets(used)).contiguous() : t;
+    auto slice = [&](const at::Tensor& t, int64_t bucket_dim) {  // a table's rows, a bias's columns
+      return t.defined() ? t.narrow(bucket_dim, max_distance - used, num_buckets(used)).contiguous() : t;
     };
-    cu.rel_k = slice(c.rel_k);
-    cu.rel_v = slice(c.rel_v);
-    if (c.rel_bias.defined()) {
-      cu.rel_bias = c.rel_bias.narrow(-1, max_distance - used, num_buckets(used)).contiguous();
-    }
+    cu.rel_k = slice(c.rel_k, -2);
+    cu.rel_v = slice(c.rel_v, -2);
+    cu.rel_bias = slice(c.rel_bias, -1);
     const int64_t rows = num_buckets(used);
     const auto acc_opts = c.q.options().dtype(acc_type(c.q));
     at::Tensor pk = c.rel_k.defined() ? at::zeros({c.batch, c.heads, rows, c.dim}, acc_opts) : at::Tensor();
