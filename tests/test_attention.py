@@ -1371,12 +1371,18 @@ def test_module_rel_bias(gqa, clip):
     m = relpos_ext.nn.RelativeMultiheadAttention(**kw)
     rows = 7 if clip == 3 else 8
     assert m.rel_bias.shape == (4, rows) and not m.rel_bias.any()
+    x = torch.randn(2, 13, 32)
     with torch.no_grad():
+        unbiased = m(x, is_causal=True)[0]
         m.rel_bias.normal_(0, 2)
+    left, right = clip if isinstance(clip, tuple) else (clip, clip)
+    dist = torch.arange(-m.max_distance, m.max_distance + 1)  # the kernels' buckets' distances
+    torch.testing.assert_close(m.bias_table(), m.rel_bias[:, dist.clamp(-left, right) + left],
+                               atol=0, rtol=0)
     r = ref.RelativeMultiheadAttentionReference(**kw)
     r.load_state_dict(m.state_dict())
-    x = torch.randn(2, 13, 32)
     got, w = m(x, is_causal=True, need_weights=True, average_attn_weights=False)
+    assert not torch.allclose(got, unbiased, atol=1e-3)  # the bias moves the output
     exp, _ = r(x, is_causal=True)
     torch.testing.assert_close(got, exp, atol=1e-5, rtol=1e-5)
     v = m._heads(m.v_proj(x), m.num_kv_heads).repeat_interleave(4 // m.num_kv_heads, 1)
@@ -1384,6 +1390,7 @@ def test_module_rel_bias(gqa, clip):
     torch.testing.assert_close(by_weights, got, atol=1e-5, rtol=1e-5)
     got.square().sum().backward()
     exp.square().sum().backward()
+    assert m.rel_bias.grad is not None and m.rel_bias.grad.abs().sum() > 0
     for (name, pm), pr in zip(m.named_parameters(), r.parameters()):
         torch.testing.assert_close(pm.grad, pr.grad, atol=1e-4, rtol=1e-4, msg=name)
     cache, pieces, start = relpos_ext.nn.KVCache(), [], 0
