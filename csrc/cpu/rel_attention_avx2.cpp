@@ -1454,15 +1454,12 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
       if (chunks > 1) return split.dq_partial + (c * p.batch * p.heads + bh) * p.q_len * D;
       return dq_own ? dq_buf + (h - hk * group) * p.q_len * D : static_cast<float*>(bp.dq) + bh * p.q_len * D;
     };
-    auto partial_of = [&](int64_t h, void* whole, float* parts) -> float* {
+    // (b, h)'s share of a gradient partial, n floats per (b, h): bp's with one chunk, else this
+    // chunk's in the split's (rel_attention_backward_reduce sums those)
+    auto partial_of = [&](int64_t h, void* whole, float* parts, int64_t n) -> float* {
       const int64_t bh = b * p.heads + h;
-      if (chunks == 1) return whole ? static_cast<float*>(whole) + bh * rows_tab * D : nullptr;
-      return parts ? parts + (c * p.batch * p.heads + bh) * rows_tab * D : nullptr;
-    };
-    auto bias_partial_of = [&](int64_t h) -> float* {  // as partial_of, without the D dimension
-      const int64_t bh = b * p.heads + h;
-      if (chunks == 1) return bp.drel_bias_partial ? static_cast<float*>(bp.drel_bias_partial) + bh * rows_tab : nullptr;
-      return split.drel_bias_partial ? split.drel_bias_partial + (c * p.batch * p.heads + bh) * rows_tab : nullptr;
+      if (chunks == 1) return whole ? static_cast<float*>(whole) + bh * n : nullptr;
+      return parts ? parts + (c * p.batch * p.heads + bh) * n : nullptr;
     };
     // what depends on the query rows alone, once per head (not once per run)
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
@@ -1514,9 +1511,9 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
         const Head hd = head_of(p, b, h, split.mask_tiles);
         const int64_t bh = b * p.heads + h, g0 = (h - hk * group) * p.q_len;
-        float* pk = partial_of(h, bp.drel_k_partial, split.drel_k_partial);
-        float* pv = partial_of(h, bp.drel_v_partial, split.drel_v_partial);
-        float* pb = bias_partial_of(h);
+        float* pk = partial_of(h, bp.drel_k_partial, split.drel_k_partial, rows_tab * D);
+        float* pv = partial_of(h, bp.drel_v_partial, split.drel_v_partial, rows_tab * D);
+        float* pb = partial_of(h, bp.drel_bias_partial, split.drel_bias_partial, rows_tab);
         float* dq_h = dq_of(h);
         const bool key_term = has_key_term(hd);  // then dS is summed per bucket (wds, ds_lo / hi)
         for (int64_t i0 = 0; i0 < p.q_len; i0 += BQ) {
@@ -1637,10 +1634,10 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       const Head hd = head_of(p, b, h, split.mask_tiles);
       const int64_t bh = b * p.heads + h, g0 = (h - hk * group) * p.q_len;
-      float* pk = partial_of(h, bp.drel_k_partial, split.drel_k_partial);
-      float* pv = partial_of(h, bp.drel_v_partial, split.drel_v_partial);
+      float* pk = partial_of(h, bp.drel_k_partial, split.drel_k_partial, rows_tab * D);
+      float* pv = partial_of(h, bp.drel_v_partial, split.drel_v_partial, rows_tab * D);
       float* dq_h = dq_of(h);
-      if (float* pb = bias_partial_of(h); pb != nullptr) {
+      if (float* pb = partial_of(h, bp.drel_bias_partial, split.drel_bias_partial, rows_tab); pb != nullptr) {
         pb[0] += inv_scale * sum_row(ds_lo_all + g0, p.q_len);
         pb[rows_tab - 1] += inv_scale * sum_row(ds_hi_all + g0, p.q_len);
       }
@@ -1698,17 +1695,14 @@ void rel_attention_backward_reduce(const RelAttentionBwdParams& bp, const Attent
       for (int64_t c = 1; c < split.chunks; ++c) add_row(split.dq_partial + (c * bh_total * p.q_len + r) * D, row, D);
       store_row(p.dtype, row, static_cast<char*>(bp.dq) + r * D * es, D);
     }
-    auto reduce = [&](float* partials, void* out) {
+    auto reduce = [&](float* partials, void* out, int64_t n) {  // n floats per (b, h)
       if (partials == nullptr || out == nullptr) return;
-      float* o = static_cast<float*>(out) + bh * rows_tab * D;
-      for (int64_t c = 0; c < split.chunks; ++c) add_row(partials + (c * bh_total + bh) * rows_tab * D, o, rows_tab * D);
+      float* o = static_cast<float*>(out) + bh * n;
+      for (int64_t c = 0; c < split.chunks; ++c) add_row(partials + (c * bh_total + bh) * n, o, n);
     };
-    reduce(split.drel_k_partial, bp.drel_k_partial);
-    reduce(split.drel_v_partial, bp.drel_v_partial);
-    if (split.drel_bias_partial != nullptr) {
-      float* o = static_cast<float*>(bp.drel_bias_partial) + bh * rows_tab;
-      for (int64_t c = 0; c < split.chunks; ++c) add_row(split.drel_bias_partial + (c * bh_total + bh) * rows_tab, o, rows_tab);
-    }
+    reduce(split.drel_k_partial, bp.drel_k_partial, rows_tab * D);
+    reduce(split.drel_v_partial, bp.drel_v_partial, rows_tab * D);
+    reduce(split.drel_bias_partial, bp.drel_bias_partial, rows_tab);
   }
 }
 
