@@ -65,9 +65,8 @@ def _form(name: str, x: dict, args, length: int):
         return lambda: F.scaled_dot_product_attention(q, k, v), [q, k, v]
     if name == "eager_shaw":
         return lambda: reference.shaw_attention_gather(q, k, v, rk, rv, args.k), [q, k, v, rk, rv]
-    r = torch.arange(length, device="cuda")
     if name == "sdpa_bias":
-        buckets = (r[None, :] - r[:, None]).clamp(-args.bias_k, args.bias_k) + args.bias_k
+        buckets = reference.shaw_buckets(length, length, args.bias_k, device="cuda")
         return (lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, buckets][None]),
                 [q, k, v, bias])
     from torch.nn.attention.flex_attention import flex_attention

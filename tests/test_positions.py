@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import relpos_ext
 from relpos_ext import positions
+from relpos_ext import reference as ref
 
 try:
     import transformers  # noqa: F401
@@ -34,8 +35,7 @@ def _attention_backend(backend):
 
 def _explicit_bias(table: torch.Tensor, k: int, lq: int, lk: int, q_offset: int = 0) -> torch.Tensor:
     """table [H, 2K+1] gathered to the [H, Lq, Lk] bias it stands for."""
-    r = torch.arange(lk)[None, :] - torch.arange(lq)[:, None] - q_offset
-    return table[:, r.clamp(-k, k) + k]
+    return table[:, ref.shaw_buckets(lq, lk, k, q_offset)]
 
 
 def _op_and_sdpa(backend, q, k, v, table, kmax, causal, scale, q_offset=0):
