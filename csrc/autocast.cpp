@@ -49,7 +49,8 @@ using RelAttentionSig = std::tuple<Tensor, Tensor>(
     const std::optional<Tensor>& key_padding_mask, double dropout_p,
     const std::optional<Tensor>& dropout_seed, const std::optional<Tensor>& attn_mask,
     const std::optional<Tensor>& q_segment_ids, const std::optional<Tensor>& k_segment_ids,
-    int64_t window_left, int64_t window_right, const std::optional<Tensor>& rel_bias);
+    int64_t window_left, int64_t window_right, const std::optional<Tensor>& rel_bias,
+    const std::optional<Tensor>& rel_q);
 
 template <c10::DeviceType kDevice>
 void register_autocast(torch::Library& m) {

@@ -27,18 +27,21 @@
      the probabilities from a counter-based hash of dropout_seed (common/dropout.h); segment   \
      ids [B, Lq] / [B, Lk]: query i sees key j only within its segment (packed documents); a  \
      local window: only keys with -window_left <= r <= window_right (-1: no bound); rel_bias   \
-     [2K+1] / [H, 2K+1]: a scalar per bucket added to the scaled logits (T5, ALiBi) */         \
+     [2K+1] / [H, 2K+1]: a scalar per bucket added to the scaled logits (T5, ALiBi); rel_q     \
+     [2K+1, D] / [H, 2K+1, D]: the key-side table, k_j . rel_q[b] joins the logits before the  \
+     scale (DeBERTa's position-to-content term) */                                            \
   X("rel_attention(Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, "              \
     "SymInt max_distance, bool causal=False, float? scale=None, SymInt q_offset=0, "          \
     "SymInt k_offset=0, Tensor? key_padding_mask=None, float dropout_p=0.0, "                 \
     "Tensor? dropout_seed=None, Tensor? attn_mask=None, Tensor? q_segment_ids=None, "         \
     "Tensor? k_segment_ids=None, int window_left=-1, int window_right=-1, "                   \
-    "Tensor? rel_bias=None) -> (Tensor, Tensor)")                                             \
-  /* (dq, dk, dv, drel_k, drel_v, drel_bias); a table gradient is empty when it is None */   \
+    "Tensor? rel_bias=None, Tensor? rel_q=None) -> (Tensor, Tensor)")                         \
+  /* (dq, dk, dv, drel_k, drel_v, drel_bias, drel_q); a table gradient is empty when it is    \
+     None */                                                                                  \
   X("rel_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? rel_k, "   \
     "Tensor? rel_v, Tensor out, Tensor logsumexp, SymInt max_distance, bool causal, "          \
     "float? scale, SymInt q_offset, SymInt k_offset, Tensor? key_padding_mask, "              \
     "float dropout_p=0.0, Tensor? dropout_seed=None, Tensor? attn_mask=None, "                \
     "Tensor? q_segment_ids=None, Tensor? k_segment_ids=None, int window_left=-1, "            \
-    "int window_right=-1, Tensor? rel_bias=None) "                                            \
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+    "int window_right=-1, Tensor? rel_bias=None, Tensor? rel_q=None) "                        \
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")

@@ -131,15 +131,16 @@ def _f64(x):
 
 def _extra_args(backend, kw):
     """The op's trailing (dropout_p, dropout_seed, attn_mask, q_segment_ids, k_segment_ids,
-    window_left, window_right, rel_bias) from kw (the seed a CPU int64 tensor), as far as kw
-    sets them."""
+    window_left, window_right, rel_bias, rel_q) from kw (the seed a CPU int64 tensor), as far
+    as kw sets them."""
     p = kw.get("dropout_p", 0.0)
     seed = torch.tensor([kw["dropout_seed"]], dtype=torch.int64) if p > 0 else None
     args = [p, seed] + [None if kw.get(n) is None else backend.tensor(kw[n])
                         for n in ("attn_mask", "q_segment_ids", "k_segment_ids")]
     args += [kw.get("window_left", -1), kw.get("window_right", -1)]
-    args += [None if kw.get("rel_bias") is None else backend.tensor(kw["rel_bias"].detach())]
-    defaults = [0.0, None, None, None, None, -1, -1, None]
+    args += [None if kw.get(n) is None else backend.tensor(kw[n].detach())
+             for n in ("rel_bias", "rel_q")]
+    defaults = [0.0, None, None, None, None, -1, -1, None, None]
     n = len(args)
     while n > 0 and (args[n - 1] is None if defaults[n - 1] is None else
                      isinstance(args[n - 1], (int, float)) and args[n - 1] == defaults[n - 1]):
@@ -181,8 +182,8 @@ def _check_forward(backend, dtype, case, extra=None):
 
 
 def _kw64(kw):
-    """kw for the float64 reference: a rel_bias becomes a float64 leaf."""
-    return {**kw, "rel_bias": _f64(kw.get("rel_bias"))}
+    """kw for the float64 reference: a rel_bias and a rel_q become float64 leaves."""
+    return {**kw, "rel_bias": _f64(kw.get("rel_bias")), "rel_q": _f64(kw.get("rel_q"))}
 
 
 def _check_backward(backend, dtype, case, extra=None):
@@ -190,14 +191,14 @@ def _check_backward(backend, dtype, case, extra=None):
     kw.update(extra or {})
     t64 = [_f64(x) for x in tensors]
     kw64 = _kw64(kw)
-    t64.append(kw64["rel_bias"])  # the sixth gradient
+    t64 += [kw64["rel_bias"], kw64["rel_q"]]  # the sixth and seventh gradients
     exp_out = ref.shaw_attention(*t64[:5], **kw64)
     grad = torch.randn(exp_out.shape, dtype=torch.float64).to(dtype)
     wrt = [x for x in t64 if x is not None]
     expected = iter(torch.autograd.grad(exp_out, wrt, grad.double()))
     out, lse = _call(backend, tensors, kw)
     grads = _call_backward(backend, grad, tensors, out, lse, kw)
-    assert len(grads) == 6
+    assert len(grads) == 7
     for got, x in zip(grads, t64):
         if x is None:
             assert got.numel() == 0
@@ -783,11 +784,87 @@ def test_rel_attention_nan_propagates(backend, where):
 # (B, H, Hkv, Lq, Lk, D, q_offset): tiles of GQA heads with a query offset; decoding 5 rows
 # against 8200 keys (the AVX2 forward splits them into 8 chunks, the backward into chunks with
 # partials); 70 rows against 1100 keys at D = 64 (the AVX2 backward's key runs)
+# ---------------------------------------------------------------------------------------- rel_q
+# The key-side table (DeBERTa's position-to-content term, k_j . rel_q[b] before the scale):
+# every kernel path as for the bias, alone and with the other tables.
+REL_Q_CASES = BIAS_CASES
+
+
+def _rel_q_backend(backend):
+    _attention_backend(backend)
+    if backend.name in ("cuda-emu", "cuda"):
+        pytest.skip("rel_q: the CUDA kernels do not take the key-side table yet")
+    return backend
+
+
+def random_rel_q(case, per_head: bool, seed: int = 0) -> torch.Tensor:
+    """A float64 key-side table for `case`: [2K+1, D] or [H, 2K+1, D]."""
+    h, d, k = case[1], case[5], case[6]
+    g = torch.Generator().manual_seed(1000 + seed)
+    return torch.randn(((h,) if per_head else ()) + (2 * k + 1, d), generator=g,
+                       dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per_head"])
+@pytest.mark.parametrize("name", REL_Q_CASES)
+def test_rel_attention_rel_q(backend, dtype, per_head, name):
+    """Forward and backward (all seven gradients) with a key-side table against the reference."""
+    _rel_q_backend(backend)
+    kw = dict(rel_q=random_rel_q(CASES[name], per_head).to(dtype))
+    _check_forward(backend, dtype, CASES[name], kw)
+    _check_backward(backend, dtype, CASES[name], kw)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_rel_attention_rel_q_random_cases(backend, seed):
+    """Seeded random configurations (float32, long-key ones among them) with a key-side table
+    and, at random, a bias, dropout, a window and an attention mask."""
+    _rel_q_backend(backend)
+    r = random.Random(5000 + seed)
+    case = random_long_case(500 + seed, max_size=4_000_000) if seed % 3 == 2 else random_case(500 + seed)
+    kw = dict(rel_q=random_rel_q(case, r.random() < 0.5, seed).float())
+    if r.random() < 0.5:
+        kw.update(rel_bias=random_bias(case, r.random() < 0.5, seed).float())
+    if r.random() < 0.4:
+        kw.update(dropout_p=r.choice([0.1, 0.5]), dropout_seed=r.randint(0, 2**62))
+    if r.random() < 0.4:
+        kw.update(window_left=r.choice([-1, 0, 3, 40]), window_right=r.choice([-1, 0, 2, 70]))
+    if r.random() < 0.3:
+        kw.update(attn_mask=torch.rand(case[3], case[4], generator=torch.Generator().manual_seed(seed)) < 0.2)
+    _check_forward(backend, torch.float32, case, kw)
+    _check_backward(backend, torch.float32, case, kw)
+
+
+def test_rel_attention_rel_q_is_the_transposed_key_term():
+    """With q and k swapped and the distances reversed, the key-side term is the query-side one:
+    rel_attention(q, k, ..., rel_q=E) has the logits of rel_attention(k, q, ..., rel_k=E) read
+    transposed. Checked on lse-free quantities: the logits through a one-key-at-a-time probe
+    (Lk = 1 per call) of both forms."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 2, 6, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 2, 6, 8, generator=g, dtype=torch.float64)
+    e = torch.randn(2, 7, 8, generator=g, dtype=torch.float64)
+    kmax = 3
+    # a one-hot value per key turns the output into the probabilities; with one query row at a
+    # time the log-sum-exp gives the logits up to a constant per row
+    v = torch.eye(6, 8, dtype=torch.float64).expand(1, 2, 6, 8)
+    out, lse = relpos_ext.rel_attention(q, k, v, None, None, kmax, rel_q=e, scale=1.0,
+                                        return_lse=True)
+    logits = (out[..., :6].clamp_min(1e-300)).log() + lse[..., None]
+    # the transposed problem: k as queries, q as keys, reversed distances (bucket 2K - b)
+    out_t, lse_t = relpos_ext.rel_attention(k, q, v, e.flip(-2), None, kmax, scale=1.0,
+                                            return_lse=True)
+    logits_t = (out_t[..., :6].clamp_min(1e-300)).log() + lse_t[..., None]
+    qk = q @ k.transpose(-1, -2)
+    torch.testing.assert_close(logits - qk, (logits_t - qk.transpose(-1, -2)).transpose(-1, -2))
+
+
 THREAD_SHAPES = [(2, 4, 2, 300, 260, 32, 40), (1, 8, 2, 5, 8200, 64, 8195),
                  (1, 8, 8, 70, 1100, 64, 1030)]
 
 
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("bias", [False, True, "rel_q"])
 @pytest.mark.parametrize("shape", THREAD_SHAPES, ids=["tiles", "decode_split", "bwd_runs"])
 def test_rel_attention_cpu_results_do_not_depend_on_threads(shape, bias):
     """The CPU kernels hand work chunks to whichever thread is free: the outputs and gradients
@@ -802,6 +879,8 @@ def test_rel_attention_cpu_results_do_not_depend_on_threads(shape, bias):
     args = (q, k, v, rk, rv, 6, True, None, qo, 0, None)
     if bias:
         args += (0.0, None, None, None, None, -1, -1, torch.randn(h, 13, generator=g))
+    if bias == "rel_q":
+        args += (torch.randn(h, 13, d, generator=g),)
     results = []
     before = torch.get_num_threads()
     try:
@@ -842,30 +921,32 @@ def test_rel_attention_backward_under_deterministic_algorithms(backend, tables):
         torch.testing.assert_close(g.cpu(), w.cpu(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("bias", [False, True, "rel_q"])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.4])
 def test_gradcheck_rel_attention(dropout_p, bias):
     """gradcheck through the autograd wrapper; with dropout a fixed seed, so every call of the
-    function draws the same mask."""
+    function draws the same mask. bias="rel_q": a bias and a key-side table."""
     seed = torch.tensor([77], dtype=torch.int64)
     for name in ("basic", "causal", "padding", "gqa", "fully_masked_rows", "only_rel_v"):
         tensors, kw = make_inputs(CASES[name], torch.float64, requires_grad=True)
-        if bias:
-            tensors = (*tensors, random_bias(CASES[name], name == "gqa").requires_grad_())
+        tensors = (*tensors, random_bias(CASES[name], name == "gqa").requires_grad_() if bias else None,
+                   random_rel_q(CASES[name], name != "gqa").requires_grad_() if bias == "rel_q" else None)
         args = [x for x in tensors if x is not None]
         has = [x is not None for x in tensors]
 
         def fn(*a, kw=kw, has=has):
             it = iter(a)
             full = [next(it) if h else None for h in has]
-            rel_bias = full.pop() if len(full) == 6 else None
+            rel_q = full.pop()
+            rel_bias = full.pop()
             return relpos_ext.rel_attention(*full, **kw, dropout_p=dropout_p, dropout_seed=seed,
-                                            rel_bias=rel_bias)
+                                            rel_bias=rel_bias, rel_q=rel_q)
 
         assert torch.autograd.gradcheck(fn, args), name
 
 
-@pytest.mark.parametrize("extra", ["none", "dropout", "attn_mask", "segment_ids", "window", "bias"])
+@pytest.mark.parametrize("extra", ["none", "dropout", "attn_mask", "segment_ids", "window", "bias",
+                                   "rel_q"])
 @pytest.mark.parametrize("requires_grad", [False, True])
 def test_opcheck_rel_attention(requires_grad, extra):
     for name in ("basic", "gqa", "only_rel_k"):
@@ -878,7 +959,10 @@ def test_opcheck_rel_attention(requires_grad, extra):
                 "window": (0.0, None, None, None, None, 1, 2),
                 "bias": (0.0, None, None, None, None, -1, -1,
                          random_bias(CASES[name], name == "gqa").float()
-                         .requires_grad_(requires_grad))}[extra]
+                         .requires_grad_(requires_grad)),
+                "rel_q": (0.0, None, None, None, None, -1, -1, None,
+                          random_rel_q(CASES[name], name == "gqa").float()
+                          .requires_grad_(requires_grad))}[extra]
         args = (*tensors, kw["max_distance"], kw["causal"], None, kw["q_offset"], kw["k_offset"],
                 kw["key_padding_mask"], *trailing)
         torch.library.opcheck(torch.ops.relpos.rel_attention.default, args)
@@ -1531,6 +1615,10 @@ BAD = [
     ("bias heads", _bad(rel_bias=torch.randn(3, 5)), r"a per-head rel_bias \[H, 2K\+1\] must have H equal to q.size\(1\)=2"),
     ("bias dtype", _bad(rel_bias=torch.randn(5, dtype=torch.float64)), r"rel_bias dtype must match q dtype"),
     ("bias zero scale", _bad(rel_bias=torch.randn(5), scale=0.0), r"rel_bias needs a finite nonzero scale; got 0"),
+    ("rel_q rows", _bad(rel_q=torch.randn(4, 16)), r"rel_q must have 2\*max_distance\+1 = 5 rows"),
+    ("rel_q dtype", _bad(rel_q=torch.randn(5, 16, dtype=torch.float64)), r"rel_q dtype must match q dtype"),
+    ("rel_q D", _bad(rel_q=torch.randn(5, 8)), r"rel_q's last dim must equal q's head dim"),
+    ("rel_q heads", _bad(rel_q=torch.randn(3, 5, 16)), r"a per-head rel_q \[H, 2K\+1, D\] must have H equal to q.size\(1\)=2"),
     ("dropout no seed", lambda: torch.ops.relpos.rel_attention.default(
         *make_inputs(CASES["basic"], torch.float32)[0], 2, False, None, 0, 0, None, 0.1, None),
      r"dropout_p > 0 needs dropout_seed"),

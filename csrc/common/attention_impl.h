@@ -20,7 +20,7 @@ namespace relpos {
 template <class Backend>
 struct AttentionImpl {
   struct Checked {
-    at::Tensor q, k, v, rel_k, rel_v, rel_bias, mask;  // contiguous (k, v: see kv_stride); undefined when absent
+    at::Tensor q, k, v, rel_k, rel_v, rel_bias, rel_q, mask;  // contiguous (k, v: see kv_stride); undefined when absent
     at::Tensor attn_mask;  // [1 or B, 1 or H, Lq, Lk], contiguous; undefined when absent
     int64_t attn_mask_b_stride = 0, attn_mask_h_stride = 0;  // 0 where broadcast
     at::Tensor q_seg, k_seg;  // [B, Lq], [B, Lk] int64, contiguous; undefined when absent
@@ -96,7 +96,8 @@ struct AttentionImpl {
                        const std::optional<at::Tensor>& attn_mask,
                        const std::optional<at::Tensor>& q_segment_ids,
                        const std::optional<at::Tensor>& k_segment_ids,
-                       const std::optional<at::Tensor>& rel_bias, bool kv_slabs = false) {
+                       const std::optional<at::Tensor>& rel_bias,
+                       const std::optional<at::Tensor>& rel_q, bool kv_slabs = false) {
     check_device<Backend>(q, "q");
     check_device<Backend>(k, "k");
     check_device<Backend>(v, "v");
@@ -116,6 +117,7 @@ struct AttentionImpl {
     check_max_distance(max_distance);
     check_table(rel_k, q, max_distance, "rel_k");
     check_table(rel_v, q, max_distance, "rel_v");
+    check_table(rel_q, q, max_distance, "rel_q");
     if (key_padding_mask.has_value()) {
       const at::Tensor& m = *key_padding_mask;
       check_device<Backend>(m, "key_padding_mask");
@@ -163,6 +165,7 @@ struct AttentionImpl {
     }
     if (rel_k.has_value()) c.rel_k = rel_k->contiguous();
     if (rel_v.has_value()) c.rel_v = rel_v->contiguous();
+    if (rel_q.has_value()) c.rel_q = rel_q->contiguous();
     if (key_padding_mask.has_value()) c.mask = key_padding_mask->contiguous();
     c.batch = q.size(0);
     c.heads = q.size(1);
@@ -186,6 +189,7 @@ struct AttentionImpl {
     p.rel_k = c.rel_k.defined() ? c.rel_k.data_ptr() : nullptr;
     p.rel_v = c.rel_v.defined() ? c.rel_v.data_ptr() : nullptr;
     p.rel_bias = c.rel_bias.defined() ? c.rel_bias.data_ptr() : nullptr;
+    p.rel_q = c.rel_q.defined() ? c.rel_q.data_ptr() : nullptr;
     p.key_padding_mask = c.mask.defined() ? static_cast<const bool*>(c.mask.data_ptr()) : nullptr;
     p.attn_mask = c.attn_mask.defined() ? static_cast<const bool*>(c.attn_mask.data_ptr()) : nullptr;
     p.attn_mask_b_stride = c.attn_mask_b_stride;
@@ -207,6 +211,7 @@ struct AttentionImpl {
     p.rel_k_per_head = c.rel_k.defined() && c.rel_k.dim() == 3;
     p.rel_v_per_head = c.rel_v.defined() && c.rel_v.dim() == 3;
     p.rel_bias_per_head = c.rel_bias.defined() && c.rel_bias.dim() == 2;
+    p.rel_q_per_head = c.rel_q.defined() && c.rel_q.dim() == 3;
     p.causal = causal;
     p.scale = c.scale;
     p.dtype = dtype_of(c.q);
@@ -245,9 +250,10 @@ struct AttentionImpl {
       const std::optional<at::Tensor>& dropout_seed, const std::optional<at::Tensor>& attn_mask,
       const std::optional<at::Tensor>& q_segment_ids,
       const std::optional<at::Tensor>& k_segment_ids, int64_t window_left, int64_t window_right,
-      const std::optional<at::Tensor>& rel_bias) {
+      const std::optional<at::Tensor>& rel_bias, const std::optional<at::Tensor>& rel_q) {
     const Checked c = check(q, k, v, rel_k, rel_v, max_distance, scale, key_padding_mask,
-                            attn_mask, q_segment_ids, k_segment_ids, rel_bias, /*kv_slabs=*/true);
+                            attn_mask, q_segment_ids, k_segment_ids, rel_bias, rel_q,
+                            /*kv_slabs=*/true);
     const DropoutParams drop = dropout(dropout_p, dropout_seed);
     at::Tensor out = at::empty({c.batch, c.heads, c.q_len, c.dim}, c.q.options());
     at::Tensor lse = at::empty({c.batch, c.heads, c.q_len}, c.q.options().dtype(acc_type(c.q)));
@@ -261,7 +267,8 @@ struct AttentionImpl {
     return {out, lse};
   }
 
-  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                    at::Tensor>
   rel_attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                          const at::Tensor& v, const std::optional<at::Tensor>& rel_k,
                          const std::optional<at::Tensor>& rel_v, const at::Tensor& out,
@@ -272,9 +279,10 @@ struct AttentionImpl {
                          const std::optional<at::Tensor>& attn_mask,
                          const std::optional<at::Tensor>& q_segment_ids,
                          const std::optional<at::Tensor>& k_segment_ids, int64_t window_left,
-                         int64_t window_right, const std::optional<at::Tensor>& rel_bias) {
+                         int64_t window_right, const std::optional<at::Tensor>& rel_bias,
+                         const std::optional<at::Tensor>& rel_q) {
     const Checked c = check(q, k, v, rel_k, rel_v, max_distance, scale, key_padding_mask,
-                            attn_mask, q_segment_ids, k_segment_ids, rel_bias);
+                            attn_mask, q_segment_ids, k_segment_ids, rel_bias, rel_q);
     const DropoutParams drop = dropout(dropout_p, dropout_seed);
     TORCH_CHECK(grad_out.sizes() == c.q.sizes() && out.sizes() == c.q.sizes(),
                 "grad_out and out must have the shape of q ", c.q.sizes(), "; got ",
@@ -305,11 +313,13 @@ struct AttentionImpl {
     cu.rel_k = slice(c.rel_k, -2);
     cu.rel_v = slice(c.rel_v, -2);
     cu.rel_bias = slice(c.rel_bias, -1);
+    cu.rel_q = slice(c.rel_q, -2);
     const int64_t rows = num_buckets(used);
     const auto acc_opts = c.q.options().dtype(acc_type(c.q));
     at::Tensor pk = c.rel_k.defined() ? at::zeros({c.batch, c.heads, rows, c.dim}, acc_opts) : at::Tensor();
     at::Tensor pv = c.rel_v.defined() ? at::zeros({c.batch, c.heads, rows, c.dim}, acc_opts) : at::Tensor();
     at::Tensor pb = c.rel_bias.defined() ? at::zeros({c.batch, c.heads, rows}, acc_opts) : at::Tensor();
+    at::Tensor pq = c.rel_q.defined() ? at::zeros({c.batch, c.heads, rows, c.dim}, acc_opts) : at::Tensor();
     if (c.batch * c.heads * c.q_len * c.k_len * c.dim > 0) {
       RelAttentionBwdParams p{};
       p.fwd = params(cu, used, causal, q_offset, k_offset, window_left, window_right);
@@ -323,6 +333,7 @@ struct AttentionImpl {
       p.drel_k_partial = pk.defined() ? pk.data_ptr() : nullptr;
       p.drel_v_partial = pv.defined() ? pv.data_ptr() : nullptr;
       p.drel_bias_partial = pb.defined() ? pb.data_ptr() : nullptr;
+      p.drel_q_partial = pq.defined() ? pq.data_ptr() : nullptr;
       Backend::rel_attention_backward(p);
     }
     auto finish = [&](const at::Tensor& partial, const at::Tensor& table) {
@@ -338,7 +349,13 @@ struct AttentionImpl {
       }
       return g.to(table.scalar_type());
     };
-    return {dq, dk, dv, finish(pk, c.rel_k), finish(pv, c.rel_v), finish(pb, c.rel_bias)};
+    return {dq,
+            dk,
+            dv,
+            finish(pk, c.rel_k),
+            finish(pv, c.rel_v),
+            finish(pb, c.rel_bias),
+            finish(pq, c.rel_q)};
   }
 };
 

@@ -68,8 +68,8 @@ struct BucketSumParams {
 namespace relpos {
 
 // rel_attention (Shaw et al. 2018 with relative keys and values), per (b, h, i):
-//   s_ij = (q_i . k_j + q_i . rel_k[b(i, j)]) * scale,  masked where causal / key padding /
-//   attention mask
+//   s_ij = (q_i . k_j + q_i . rel_k[b(i, j)] + k_j . rel_q[b(i, j)]) * scale,  masked where
+//   causal / key padding / attention mask
 //   (+ rel_bias[b(i, j)] after the scale when given)
 //   p_ij = softmax_j(s_ij),  out_i = sum_j p_ij (v_j + rel_v[b(i, j)]),  lse_i = log sum_j e^s_ij
 // k and v may have fewer heads (grouped-query attention): query head h reads kv head
@@ -93,6 +93,9 @@ struct RelAttentionParams {
   // null: none. The glue requires scale != 0 with it: the AVX2 backward sums the scaled dS per
   // bucket and divides by the scale.
   const void* rel_bias;
+  // [2K+1, dim] or [heads, 2K+1, dim]: the key-side table, k_j . rel_q[b] (DeBERTa's
+  // position-to-content term; query head h reads rel_q[h]); null: none
+  const void* rel_q;
   const bool* key_padding_mask;   // [batch, k_len], true = ignore that key; null: none
   // [batch or 1, heads or 1, q_len, k_len], true = query i of head h ignores key j; null: none.
   // A broadcast dimension has stride 0: attn_mask_hides below is the one place that reads it.
@@ -114,7 +117,7 @@ struct RelAttentionParams {
   // a slab are dim apart. The forward reads any kv_stride >= k_len * dim; the backward is
   // always given packed k and v.
   int64_t kv_stride;
-  bool rel_k_per_head, rel_v_per_head, rel_bias_per_head, causal;
+  bool rel_k_per_head, rel_v_per_head, rel_bias_per_head, rel_q_per_head, causal;
   double scale;
   DType dtype;
   // Attention dropout (common/dropout.h): out_i = sum_j p_ij keep_ij / (1 - p) (v_j + rel_v[b]),
@@ -125,9 +128,10 @@ struct RelAttentionParams {
 
 // rel_attention_backward: gradients of all five inputs, recomputing p from lse.
 //   dp_ij = dout_i . (v_j + rel_v[b]),  ds_ij = p_ij (dp_ij - dout_i . out_i)
-//   dq_i = scale sum_j ds_ij (k_j + rel_k[b]),  dk_j = scale sum_i ds_ij q_i,  dv_j = sum_i p_ij dout_i
+//   dq_i = scale sum_j ds_ij (k_j + rel_k[b]),  dk_j = scale sum_i ds_ij (q_i + rel_q[b]),
+//   dv_j = sum_i p_ij dout_i
 //   drel_k[b] = scale sum_{b(i,j)=b} ds_ij q_i,  drel_v[b] = sum_{b(i,j)=b} p_ij dout_i
-//   drel_bias[b] = sum_{b(i,j)=b} ds_ij
+//   drel_bias[b] = sum_{b(i,j)=b} ds_ij,  drel_q[b] = scale sum_{b(i,j)=b} ds_ij k_j
 // Work items are (b, kv head) so that dk/dv of a kv head have one writer. The table gradients
 // are written per (b, h) into drel_*_partial (acc type) and summed by the glue in a fixed order.
 RELPOS_HD bool attn_mask_hides(const RelAttentionParams& p, int64_t b, int64_t h, int64_t i,
@@ -161,6 +165,7 @@ struct RelAttentionBwdParams {
   void* drel_k_partial;           // [batch, heads, 2K+1, dim] acc type, or null
   void* drel_v_partial;           // [batch, heads, 2K+1, dim] acc type, or null
   void* drel_bias_partial;        // [batch, heads, 2K+1] acc type, or null
+  void* drel_q_partial;           // [batch, heads, 2K+1, dim] acc type, or null
   // CUDA only: one dq block per (b, h) over its query tiles in order, so that the table-gradient
   // atomics add in a fixed order (set under torch.use_deterministic_algorithms; CPU ignores it)
   bool serial_q_tiles = false;

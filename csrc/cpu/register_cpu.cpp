@@ -118,7 +118,8 @@ struct CpuBackend {
   // The AVX2 attention kernels tile the work differently from the scalar ones (kernels.h).
   static void rel_attention(const RelAttentionParams& p) {
 #if defined(RELPOS_HAVE_AVX2)
-    if (p.dtype != DType::Float64 && selected_isa() == Isa::Avx2) {
+    // the key-side table (rel_q) has no AVX2 kernel yet: the scalar one computes it
+    if (p.dtype != DType::Float64 && selected_isa() == Isa::Avx2 && p.rel_q == nullptr) {
       rel_attention_avx2(p);
       return;
     }
@@ -130,7 +131,7 @@ struct CpuBackend {
   }
   static void rel_attention_backward(const RelAttentionBwdParams& p) {
 #if defined(RELPOS_HAVE_AVX2)
-    if (p.fwd.dtype != DType::Float64 && selected_isa() == Isa::Avx2) {
+    if (p.fwd.dtype != DType::Float64 && selected_isa() == Isa::Avx2 && p.fwd.rel_q == nullptr) {
       rel_attention_backward_avx2(p);
       return;
     }

@@ -4,6 +4,8 @@
 // thread, plus the keys (and in the backward the values) of the current kv head transposed,
 // O(Lk D); nothing of size [Lq, Lk] exists. Per row, q . rel_k[b] is computed once per reachable
 // bucket (the skewed matmul), and the probability mass per bucket W[b] feeds the value term.
+// The key-side table (rel_q) is the transpose: k_j . rel_q[b] is computed once per key for the
+// two clamped buckets (per head, key_side_ends) and directly for the pairs inside the band.
 // The scores of a row are accumulated over d with the keys contiguous (scores_row): the same
 // sums, in the same order, as a dot product per key, but a loop the compiler vectorises (SSE2,
 // NEON) without reassociating anything, so this path stays exact for float64 gradcheck.
@@ -109,6 +111,34 @@ void accumulate_rows(const acc_t* w, const T* x, int64_t n, int64_t dim, acc_t* 
   }
 }
 
+// The key-side table of query head h, or null.
+template <typename T>
+const T* key_side_table(const RelAttentionParams& p, int64_t h) {
+  const T* rel_q = static_cast<const T*>(p.rel_q);
+  if (rel_q == nullptr) return nullptr;
+  return rel_q + (p.rel_q_per_head ? h * num_buckets(p.max_distance) * p.dim : 0);
+}
+
+// k_j . eq[0] and k_j . eq[2K] for every key (the clamped buckets, which most pairs fall in when
+// K is small), from the keys held transposed (kt).
+template <typename T, typename acc_t>
+void key_side_ends(const T* eq, const std::vector<acc_t>& kt, int64_t k_len, int64_t rows,
+                   int64_t dim, std::vector<acc_t>& lo, std::vector<acc_t>& hi) {
+  lo.resize(k_len);
+  hi.resize(k_len);
+  scores_row<T, acc_t>(eq, kt.data(), k_len, k_len, dim, lo.data());
+  scores_row<T, acc_t>(eq + (rows - 1) * dim, kt.data(), k_len, k_len, dim, hi.data());
+}
+
+// k_j . eq[bucket]: from the per-key ends for a clamped bucket, a dot product inside the band.
+template <typename T, typename acc_t>
+acc_t key_side_term(const T* eq, const T* kj, int64_t bucket, int64_t rows, int64_t dim,
+                    const std::vector<acc_t>& lo, const std::vector<acc_t>& hi, int64_t j) {
+  if (bucket == 0) return lo[j];
+  if (bucket == rows - 1) return hi[j];
+  return dot<T, acc_t>(kj, eq + bucket * dim, dim);
+}
+
 // Work items: rows (b, h, i) of batch * heads * q_len.
 template <typename T>
 void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
@@ -123,9 +153,11 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
   const int64_t rows = num_buckets(p.max_distance), group = p.heads / p.kv_heads;
   const T* rel_bias = static_cast<const T*>(p.rel_bias);
   // a row reaches at most k_len buckets (max_distance may be huge when there are no tables)
-  std::vector<acc_t> s(p.k_len), qe(std::min(rows, p.k_len)), w, acc(p.dim), kt, ekt;
+  std::vector<acc_t> s(p.k_len), qe(std::min(rows, p.k_len)), w, acc(p.dim), kt, ekt, ke_lo, ke_hi;
   int64_t kt_of = -1;          // offset of the kv head whose keys are in kt
   const T* ekt_of = nullptr;   // table whose rows are in ekt
+  int64_t ke_of = -1;          // kv head offset whose key-side ends are in ke_lo / ke_hi ...
+  const T* ke_table = nullptr;  // ... for this rel_q
   for (int64_t item = begin; item < end; ++item) {
     const int64_t i = item % p.q_len, h = (item / p.q_len) % p.heads, b = item / (p.q_len * p.heads);
     const T* qi = q + item * p.dim;
@@ -135,6 +167,12 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
       kt_of = kv;
     }
     scores_row<T, acc_t>(qi, kt.data(), p.k_len, p.k_len, p.dim, s.data());  // q_i . k_j
+    const T* eq = key_side_table<T>(p, h);
+    if (eq != nullptr && (kv != ke_of || eq != ke_table)) {
+      key_side_ends<T, acc_t>(eq, kt, p.k_len, rows, p.dim, ke_lo, ke_hi);
+      ke_of = kv;
+      ke_table = eq;
+    }
     // Buckets reachable from row i: [b_lo, b_lo + nb).
     const int64_t b_lo = shaw_bucket(i, 0, p.max_distance, p.q_offset, p.k_offset);
     const int64_t nb = p.k_len == 0 ? 0 : shaw_bucket(i, p.k_len - 1, p.max_distance, p.q_offset, p.k_offset) - b_lo + 1;
@@ -156,6 +194,9 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
       acc_t e = s[j];
       const int64_t bucket = shaw_bucket(i, j, p.max_distance, p.q_offset, p.k_offset);
       if (rel_k != nullptr) e += qe[bucket - b_lo];
+      if (eq != nullptr) {
+        e += key_side_term<T, acc_t>(eq, k + kv + j * p.dim, bucket, rows, p.dim, ke_lo, ke_hi, j);
+      }
       s[j] = e * static_cast<acc_t>(p.scale);
       if (bias != nullptr) s[j] += static_cast<acc_t>(bias[bucket]);
       if (s[j] > m || s[j] != s[j]) m = s[j];  // a NaN logit makes the row NaN, as in torch
@@ -220,12 +261,15 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
   acc_t* pk = static_cast<acc_t*>(bp.drel_k_partial);
   acc_t* pv = static_cast<acc_t*>(bp.drel_v_partial);
   acc_t* pbias = static_cast<acc_t*>(bp.drel_bias_partial);
+  acc_t* pq = static_cast<acc_t*>(bp.drel_q_partial);
   const T* rel_bias = static_cast<const T*>(p.rel_bias);
   const int64_t rows = num_buckets(p.max_distance), group = p.heads / p.kv_heads, D = p.dim;
   const acc_t scale = static_cast<acc_t>(p.scale);
   const int64_t reach = std::min(rows, p.k_len);  // buckets one row reaches, at most
   std::vector<acc_t> dk_acc(p.k_len * D), dv_acc(p.k_len * D), qe(reach), de(reach), kt, vt, ekt, evt;
   std::vector<acc_t> dprow(p.k_len);
+  // the key-side table: k_j . rel_q at the clamped buckets, and the dS mass each key sends there
+  std::vector<acc_t> ke_lo, ke_hi, ds_lo, ds_hi;
   // per row of a block: P and scale * dS over the keys, the per-bucket sums of both, and dq
   std::vector<acc_t> pblk(kBwdRows * p.k_len), dsblk(kBwdRows * p.k_len), dqblk(kBwdRows * D);
   std::vector<acc_t> pcol(kBwdRows * p.k_len), dscol(kBwdRows * p.k_len);  // the same, key-major
@@ -247,6 +291,13 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
       acc_t* pbh = pbias ? pbias + (b * p.heads + h) * rows : nullptr;
       if (ek) transpose_rows<T, acc_t>(ek, rows, D, ekt);
       if (ev) transpose_rows<T, acc_t>(ev, rows, D, evt);
+      const T* eq = key_side_table<T>(p, h);
+      acc_t* pqh = pq ? pq + (b * p.heads + h) * rows * D : nullptr;
+      if (eq) {
+        key_side_ends<T, acc_t>(eq, kt, p.k_len, rows, D, ke_lo, ke_hi);
+        ds_lo.assign(p.k_len, acc_t(0));
+        ds_hi.assign(p.k_len, acc_t(0));
+      }
       const int64_t row0 = (b * p.heads + h) * p.q_len;
       for (int64_t i0 = 0; i0 < p.q_len; i0 += kBwdRows) {
         const int64_t nr = std::min(kBwdRows, p.q_len - i0);
@@ -283,7 +334,11 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
               continue;
             }
             const int64_t c = shaw_bucket(i, j, p.max_distance, p.q_offset, p.k_offset) - b_lo;
-            const acc_t sij = pr[j] + (ek ? qe[c] : acc_t(0));
+            const int64_t bucket = b_lo + c;
+            acc_t sij = pr[j] + (ek ? qe[c] : acc_t(0));
+            if (eq) {
+              sij += key_side_term<T, acc_t>(eq, k_item + j * D, bucket, rows, D, ke_lo, ke_hi, j);
+            }
             const acc_t e = bias ? std::exp(sij * scale + static_cast<acc_t>(bias[b_lo + c]) - li)
                                  : std::exp(sij * scale - li);
             // with dropout: dv and drel_v take the dropped p, ds = p (keep / (1 - p) dp - d_i)
@@ -293,6 +348,21 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
             const acc_t dsij = e * (drop.d.on ? f * dpij - di : dpij - di);
             wds[r][c] += dsij;
             wp[r][c] += pij;
+            if (eq) {  // dk_j += scale ds_ij rel_q[b], drel_q[b] += scale ds_ij k_j
+              if (bucket == 0) {
+                ds_lo[j] += dsij;
+              } else if (bucket == rows - 1) {
+                ds_hi[j] += dsij;
+              } else {
+                const acc_t g = scale * dsij;
+                const T* e = eq + bucket * D;
+                const T* kj = k_item + j * D;
+                acc_t* dkj = dk_acc.data() + j * D;
+                acc_t* tq = pqh + bucket * D;
+                for (int64_t d = 0; d < D; ++d) dkj[d] += g * static_cast<acc_t>(e[d]);
+                for (int64_t d = 0; d < D; ++d) tq[d] += g * static_cast<acc_t>(kj[d]);
+              }
+            }
             pr[j] = pij;
             dsr[j] = scale * dsij;
           }
@@ -339,6 +409,20 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
             }
           }
           for (int64_t d = 0; d < D; ++d) dq[row * D + d] = static_cast<T>(dqr[d]);
+        }
+      }
+      if (eq) {  // the clamped buckets of the key-side table, once per key
+        const T* e_lo = eq;
+        const T* e_hi = eq + (rows - 1) * D;
+        for (int64_t j = 0; j < p.k_len; ++j) {
+          const acc_t g_lo = scale * ds_lo[j], g_hi = scale * ds_hi[j];
+          const T* kj = k_item + j * D;
+          acc_t* dkj = dk_acc.data() + j * D;
+          for (int64_t d = 0; d < D; ++d) {
+            dkj[d] += g_lo * static_cast<acc_t>(e_lo[d]) + g_hi * static_cast<acc_t>(e_hi[d]);
+          }
+          for (int64_t d = 0; d < D; ++d) pqh[d] += g_lo * static_cast<acc_t>(kj[d]);
+          for (int64_t d = 0; d < D; ++d) pqh[(rows - 1) * D + d] += g_hi * static_cast<acc_t>(kj[d]);
         }
       }
     }

@@ -54,6 +54,8 @@ struct CudaBackend {
   static void rel_logits(const RelLogitsParams& p) { run(launch_rel_logits, p); }
   static void bucket_sum(const BucketSumParams& p) { run(launch_bucket_sum, p); }
   static void rel_attention(const RelAttentionParams& p) {
+    TORCH_CHECK(p.rel_q == nullptr, "rel_q (the key-side table) is not implemented in the CUDA "
+                "kernels yet");
     run(launch_rel_attention, p);
   }
   static void rel_attention_backward(const RelAttentionBwdParams& params) {
@@ -61,9 +63,11 @@ struct CudaBackend {
     // float atomics, in whatever order the tiles run: not bitwise reproducible. Under
     // torch.use_deterministic_algorithms it runs one block per (b, h) over its query tiles in
     // order instead (serial_q_tiles): the same sums in a fixed order, with far fewer blocks.
+    TORCH_CHECK(params.fwd.rel_q == nullptr, "rel_q (the key-side table) is not implemented in "
+                "the CUDA kernels yet");
     RelAttentionBwdParams p = params;
     p.serial_q_tiles = (p.drel_k_partial != nullptr || p.drel_v_partial != nullptr ||
-                        p.drel_bias_partial != nullptr) &&
+                        p.drel_bias_partial != nullptr || p.drel_q_partial != nullptr) &&
                        at::globalContext().deterministicAlgorithms();
     // Scratch of the backward (per-row terms), on the op's device; the caching allocator makes
     // this cheap and keeps it ordered on the current stream.

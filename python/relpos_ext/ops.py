@@ -291,10 +291,12 @@ def rel_attention(
     window_left: int = -1,
     window_right: int = -1,
     rel_bias: Tensor | None = None,
+    rel_q: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Fused Shaw et al. (2018) attention with relative key and value embeddings, O(L) memory.
 
-    ``s_ij = (q_i . k_j + q_i . rel_k[b(i, j)]) * scale + rel_bias[b(i, j)]``, ``p = softmax_j(s)``,
+    ``s_ij = (q_i . k_j + q_i . rel_k[b] + k_j . rel_q[b]) * scale + rel_bias[b]`` with
+    ``b = b(i, j)``, ``p = softmax_j(s)``,
     ``out_i = sum_j p_ij (v_j + rel_v[b(i, j)])`` with ``b(i, j) = clamp(r, -K, K) + K``.
     Never holds an ``[Lq, Lk]`` or ``[Lq, Lk, D]`` tensor; the backward recomputes the
     probabilities from the saved log-sum-exp. The CPU kernels are deterministic (bitwise, for any
@@ -344,6 +346,11 @@ def rel_attention(
             one entry per clipped distance: :func:`relpos_ext.t5_bias_table`,
             :func:`relpos_ext.alibi_bias_table`). It costs next to nothing: the kernels add it to
             the ``q . rel_k`` band they compute per query tile anyway. Needs a nonzero ``scale``.
+        rel_q: ``[2K+1, D]`` or ``[H, 2K+1, D]``, or None: the key-side table, whose term
+            ``k_j . rel_q[b(i, j)]`` joins the logits before the scale: DeBERTa's
+            position-to-content term (``rel_k`` is its content-to-position term). Its gradient
+            flows to ``k`` and to the table. So far only the scalar CPU kernel computes it (the
+            AVX2 path falls back to it; CUDA raises).
 
     Returns:
         ``out [B, H, Lq, D]`` (rows with no visible key are 0), or ``(out, lse)``.
@@ -353,7 +360,7 @@ def rel_attention(
     out, lse = torch.ops.relpos.rel_attention.default(
         q, k, v, rel_k, rel_v, max_distance, causal, scale, q_offset, k_offset, key_padding_mask,
         dropout_p, dropout_seed, attn_mask, q_segment_ids, k_segment_ids, window_left,
-        window_right, rel_bias,
+        window_right, rel_bias, rel_q,
     )
     return (out, lse) if return_lse else out
 
@@ -387,17 +394,19 @@ def rel_attention_backward(
     window_left: int = -1,
     window_right: int = -1,
     rel_bias: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
-    """Gradients ``(dq, dk, dv, drel_k, drel_v, drel_bias)`` of :func:`rel_attention` (None for
-    absent tables); the masks, segment ids, window, bias and ``dropout_p`` / ``dropout_seed`` must
-    be those of the forward."""
-    dq, dk, dv, drk, drv, drb = torch.ops.relpos.rel_attention_backward.default(
+    rel_q: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+    """Gradients ``(dq, dk, dv, drel_k, drel_v, drel_bias, drel_q)`` of :func:`rel_attention`
+    (None for absent tables); the masks, segment ids, window, bias and ``dropout_p`` /
+    ``dropout_seed`` must be those of the forward."""
+    dq, dk, dv, drk, drv, drb, drq = torch.ops.relpos.rel_attention_backward.default(
         grad_out, q, k, v, rel_k, rel_v, out, lse, max_distance, causal, scale, q_offset,
         k_offset, key_padding_mask, dropout_p, dropout_seed, attn_mask, q_segment_ids,
-        k_segment_ids, window_left, window_right, rel_bias,
+        k_segment_ids, window_left, window_right, rel_bias, rel_q,
     )
     return (dq, dk, dv, (drk if rel_k is not None else None),
-            (drv if rel_v is not None else None), (drb if rel_bias is not None else None))
+            (drv if rel_v is not None else None), (drb if rel_bias is not None else None),
+            (drq if rel_q is not None else None))
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -408,12 +417,13 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 def _rel_attention_fake(q, k, v, rel_k, rel_v, max_distance, causal=False, scale=None,
                         q_offset=0, k_offset=0, key_padding_mask=None, dropout_p=0.0,
                         dropout_seed=None, attn_mask=None, q_segment_ids=None,
-                        k_segment_ids=None, window_left=-1, window_right=-1, rel_bias=None):
+                        k_segment_ids=None, window_left=-1, window_right=-1, rel_bias=None,
+                        rel_q=None):
     torch._check(q.dim() == 4 and k.dim() == 4, lambda: "q and k must be 4-D")
     torch._check(v.shape == k.shape, lambda: "v must have the shape of k")
     torch._check(k.dtype == q.dtype and v.dtype == q.dtype, lambda: "k/v dtype must match q")
     torch._check(q.shape[1] % k.shape[1] == 0, lambda: "k heads must divide q heads")
-    for t in (rel_k, rel_v):
+    for t in (rel_k, rel_v, rel_q):
         if t is not None:
             torch._check(t.shape[-2] == 2 * max_distance + 1, lambda: "tables need 2K+1 rows")
     if rel_bias is not None:
@@ -428,7 +438,7 @@ def _rel_attention_backward_fake(grad_out, q, k, v, rel_k, rel_v, out, lse, max_
                                  causal, scale, q_offset, k_offset, key_padding_mask,
                                  dropout_p=0.0, dropout_seed=None, attn_mask=None,
                                  q_segment_ids=None, k_segment_ids=None, window_left=-1,
-                                 window_right=-1, rel_bias=None):
+                                 window_right=-1, rel_bias=None, rel_q=None):
     def like(t):
         return torch.empty_like(t, memory_format=torch.contiguous_format)
 
@@ -436,29 +446,31 @@ def _rel_attention_backward_fake(grad_out, q, k, v, rel_k, rel_v, out, lse, max_
         return q.new_empty((0,)) if t is None else like(t)
 
     return (like(q), like(k), like(v), table_grad(rel_k), table_grad(rel_v),
-            table_grad(rel_bias))
+            table_grad(rel_bias), table_grad(rel_q))
 
 
 def _rel_attention_setup(ctx, inputs, output) -> None:
     (q, k, v, rel_k, rel_v, ctx.max_distance, ctx.causal, ctx.scale, ctx.q_offset, ctx.k_offset,
      mask, ctx.dropout_p, seed, attn_mask, q_seg, k_seg, ctx.window_left, ctx.window_right,
-     rel_bias) = inputs
+     rel_bias, rel_q) = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, rel_k, rel_v, out, lse, mask, seed, attn_mask, q_seg, k_seg,
-                          rel_bias)
+                          rel_bias, rel_q)
 
 
 def _rel_attention_bwd(ctx, grad_out: Tensor, _grad_lse: Tensor | None):
     # saved_tensors gives back None for the absent tables / masks / seed
-    q, k, v, rel_k, rel_v, out, lse, mask, seed, attn_mask, q_seg, k_seg, rel_bias = ctx.saved_tensors
-    dq, dk, dv, drk, drv, drb = torch.ops.relpos.rel_attention_backward.default(
+    (q, k, v, rel_k, rel_v, out, lse, mask, seed, attn_mask, q_seg, k_seg, rel_bias,
+     rel_q) = ctx.saved_tensors
+    dq, dk, dv, drk, drv, drb, drq = torch.ops.relpos.rel_attention_backward.default(
         grad_out.contiguous(), q, k, v, rel_k, rel_v, out, lse, ctx.max_distance, ctx.causal,
         ctx.scale, ctx.q_offset, ctx.k_offset, mask, ctx.dropout_p, seed, attn_mask, q_seg, k_seg,
-        ctx.window_left, ctx.window_right, rel_bias,
+        ctx.window_left, ctx.window_right, rel_bias, rel_q,
     )
     return (dq, dk, dv, drk if rel_k is not None else None, drv if rel_v is not None else None,
-            *([None] * 13), drb if rel_bias is not None else None)
+            *([None] * 13), drb if rel_bias is not None else None,
+            drq if rel_q is not None else None)
 
 
 torch.library.register_autograd(

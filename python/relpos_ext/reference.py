@@ -259,10 +259,12 @@ def shaw_attention(
     window_left: int = -1,
     window_right: int = -1,
     rel_bias: Tensor | None = None,
+    rel_q: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Shaw et al. 2018 attention with relative keys and values, fully materialised.
 
-    ``e = (q k^T + q . EK[b]) * scale + bias[b]``, ``p = softmax(e)``, ``z = p v + sum_j p_ij EV[b(i, j)]``.
+    ``e = (q k^T + q . EK[b] + k . EQ[b]) * scale + bias[b]``, ``p = softmax(e)``,
+    ``z = p v + sum_j p_ij EV[b(i, j)]``.
     q: ``[B, H, Lq, D]``; k, v: ``[B, Hkv, Lk, D]`` (Hkv divides H: grouped-query attention);
     tables ``[2K+1, D]`` or ``[H, 2K+1, D]``; key_padding_mask ``[B, Lk]`` and attn_mask
     ``[Lq, Lk]`` or ``[B or 1, H or 1, Lq, Lk]``, bool, True = ignore; segment ids ``[B, Lq]``
@@ -273,6 +275,8 @@ def shaw_attention(
     ``p`` of both terms are multiplied by ``dropout_keep(dropout_seed, ...) / (1 - p)`` (0 for
     ``p = 1``); the log-sum-exp is the one without dropout. ``rel_bias`` ``[2K+1]`` or
     ``[H, 2K+1]`` (or None) is a scalar per bucket added after the scale (T5, ALiBi).
+    ``rel_q`` (``EQ``, shaped like the tables, or None) is the key-side table: ``k_j . EQ[b(i, j)]``
+    is DeBERTa's position-to-content term.
     """
     q_len, k_len, dim = q.shape[2], k.shape[2], q.shape[3]
     group = q.shape[1] // k.shape[1] if k.shape[1] else 1  # no heads at all: nothing to repeat
@@ -282,6 +286,10 @@ def shaw_attention(
     logits = torch.matmul(q, k.transpose(-1, -2))
     if rel_k is not None:
         logits = logits + rel_logits(q, rel_k, max_distance, k_len, q_offset, k_offset)
+    if rel_q is not None:  # S[b, h, i, j] = k[b, h, j, :] . EQ[(h,) bucket(i, j), :]
+        a = rel_gather(rel_q, q_len, k_len, max_distance, q_offset, k_offset)
+        eq = "bhjd,ijd->bhij" if rel_q.dim() == 2 else "bhjd,hijd->bhij"
+        logits = logits + torch.einsum(eq, k, a)
     logits = logits * scale
     if rel_bias is not None:
         logits = logits + rel_bias[..., shaw_buckets(q_len, k_len, max_distance, q_offset,
