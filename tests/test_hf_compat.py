@@ -461,3 +461,103 @@ def test_t5_encoder_training_compiles():
     step(ids).backward()
     grad = encoder.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.grad
     assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+# ------------------------------------------------------------------------------------ DeBERTa
+def _deberta_config(**kw):
+    base = dict(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+                intermediate_size=64, max_position_embeddings=512, relative_attention=True,
+                position_buckets=16, max_relative_positions=40, pos_att_type=["p2c", "c2p"],
+                share_att_key=True, norm_rel_ebd="layer_norm", hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0, type_vocab_size=0)
+    base.update(kw)
+    return transformers.DebertaV2Config(**base)
+
+
+def _deberta_pair(config):
+    torch.manual_seed(0)
+    model = transformers.DebertaV2Model(config).eval().double()
+    fused = transformers.DebertaV2Model(config).eval().double()
+    fused.load_state_dict(model.state_dict())
+    return model, fused
+
+
+@pytest.mark.parametrize("variant", ["v3", "separate_proj_c2p", "separate_proj_p2c", "exact_buckets",
+                                     "no_relative"])
+def test_deberta_v2_model_matches_transformers(variant):
+    """A two-layer DeBERTa-v2 in float64, 90 positions with padding: past the log buckets'
+    saturation (position_buckets 16, max_relative_positions 40: rows constant from distance 40
+    on), so every clamped row is read. The fused model's hidden states equal transformers' on
+    the kept positions, and so do every parameter's gradients (the relative embeddings' too).
+    Variants: DeBERTa-v3's layout (shared projections, both terms); separate pos_key_proj /
+    pos_query_proj with one term each; exact (unbucketed) distances; no relative attention."""
+    kw = {"v3": {},
+          "separate_proj_c2p": dict(share_att_key=False, pos_att_type=["c2p"]),
+          "separate_proj_p2c": dict(share_att_key=False, pos_att_type=["p2c"]),
+          "exact_buckets": dict(position_buckets=-1, max_relative_positions=24),
+          "no_relative": dict(relative_attention=False, pos_att_type=["p2c", "c2p"])}[variant]
+    model, fused = _deberta_pair(_deberta_config(**kw))
+    names = hf.use_fused_attention(fused)
+    assert len(names) == 2 and all(n.endswith("attention.self") for n in names)
+    ids = torch.randint(1, 97, (2, 90))
+    keep = torch.ones(2, 90, dtype=torch.long)
+    keep[1, 70:] = 0
+    exp = model(input_ids=ids, attention_mask=keep).last_hidden_state
+    got = fused(input_ids=ids, attention_mask=keep).last_hidden_state
+    k = keep.bool()
+    torch.testing.assert_close(got[k], exp[k], atol=1e-10, rtol=1e-10)
+    exp[k].square().sum().backward()
+    got[k].square().sum().backward()
+    for (name, p), q in zip(fused.named_parameters(), model.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-9, rtol=1e-8, msg=name)
+
+
+def test_deberta_v2_float32_and_attention_outputs():
+    """float32 within float rounding of transformers; output_attentions falls back to
+    transformers' forward and returns its weights."""
+    config = _deberta_config()
+    torch.manual_seed(0)
+    model = transformers.DebertaV2Model(config).eval()
+    fused = transformers.DebertaV2Model(config).eval()
+    fused.load_state_dict(model.state_dict())
+    hf.use_fused_attention(fused)
+    ids = torch.randint(1, 97, (3, 130))
+    exp = model(input_ids=ids, output_attentions=True)
+    got = fused(input_ids=ids)
+    torch.testing.assert_close(got.last_hidden_state, exp.last_hidden_state, **TOL[torch.float32])
+    got_att = fused(input_ids=ids, output_attentions=True).attentions
+    for g, e in zip(got_att, exp.attentions, strict=True):
+        torch.testing.assert_close(g, e, **TOL[torch.float32])
+
+
+def test_deberta_v2_sequence_classification_training_compiles():
+    """DeBERTa-v2 for sequence classification, fused, compiled (fullgraph) in training mode with
+    attention dropout: no graph break, finite gradients reaching the relative embeddings."""
+    config = _deberta_config(attention_probs_dropout_prob=0.1, hidden_dropout_prob=0.1,
+                             num_labels=3)
+    torch.manual_seed(0)
+    model = transformers.DebertaV2ForSequenceClassification(config).train()
+    assert len(hf.use_fused_attention(model)) == 2
+    ids = torch.randint(1, 97, (2, 50))
+    labels = torch.tensor([0, 2])
+    loss = torch.nn.CrossEntropyLoss()  # transformers' own loss has a data-dependent branch
+    torch._dynamo.reset()
+    step = torch.compile(lambda ids: loss(model(input_ids=ids).logits, labels), fullgraph=True)
+    step(ids).backward()
+    grad = model.deberta.encoder.rel_embeddings.weight.grad
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+def test_deberta_v1_and_sew_d_left_alone():
+    """DeBERTa v1 and SEW-D have classes named DisentangledSelfAttention with other maths or
+    signatures: use_fused_attention leaves them alone."""
+    config = transformers.DebertaConfig(vocab_size=97, hidden_size=32, num_hidden_layers=1,
+                                        num_attention_heads=4, intermediate_size=32,
+                                        relative_attention=True, pos_att_type=["p2c", "c2p"])
+    assert hf.use_fused_attention(transformers.DebertaModel(config)) == []
+    sew = transformers.SEWDConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                  intermediate_size=32, conv_dim=(8, 8), conv_stride=(5, 2),
+                                  conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                                  num_conv_pos_embedding_groups=4)
+    assert hf.use_fused_attention(transformers.SEWDModel(sew)) == []

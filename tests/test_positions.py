@@ -200,3 +200,30 @@ def test_alibi_slopes_match_bloom(heads):
 
     alibi = build_alibi_tensor(torch.ones(1, 2), heads, torch.float32)  # [H, 1, 2]
     torch.testing.assert_close(positions.alibi_slopes(heads), alibi[:, 0, 1])
+
+
+@needs_transformers
+@pytest.mark.parametrize("position_buckets, max_relative_positions",
+                         [(256, 512), (16, 40), (32, 128), (-1, 24), (-1, 512), (2, 10)])
+def test_deberta_buckets_match_transformers(position_buckets, max_relative_positions):
+    """deberta_buckets(r) is the row transformers' DeBERTa-v2 reads for the distance r = j - i
+    (its relative_pos is i - j: log buckets, then clamp(rel + span, 0, 2 span - 1)), over every
+    distance of a 4096-long sequence; beyond deberta_max_distance (and only from there) the row
+    stays that of +-K."""
+    from transformers.models.deberta_v2.modeling_deberta_v2 import build_relative_position
+
+    length = 4096
+    x = torch.empty(1, length, 1)
+    rel = build_relative_position(x, x, position_buckets, max_relative_positions)[0, 0]  # i = 0
+    span = position_buckets if position_buckets > 0 else max_relative_positions
+    want = (rel + span).clamp(0, 2 * span - 1)  # j = 0 .. L-1: r = j
+    rel_rows = build_relative_position(x, x, position_buckets, max_relative_positions)[0, :, 0]
+    want_neg = (rel_rows + span).clamp(0, 2 * span - 1)  # i = 0 .. L-1, j = 0: r = -i
+    r = torch.arange(length)
+    assert torch.equal(positions.deberta_buckets(r, position_buckets, max_relative_positions), want)
+    assert torch.equal(positions.deberta_buckets(-r, position_buckets, max_relative_positions),
+                       want_neg)
+    k = positions.deberta_max_distance(position_buckets, max_relative_positions)
+    assert k < length and (want[k:] == want[k]).all() and (want_neg[k:] == want_neg[k]).all()
+    assert k == 0 or not ((want[k - 1:] == want[k - 1]).all() and
+                          (want_neg[k - 1:] == want_neg[k - 1]).all())

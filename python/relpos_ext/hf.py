@@ -28,6 +28,16 @@ Self-attention without a cache is fused (encoders, and decoders in training or s
 with a KV cache (generation), cross-attention and ``output_attentions`` run transformers' own
 forward.
 
+DeBERTa's disentangled attention (DeBERTa-v2, DeBERTa-v3, mDeBERTa: transformers'
+``modeling_deberta_v2.py`` ``DisentangledSelfAttention``) is Shaw attention with two tables and
+no value term: its content-to-position term ``q_i . Kr[row(i, j)]`` is ``rel_k`` and its
+position-to-content term ``k_j . Qr[row(i, j)]`` the key-side table ``rel_q``, both the projected
+relative embeddings expanded by :func:`relpos_ext.positions.deberta_buckets` to one row per
+distance up to :func:`relpos_ext.positions.deberta_max_distance` (512 for DeBERTa-v3), scaled by
+``1 / sqrt(D * (1 + number of terms))`` as there. transformers forms the ``[B, H, L, L]`` scores
+of each term (and an ``[L, L]`` int64 index); the fused form none. The relative positions are
+rebuilt from the length (the ``relative_pos`` transformers' encoder passes is exactly that).
+
 This file imports nothing from transformers: it recognises the modules by class name and
 attributes, so the package does not depend on it.
 """
@@ -41,7 +51,7 @@ from torch import Tensor, nn
 
 from . import ops
 from .nn import additive_mask_hidden, clipped_table
-from .positions import t5_bias_table
+from .positions import deberta_buckets, deberta_max_distance, t5_bias_table
 
 __all__ = ["SUPPORTED_CLASSES", "transformer_xl_inputs", "use_fused_attention"]
 
@@ -60,6 +70,9 @@ SUPPORTED_CLASSES = {
     "LongT5Attention": (None,),
     "Pop2PianoAttention": (None,),
     "UdopAttention": (None,),
+    # DeBERTa-v2/v3's disentangled attention (DeBERTa v1's class of the same name differs: it
+    # has in_proj and no query_proj, and is left alone)
+    "DisentangledSelfAttention": (None,),
 }
 T5_CLASSES = ("T5Attention", "MT5Attention", "SwitchTransformersAttention", "LongT5Attention",
               "Pop2PianoAttention", "UdopAttention")
@@ -218,6 +231,66 @@ def _fused_t5_forward(
     return out, position_bias, None
 
 
+def _deberta_scales(dim: int, factor: int) -> dict[torch.dtype, float]:
+    """``1 / sqrt(dim * factor)`` as transformers' DeBERTa applies it, per dtype: it takes the
+    square root in float32 and rounds it to the model's dtype before dividing. Computed once
+    per module, so that the forward reads a constant (no tensor-to-float under torch.compile)."""
+    root = torch.sqrt(torch.tensor(dim * factor, dtype=torch.float32))
+    return {dt: 1.0 / root.to(dt).item()
+            for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16)}
+
+
+def _fused_deberta_forward(
+    self: nn.Module,
+    hidden_states: Tensor,
+    attention_mask: Tensor,
+    output_attentions: bool = False,
+    query_states: Tensor | None = None,
+    relative_pos: Tensor | None = None,
+    rel_embeddings: Tensor | None = None,
+) -> tuple[Tensor, None]:
+    """DeBERTa-v2's DisentangledSelfAttention forward with the core done by rel_attention: the
+    module's projections, its c2p term as ``rel_k`` and its p2c term as ``rel_q`` (per-head
+    tables from the relative embeddings, see the module docstring), its dropouts in training.
+    ``attention_mask``: ``[B, 1, L, L]`` or ``[B, L, L]``, nonzero = attend. Returns
+    ``(context, None)``; with ``output_attentions`` or separate ``query_states`` (the enhanced
+    mask decoder), transformers' own forward."""
+    if output_attentions or query_states is not None:
+        return type(self).forward(self, hidden_states, attention_mask, output_attentions,
+                                  query_states, relative_pos, rel_embeddings)
+    batch, length, _ = hidden_states.shape
+    heads, dim = self.num_attention_heads, self.attention_head_size
+    q, k, v = (proj(hidden_states).view(batch, length, heads, dim).transpose(1, 2)
+               for proj in (self.query_proj, self.key_proj, self.value_proj))
+    rel_k = rel_q = None
+    kmax = 0
+    if self.relative_attention and rel_embeddings is not None:
+        kmax = min(self._relpos_max_distance, max(length - 1, 0))
+        rows = deberta_buckets(torch.arange(-kmax, kmax + 1, device=q.device),
+                               self.position_buckets, self.max_relative_positions)
+        rel = self.pos_dropout(rel_embeddings)[: 2 * self.pos_ebd_size]
+
+        def table(proj: nn.Module) -> Tensor:  # [2 span, E] -> [H, 2K+1, D]
+            return proj(rel).view(-1, heads, dim)[rows].transpose(0, 1).to(q.dtype)
+
+        if "c2p" in self.pos_att_type:
+            rel_k = table(self.key_proj if self.share_att_key else self.pos_key_proj)
+        if "p2c" in self.pos_att_type:
+            rel_q = table(self.query_proj if self.share_att_key else self.pos_query_proj)
+    mask = attention_mask if attention_mask.dim() == 4 else attention_mask.unsqueeze(1)
+    out = ops.rel_attention(q, k, v, rel_k, None, kmax, scale=self._relpos_scales[q.dtype],
+                            attn_mask=~mask.bool(), rel_q=rel_q,
+                            dropout_p=self.dropout.p if self.training else 0.0)
+    return out.transpose(1, 2).reshape(batch, length, heads * dim), None
+
+
+def _is_deberta_v2(module: nn.Module) -> bool:
+    """DeBERTa-v2's DisentangledSelfAttention, not DeBERTa v1's (in_proj, talking heads) or
+    SEW-D's copy (another forward signature and dropout) of the same name."""
+    return (type(module).__name__ == "DisentangledSelfAttention"
+            and type(module).__module__.endswith("modeling_deberta_v2"))
+
+
 def use_fused_attention(model: nn.Module) -> list[str]:
     """Route every supported relative-position attention module of ``model`` through
     :func:`relpos_ext.rel_attention`, in place; returns the names of the modules changed.
@@ -237,8 +310,18 @@ def use_fused_attention(model: nn.Module) -> list[str]:
             continue
         if cls in T5_CLASSES and module.is_decoder and not getattr(module, "is_causal", True):
             continue  # T5's cross-attention: no position bias, nothing to fuse
+        if cls == "DisentangledSelfAttention":
+            if not _is_deberta_v2(module):
+                continue
+            factor = 1 + ("c2p" in module.pos_att_type) + ("p2c" in module.pos_att_type)
+            module._relpos_scales = _deberta_scales(module.attention_head_size, factor)
+            if module.relative_attention:
+                module._relpos_max_distance = deberta_max_distance(
+                    module.position_buckets, module.max_relative_positions)
         fused = (_fused_espnet_forward if cls == "FastSpeech2ConformerAttention"
-                 else _fused_t5_forward if cls in T5_CLASSES else _fused_forward)
+                 else _fused_t5_forward if cls in T5_CLASSES
+                 else _fused_deberta_forward if cls == "DisentangledSelfAttention"
+                 else _fused_forward)
         module.forward = types.MethodType(fused, module)
         changed.append(name)
     return changed

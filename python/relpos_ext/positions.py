@@ -1,9 +1,12 @@
-"""Scalar position biases as :func:`relpos_ext.rel_attention`'s ``rel_bias``.
+"""Other relative-position schemes as :func:`relpos_ext.rel_attention`'s tables and bias.
 
 T5's bucketed bias and ALiBi add a scalar that depends only on the distance ``r = j - i`` (key
 minus query) to each logit. Both are constant beyond some distance K, so each becomes a
 ``[H, 2K+1]`` table, entry ``r + K`` for ``r`` in ``[-K, K]``, which the kernels read by the same
 clamped bucket as the Shaw tables: the ``[B, H, Lq, Lk]`` bias tensor is never formed.
+DeBERTa's log-bucketed relative embeddings become ``[H, 2K+1, D]`` tables the same way
+(:func:`deberta_buckets`): its content-to-position term is ``rel_k``, its position-to-content
+term the key-side table ``rel_q``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["alibi_bias_table", "alibi_slopes", "t5_bias_table", "t5_buckets"]
+__all__ = ["alibi_bias_table", "alibi_slopes", "deberta_buckets", "deberta_max_distance",
+           "t5_bias_table", "t5_buckets"]
 
 
 def t5_buckets(distance: Tensor, bidirectional: bool = True, num_buckets: int = 32,
@@ -81,3 +85,46 @@ def alibi_bias_table(slopes: Tensor, max_distance: int) -> Tensor:
         raise ValueError(f"max_distance must be >= 0, got {max_distance}")
     r = torch.arange(-max_distance, max_distance + 1, device=slopes.device, dtype=slopes.dtype)
     return -slopes[:, None] * r.abs()[None, :]
+
+
+def deberta_buckets(distance: Tensor, position_buckets: int = -1,
+                    max_relative_positions: int = 512) -> Tensor:
+    """DeBERTa's (v2, v3) relative-embedding row for each distance ``r = j - i`` (int64, in
+    ``[0, 2 span)`` with ``span = position_buckets`` if it is positive, else
+    ``max_relative_positions``).
+
+    DeBERTa counts ``i - j`` (query minus key). With ``position_buckets > 0`` that distance goes
+    through its log buckets: exact within ``position_buckets // 2``, then log-spaced up to
+    ``max_relative_positions`` (computed in float32 as transformers does, which decides the
+    edges); the row is ``clamp(bucket + span, 0, 2 span - 1)``. Its content-to-position and
+    position-to-content terms of self-attention both read this row for the pair ``(i, j)``. As
+    ``make_log_bucket_position`` and ``DisentangledSelfAttention.disentangled_attention_bias``
+    in transformers' ``modeling_deberta_v2.py``.
+    """
+    rel = -distance  # DeBERTa's i - j
+    if position_buckets > 0:
+        span, mid = position_buckets, position_buckets // 2
+        far = rel.abs().clamp_min(mid - 1)  # |i - j| below mid is exact: any value <= mid will do
+        scaled = torch.log(far.to(torch.float32) / mid) / torch.log(
+            torch.tensor((max_relative_positions - 1) / mid, dtype=torch.float32))
+        log_bucket = (torch.ceil(scaled * (mid - 1)) + mid).long()
+        bucket = torch.where(far <= mid, rel, log_bucket * torch.sign(rel))
+    else:
+        span, bucket = max_relative_positions, rel
+    return (bucket + span).clamp(0, 2 * span - 1)
+
+
+def deberta_max_distance(position_buckets: int = -1, max_relative_positions: int = 512) -> int:
+    """The smallest K beyond which :func:`deberta_buckets` no longer changes (on both sides):
+    ``rel_attention``'s ``max_distance`` for DeBERTa's tables, exact for every length."""
+    span = position_buckets if position_buckets > 0 else max_relative_positions
+    # the buckets saturate near max_relative_positions (log buckets) or span (exact ones)
+    bound = 2 * max(span, max_relative_positions) + 2
+    r = torch.arange(bound + 1)
+    pos, neg = deberta_buckets(r, position_buckets, max_relative_positions), \
+        deberta_buckets(-r, position_buckets, max_relative_positions)
+    moving = (pos != pos[-1]) | (neg != neg[-1])
+    if moving[-1]:
+        raise ValueError(f"DeBERTa buckets still change at distance {bound} (position_buckets="
+                         f"{position_buckets}, max_relative_positions={max_relative_positions})")
+    return int(moving.nonzero().max()) + 1 if moving.any() else 0
