@@ -6,8 +6,11 @@ H=16, D=64), float32, B=1, L audio frames (50 per second: L=4000 is 80 s), with 
 (the last 5% of frames). ``--position relative_key`` (default; w2v-BERT 2.0's): Shaw keys clipped
 to ``[-64, 8]``; ``--position relative``: Transformer-XL positions (Wav2Vec2-Conformer's), every
 distance of the sequence; ``--position t5``: instead, a ``T5Attention`` encoder layer at t5-base's
-width (E=768, H=12, D=64), T5's bucketed bias (32 buckets, max distance 128), L tokens. Three
-forms:
+width (E=768, H=12, D=64), T5's bucketed bias (32 buckets, max distance 128), L tokens;
+``--position deberta``: a DeBERTa-v2 ``DisentangledSelfAttention`` at deberta-v3-base's width
+(E=768, H=12, D=64, 256 log buckets up to 512, shared projections, c2p and p2c), L tokens, its
+relative positions and embeddings made outside the call as its encoder does (no SDPA form
+there). Three forms:
 
 * ``eager`` -- transformers' eager attention (``attn_implementation="eager"``): relative_key
   gathers the keys' embeddings to ``[L, L, D]``, relative forms ``[B, H, L, 2L - 1]`` scores and
@@ -26,6 +29,7 @@ Usage::
 
     PYTHONPATH=build/dev-bench/stage python benchmarks/bench_hf.py     # ~5 min, needs transformers
     python benchmarks/bench_hf.py --position relative    # -> bench_hf_relative.json
+    python benchmarks/bench_hf.py --position deberta -L 512 1024 2048   # -> bench_hf_deberta.json
     python benchmarks/bench_hf.py -L 500 1000 --out /tmp/h.json
 """
 
@@ -57,6 +61,9 @@ def live_gib(method: str, mode: str, length: int, position: str) -> float:
         return 0.0
     if position == "t5":
         return 4 * T5_HEADS * length * length * 4 * (2 if mode == "train" else 1) / 2**30
+    if position == "deberta":  # c2p, p2c, scores, probabilities [H, L, L] and an int64 index
+        return (6 * T5_HEADS * length * length * 4 + 8 * length * length) \
+            * (2 if mode == "train" else 1) / 2**30
     if position == "relative_key":
         positions = length * length * (EMBED // HEADS) * 4
     else:
@@ -76,6 +83,8 @@ def _layer(method: str, length: int, position: str):
     torch.manual_seed(0)
     if position == "t5":
         return _t5_layer(method, length)
+    if position == "deberta":
+        return _deberta_layer(method, length)
     from transformers.models.wav2vec2_bert.modeling_wav2vec2_bert import (
         Wav2Vec2BertRelPositionalEmbedding,
     )
@@ -124,6 +133,32 @@ def _t5_layer(method: str, length: int):
     return module, x, {"mask": mask}, torch.randn(1, length, T5_EMBED)
 
 
+def _deberta_layer(method: str, length: int):
+    """DeBERTa-v3-base's attention module (DeBERTa-v2 code), with padding on the last 5% of the
+    tokens as its encoder's [B, 1, L, L] mask, and the relative positions and the layer-normed
+    relative embeddings its encoder hands every layer."""
+    import transformers
+    from transformers.models.deberta_v2 import modeling_deberta_v2 as deberta
+
+    import relpos_ext.hf
+
+    config = transformers.DebertaV2Config(
+        hidden_size=T5_EMBED, num_attention_heads=T5_HEADS, relative_attention=True,
+        position_buckets=256, max_relative_positions=512, pos_att_type=["p2c", "c2p"],
+        share_att_key=True, norm_rel_ebd="layer_norm", hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0)
+    module = deberta.DisentangledSelfAttention(config)
+    if method == "fused":
+        relpos_ext.hf.use_fused_attention(module)
+    x = torch.randn(1, length, T5_EMBED)
+    keep = (torch.arange(length) < length - length // 20).long()[None]
+    mask = keep[:, None, None, :] * keep[:, None, :, None]  # the encoder's get_attention_mask
+    rel_pos = deberta.build_relative_position(x, x, 256, 512)
+    rel_emb = torch.nn.functional.layer_norm(torch.randn(512, T5_EMBED), (T5_EMBED,))
+    return (module, x, {"attention_mask": mask, "relative_pos": rel_pos,
+                        "rel_embeddings": rel_emb}, torch.randn(1, length, T5_EMBED))
+
+
 def measure(method: str, mode: str, length: int, args: argparse.Namespace) -> dict:
     """Runs in a forked child: the warm-up, then memory and time of one call."""
     torch.set_num_threads(args.threads)
@@ -143,21 +178,28 @@ def measure(method: str, mode: str, length: int, args: argparse.Namespace) -> di
 
 
 def check(length: int, position: str) -> dict:
-    """Runs in a forked child: the other forms' outputs against eager's."""
+    """Runs in a forked child: the other forms' outputs against eager's on the kept positions
+    (DeBERTa masks padded query rows too, where the forms legitimately differ)."""
     outs = {}
-    for method in METHODS:
+    kept = length - length // 20
+    for method in _methods(position):
         module, x, kw, _ = _layer(method, length, position)
         with torch.no_grad():
-            outs[method] = module(x, **kw)[0]
-    return {m: (outs[m] - outs["eager"]).abs().max().item() for m in METHODS if m != "eager"}
+            outs[method] = module(x, **kw)[0][:, :kept]
+    return {m: (outs[m] - outs["eager"]).abs().max().item() for m in outs if m != "eager"}
+
+
+def _methods(position: str) -> tuple[str, ...]:
+    return ("fused", "eager") if position == "deberta" else METHODS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", "-L", type=int, nargs="+", default=[500, 1000, 2000, 4000])
-    p.add_argument("--position", choices=["relative_key", "relative", "t5"], default="relative_key",
-                   help="position_embeddings_type (default relative_key), or t5")
+    p.add_argument("--position", choices=["relative_key", "relative", "t5", "deberta"],
+                   default="relative_key",
+                   help="position_embeddings_type (default relative_key), or t5, or deberta")
     p.add_argument("--mem-cap-gib", type=float, default=12.0,
                    help="skip a form whose analytic live set exceeds this (default 12)")
     add_common_args(p, RESULTS / "bench_hf.json", rep_budget_s=20.0)
@@ -177,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
         embed, heads = T5_EMBED, T5_HEADS
         print(f"transformers {transformers.__version__}; T5Attention E={embed} H={heads} "
               f"D={embed // heads}, 32 buckets, max distance 128, float32, B=1")
+    elif args.position == "deberta":
+        embed, heads = T5_EMBED, T5_HEADS
+        print(f"transformers {transformers.__version__}; DeBERTa-v2 DisentangledSelfAttention "
+              f"E={embed} H={heads} D={embed // heads}, 256 log buckets up to 512, c2p + p2c, "
+              f"float32, B=1")
     else:
         embed, heads = EMBED, HEADS
         where = f" [-{LEFT}, {RIGHT}]" if args.position == "relative_key" else " (Transformer-XL)"
@@ -190,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         need = live_gib(method, mode, length, args.position)
         return f"skip ({need:.1f} GiB)" if need > args.mem_cap_gib else None
 
-    rows = measure_grid(measure, args, MODES, METHODS, skip, width=22)
+    rows = measure_grid(measure, args, MODES, _methods(args.position), skip, width=22)
     write_json({
         "benchmark": "bench_hf", "timestamp": timestamp(), "torch_version": torch.__version__,
         "transformers_version": transformers.__version__, "build_info": info, "machine": mach,
@@ -198,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                    "left": LEFT, "right": RIGHT,
                    "dtype": "float32", "batch": 1, "lengths": args.lengths,
                    "threads": args.threads, "mem_cap_gib": args.mem_cap_gib},
-        "max_abs_error_vs_eager_L300": errors, "methods": list(METHODS), "rows": rows,
+        "max_abs_error_vs_eager_L300": errors, "methods": list(_methods(args.position)),
+        "rows": rows,
     }, args.out)
     return 0
 
