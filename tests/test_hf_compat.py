@@ -561,3 +561,52 @@ def test_deberta_v1_and_sew_d_left_alone():
                                   conv_kernel=(10, 3), num_conv_pos_embeddings=16,
                                   num_conv_pos_embedding_groups=4)
     assert hf.use_fused_attention(transformers.SEWDModel(sew)) == []
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_umt5_model_matches_transformers(impl):
+    """UMT5 (a T5 bias in every self-attention layer): a two-layer encoder-decoder in float64,
+    300 source and 140 target positions with padding; hidden states and every gradient (each
+    layer's bias embedding included) equal transformers' on the kept positions. generate()
+    gives the same tokens and output_attentions transformers' weights."""
+    config = transformers.UMT5Config(
+        vocab_size=97, d_model=32, d_kv=8, num_heads=4, d_ff=64, num_layers=2,
+        num_decoder_layers=2, relative_attention_num_buckets=32,
+        relative_attention_max_distance=128, dropout_rate=0.0, attn_implementation=impl,
+        decoder_start_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.UMT5ForConditionalGeneration(config).eval().double()
+    fused = transformers.UMT5ForConditionalGeneration(config).eval().double()
+    fused.load_state_dict(model.state_dict())
+    names = hf.use_fused_attention(fused)
+    assert len(names) == 4 and all(n.endswith("SelfAttention") for n in names)
+    src = torch.randint(1, 97, (2, 300))
+    src_keep = torch.ones(2, 300, dtype=torch.long)
+    src_keep[1, 250:] = 0
+    tgt = torch.randint(1, 97, (2, 140))
+    tgt_keep = torch.ones(2, 140, dtype=torch.long)
+    tgt_keep[0, 120:] = 0
+    kw = dict(input_ids=src, attention_mask=src_keep, decoder_input_ids=tgt,
+              decoder_attention_mask=tgt_keep, use_cache=False, output_hidden_states=True)
+    exp, got = model(**kw), fused(**kw)
+    enc_keep, dec_keep = src_keep.bool(), tgt_keep.bool()
+    torch.testing.assert_close(got.encoder_last_hidden_state[enc_keep],
+                               exp.encoder_last_hidden_state[enc_keep], atol=1e-10, rtol=1e-10)
+    got_dec, exp_dec = got.decoder_hidden_states[-1], exp.decoder_hidden_states[-1]
+    torch.testing.assert_close(got_dec[dec_keep], exp_dec[dec_keep], atol=1e-10, rtol=1e-10)
+    exp_dec[dec_keep].square().sum().backward()
+    got_dec[dec_keep].square().sum().backward()
+    biases = 0
+    for (name, p), q in zip(fused.named_parameters(), model.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-9, rtol=1e-8, msg=name)
+            biases += name.endswith("relative_attention_bias.weight")
+    assert biases == 4
+    gen = dict(input_ids=src[:, :60], attention_mask=src_keep[:, :60], max_new_tokens=8,
+               do_sample=False)
+    assert torch.equal(fused.generate(**gen), model.generate(**gen))
+    att_kw = dict(input_ids=src[:, :50], decoder_input_ids=tgt[:, :5], output_attentions=True)
+    out, want = fused(**att_kw), model(**att_kw)
+    for g, e in zip(out.encoder_attentions + out.decoder_attentions,
+                    want.encoder_attentions + want.decoder_attentions, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-10, rtol=1e-10)

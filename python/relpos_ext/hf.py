@@ -26,7 +26,8 @@ their ``T5Attention`` copies) is ``rel_bias``: :func:`relpos_ext.t5_bias_table` 
 the others in place of the ``[1, H, L, L]`` ``position_bias`` transformers passes down the stack.
 Self-attention without a cache is fused (encoders, and decoders in training or scoring); a call
 with a KV cache (generation), cross-attention and ``output_attentions`` run transformers' own
-forward.
+forward. UMT5 (``UMT5Attention``) has such a bias in every self-attention layer; each of its
+layers makes its own table.
 
 DeBERTa's disentangled attention (DeBERTa-v2, DeBERTa-v3, mDeBERTa: transformers'
 ``modeling_deberta_v2.py`` ``DisentangledSelfAttention``) is Shaw attention with two tables and
@@ -70,6 +71,7 @@ SUPPORTED_CLASSES = {
     "LongT5Attention": (None,),
     "Pop2PianoAttention": (None,),
     "UdopAttention": (None,),
+    "UMT5Attention": (None,),  # a bias in every layer, its own forward signature
     # DeBERTa-v2/v3's disentangled attention (DeBERTa v1's class of the same name differs: it
     # has in_proj and no query_proj, and is left alone)
     "DisentangledSelfAttention": (None,),
@@ -216,12 +218,7 @@ def _fused_t5_forward(
     if position_bias is None and self.has_relative_attention_bias:
         position_bias = t5_bias_table(self.relative_attention_bias.weight, not self.is_decoder,
                                       self.relative_attention_max_distance)
-    padding = attn_mask = None
-    hidden = _hidden_keys(mask)  # [B, 1, Lq or 1, Lk] or None
-    if hidden is not None and hidden.shape[-2] == 1:  # one row for all queries: key padding
-        padding = hidden.reshape(batch, hidden.shape[-1])
-    else:
-        attn_mask = hidden
+    padding, attn_mask = _padding_or_mask(mask, batch)
     out = ops.rel_attention(
         q, k, v, None, None, 0 if position_bias is None else position_bias.shape[-1] // 2,
         causal=self.is_decoder, scale=1.0, key_padding_mask=padding, attn_mask=attn_mask,
@@ -229,6 +226,45 @@ def _fused_t5_forward(
         rel_bias=None if position_bias is None else position_bias.to(q.dtype))
     out = self.o(out.transpose(1, 2).reshape(batch, length, self.inner_dim))
     return out, position_bias, None
+
+
+def _fused_umt5_forward(
+    self: nn.Module,
+    hidden_states: Tensor,
+    encoder_hidden_states: Tensor | None = None,
+    past_key_values: object | None = None,
+    attention_mask: Tensor | None = None,
+    **kwargs: object,
+) -> tuple[Tensor, None]:
+    """UMT5Attention's forward for self-attention without a cache, the core done by
+    rel_attention with the layer's own T5 bias as ``rel_bias``. Returns ``(output, None)``.
+    Cross-attention, a KV cache and ``output_attentions`` run transformers' forward."""
+    if (encoder_hidden_states is not None or past_key_values is not None
+            or kwargs.get("output_attentions")):
+        return type(self).forward(self, hidden_states, encoder_hidden_states, past_key_values,
+                                  attention_mask, **kwargs)
+    batch, length, _ = hidden_states.shape
+    shape = (batch, length, self.n_heads, self.key_value_proj_dim)
+    q, k, v = (proj(hidden_states).view(shape).transpose(1, 2) for proj in (self.q, self.k, self.v))
+    bias = None
+    if self.has_relative_attention_bias:
+        bias = t5_bias_table(self.relative_attention_bias.weight, not self.is_decoder,
+                             self.relative_attention_max_distance).to(q.dtype)
+    padding, attn_mask = _padding_or_mask(attention_mask, batch)
+    out = ops.rel_attention(
+        q, k, v, None, None, 0 if bias is None else self.relative_attention_max_distance,
+        causal=self.is_decoder, scale=self.scaling, key_padding_mask=padding,
+        attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0, rel_bias=bias)
+    return self.o(out.transpose(1, 2).reshape(batch, length, self.inner_dim)), None
+
+
+def _padding_or_mask(mask: Tensor | None, batch: int) -> tuple[Tensor | None, Tensor | None]:
+    """transformers' attention mask as rel_attention's ``(key_padding_mask, attn_mask)``: one
+    row for all queries (``[B, 1, 1, Lk]``) is key padding, O(L); anything else an attn_mask."""
+    hidden = _hidden_keys(mask)  # [B, 1, Lq or 1, Lk] or None
+    if hidden is not None and hidden.shape[-2] == 1:
+        return hidden.reshape(batch, hidden.shape[-1]), None
+    return None, hidden
 
 
 def _deberta_scales(dim: int, factor: int) -> dict[torch.dtype, float]:
@@ -308,7 +344,8 @@ def use_fused_attention(model: nn.Module) -> list[str]:
         cls = type(module).__name__
         if getattr(module, "position_embeddings_type", None) not in SUPPORTED_CLASSES.get(cls, ()):
             continue
-        if cls in T5_CLASSES and module.is_decoder and not getattr(module, "is_causal", True):
+        if (cls in T5_CLASSES or cls == "UMT5Attention") and module.is_decoder \
+                and not getattr(module, "is_causal", True):
             continue  # T5's cross-attention: no position bias, nothing to fuse
         if cls == "DisentangledSelfAttention":
             if not _is_deberta_v2(module):
@@ -320,6 +357,7 @@ def use_fused_attention(model: nn.Module) -> list[str]:
                     module.position_buckets, module.max_relative_positions)
         fused = (_fused_espnet_forward if cls == "FastSpeech2ConformerAttention"
                  else _fused_t5_forward if cls in T5_CLASSES
+                 else _fused_umt5_forward if cls == "UMT5Attention"
                  else _fused_deberta_forward if cls == "DisentangledSelfAttention"
                  else _fused_forward)
         module.forward = types.MethodType(fused, module)
