@@ -1492,13 +1492,68 @@ def test_module_rel_bias(gqa, clip):
     torch.testing.assert_close(m.rel_bias.grad, r.rel_bias.grad, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("clip", [3, (4, 3)], ids=["symmetric", "asymmetric"])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_module_rel_queries(gqa, clip):
+    """rel_queries=True: a learned key-side table (DeBERTa's position-to-content term) next to
+    the key table, random values: the table the kernels get is the clipped one; output and
+    every gradient (the table's included) match the reference module; need_weights returns the
+    probabilities the kernels applied; a KV cache decodes the rows of one call; a compiled
+    (fullgraph) step gives eager's loss and table gradient."""
+    torch.manual_seed(0)
+    kw = dict(embed_dim=32, num_heads=4, max_distance=clip, num_kv_heads=2 if gqa else None,
+              rel_values=False, rel_queries=True, per_head_tables=True)
+    m = relpos_ext.nn.RelativeMultiheadAttention(**kw)
+    rows = 7 if clip == 3 else 8
+    assert m.rel_q.shape == (4, rows, 8)
+    x = torch.randn(2, 13, 32)
+    with torch.no_grad():
+        m.rel_q.normal_(0, 1)
+    left, right = clip if isinstance(clip, tuple) else (clip, clip)
+    dist = torch.arange(-m.max_distance, m.max_distance + 1)
+    torch.testing.assert_close(m.key_side_table(), m.rel_q[:, dist.clamp(-left, right) + left],
+                               atol=0, rtol=0)
+    r = ref.RelativeMultiheadAttentionReference(**kw)
+    r.load_state_dict(m.state_dict())
+    got, w = m(x, is_causal=True, need_weights=True, average_attn_weights=False)
+    with torch.no_grad():
+        without = relpos_ext.nn.RelativeMultiheadAttention(**{**kw, "rel_queries": False})
+        without.load_state_dict({n: t for n, t in m.state_dict().items() if n != "rel_q"})
+        assert not torch.allclose(got, without(x, is_causal=True)[0], atol=1e-3)
+    exp, _ = r(x, is_causal=True)
+    torch.testing.assert_close(got, exp, atol=1e-5, rtol=1e-5)
+    v = m._heads(m.v_proj(x), m.num_kv_heads).repeat_interleave(4 // m.num_kv_heads, 1)
+    by_weights = m.out_proj((w @ v).transpose(1, 2).reshape(2, 13, 32))
+    torch.testing.assert_close(by_weights, got, atol=1e-5, rtol=1e-5)
+    got.square().sum().backward()
+    exp.square().sum().backward()
+    assert m.rel_q.grad is not None and m.rel_q.grad.abs().sum() > 0
+    for (name, pm), pr in zip(m.named_parameters(), r.parameters()):
+        torch.testing.assert_close(pm.grad, pr.grad, atol=1e-4, rtol=1e-4, msg=name)
+    cache, pieces, start = relpos_ext.nn.KVCache(), [], 0
+    with torch.no_grad():
+        for n in (5, 1, 7):
+            pieces.append(m(x[:, start:start + n], is_causal=True, cache=cache)[0])
+            start += n
+    torch.testing.assert_close(torch.cat(pieces, 1), got.detach(), atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    m.zero_grad()
+    step = torch.compile(lambda x: m(x, is_causal=True)[0].square().sum(), fullgraph=True)
+    loss = step(x)
+    loss.backward()
+    torch.testing.assert_close(loss, exp.square().sum(), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(m.rel_q.grad, r.rel_q.grad, atol=1e-4, rtol=1e-4)
+
+
 def test_module_from_multihead_attention_with_rel_bias():
-    """from_multihead_attention(..., rel_bias=True): a zero bias, so the layer still computes
-    what the nn.MultiheadAttention did."""
+    """from_multihead_attention(..., rel_bias=True, rel_queries=True): a zero bias and key-side
+    table, so the layer still computes what the nn.MultiheadAttention did."""
     torch.manual_seed(0)
     mha = torch.nn.MultiheadAttention(32, 4, batch_first=True)
-    layer = relpos_ext.nn.RelativeMultiheadAttention.from_multihead_attention(mha, 4, rel_bias=True)
+    layer = relpos_ext.nn.RelativeMultiheadAttention.from_multihead_attention(
+        mha, 4, rel_bias=True, rel_queries=True)
     assert layer.rel_bias.shape == (4, 9) and not layer.rel_bias.any()
+    assert layer.rel_q.shape == (9, 8) and not layer.rel_q.any()
     x = torch.randn(2, 10, 32)
     torch.testing.assert_close(layer(x)[0], mha(x, x, x, need_weights=False)[0], atol=1e-5,
                                rtol=1e-5)

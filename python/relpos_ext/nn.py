@@ -296,6 +296,10 @@ class RelativeMultiheadAttention(nn.Module):
             after the scale (``rel_attention``'s ``rel_bias``; T5-style, with one bucket per
             distance), ``[H, 2K+1]`` (or ``[H, left + right + 1]``), starting at zero. Costs
             next to nothing in the kernels.
+        rel_queries: also learn a key-side table ``EQ`` (shaped like the key table), whose term
+            ``k_j . EQ[b(i, j)]`` joins the logits before the scale (``rel_attention``'s
+            ``rel_q``): with ``rel_keys``, DeBERTa's disentangled attention (content-to-position
+            and position-to-content), learned per clipped distance.
     """
 
     def __init__(
@@ -316,6 +320,7 @@ class RelativeMultiheadAttention(nn.Module):
         dtype: torch.dtype | None = None,
         window: tuple[int, int] | None = None,
         rel_bias: bool = False,
+        rel_queries: bool = False,
     ) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype}
@@ -356,6 +361,7 @@ class RelativeMultiheadAttention(nn.Module):
         self.rel_k = _table(shape, **factory) if rel_keys else None
         self.rel_v = _table(shape, **factory) if rel_values else None
         self.rel_bias = nn.Parameter(torch.zeros(num_heads, rows, **factory)) if rel_bias else None
+        self.rel_q = _table(shape, **factory) if rel_queries else None
 
     @classmethod
     def from_multihead_attention(
@@ -367,6 +373,7 @@ class RelativeMultiheadAttention(nn.Module):
         per_head_tables: bool = False,
         window: tuple[int, int] | None = None,
         rel_bias: bool = False,
+        rel_queries: bool = False,
     ) -> RelativeMultiheadAttention:
         """A layer holding ``mha``'s projections (copied) and relative tables of zeros.
 
@@ -377,8 +384,8 @@ class RelativeMultiheadAttention(nn.Module):
 
         Args:
             mha: the layer to convert; ``add_bias_kv`` and ``add_zero_attn`` are not supported.
-            max_distance, rel_keys, rel_values, per_head_tables, window, rel_bias: as in the
-                constructor (the bias starts at zero too).
+            max_distance, rel_keys, rel_values, per_head_tables, window, rel_bias, rel_queries:
+                as in the constructor (the bias and the key-side table start at zero too).
         """
         if mha.bias_k is not None or mha.bias_v is not None or mha.add_zero_attn:
             raise ValueError("from_multihead_attention: add_bias_kv and add_zero_attn are not "
@@ -388,7 +395,7 @@ class RelativeMultiheadAttention(nn.Module):
                     rel_values=rel_values, per_head_tables=per_head_tables,
                     bias=mha.in_proj_bias is not None, kdim=mha.kdim, vdim=mha.vdim,
                     dropout=mha.dropout, device=weight.device, dtype=weight.dtype, window=window,
-                    rel_bias=rel_bias)
+                    rel_bias=rel_bias, rel_queries=rel_queries)
         if mha.in_proj_weight is not None:  # one packed [3E, E] weight when kdim == vdim == E
             weights = mha.in_proj_weight.chunk(3)
         else:
@@ -403,7 +410,7 @@ class RelativeMultiheadAttention(nn.Module):
             layer.out_proj.weight.copy_(weight)
             if mha.out_proj.bias is not None:
                 layer.out_proj.bias.copy_(mha.out_proj.bias)
-            for table in (layer.rel_k, layer.rel_v):
+            for table in (layer.rel_k, layer.rel_v, layer.rel_q):
                 if table is not None:
                     table.zero_()
         return layer
@@ -416,6 +423,13 @@ class RelativeMultiheadAttention(nn.Module):
             return self.rel_k, self.rel_v
         return tuple(None if t is None else clipped_table(t, *self.clip)
                      for t in (self.rel_k, self.rel_v))
+
+    def key_side_table(self) -> Tensor | None:
+        """The learned key-side table as the kernels take it (``rel_q``), like :meth:`tables`,
+        or None."""
+        if self.rel_q is None or self.clip is None:
+            return self.rel_q
+        return clipped_table(self.rel_q, *self.clip)
 
     def bias_table(self) -> Tensor | None:
         """The learned ``rel_bias`` as the kernels take it, ``[H, 2K+1]`` (clipped rows repeated
@@ -450,7 +464,7 @@ class RelativeMultiheadAttention(nn.Module):
             q, k, v, rel_k, rel_v, self.max_distance, causal, None, q_offset, k_offset,
             key_padding_mask, dropout_p=dropout_p, dropout_seed=dropout_seed, attn_mask=attn_mask,
             q_segment_ids=q_seg, k_segment_ids=k_seg, window_left=self.window[0],
-            window_right=self.window[1], rel_bias=self.bias_table(),
+            window_right=self.window[1], rel_bias=self.bias_table(), rel_q=self.key_side_table(),
         )
 
     def forward(
@@ -626,6 +640,11 @@ class RelativeMultiheadAttention(nn.Module):
         if rel_k is not None:
             logits = logits + ops.rel_logits(q.contiguous(), rel_k, self.max_distance, k_len,
                                              q_offset, k_offset)
+        rel_q = self.key_side_table()
+        if rel_q is not None:  # k_j . EQ[b(i, j)]: the key term of the keys, read transposed
+            # (from key j, query i lies at the reversed distance: row 2K - b of the flipped table)
+            logits = logits + ops.rel_logits(k.contiguous(), rel_q.flip(-2), self.max_distance,
+                                             q_len, k_offset, q_offset).transpose(-1, -2)
         q_seg, k_seg = segment_ids if segment_ids is not None else (None, None)
         visible = reference.visible_keys(q.shape[0], q_len, k_len, causal, q_offset, k_offset,
                                          key_padding_mask, q.device, attn_mask, q_seg, k_seg,

@@ -386,5 +386,5 @@ class RelativeMultiheadAttentionReference(_reference_module_base()):
             q, k, v, rel_k, rel_v, self.max_distance, causal, None, q_offset, k_offset,
             key_padding_mask, dropout_p=dropout_p, dropout_seed=dropout_seed, attn_mask=attn_mask,
             q_segment_ids=q_seg, k_segment_ids=k_seg, window_left=self.window[0],
-            window_right=self.window[1], rel_bias=self.bias_table(),
+            window_right=self.window[1], rel_bias=self.bias_table(), rel_q=self.key_side_table(),
         )
