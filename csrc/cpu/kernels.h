@@ -67,6 +67,7 @@ struct AttentionBwdSplit {
   float* drel_k_partial = nullptr;    // [chunks, batch, heads, 2K+1, dim], or null
   float* drel_v_partial = nullptr;    // [chunks, batch, heads, 2K+1, dim], or null
   float* drel_bias_partial = nullptr;  // [chunks, batch, heads, 2K+1], or null
+  float* drel_q_partial = nullptr;    // [chunks, batch, heads, 2K+1, dim], or null
   AttnMaskTiles mask_tiles;
 };
 

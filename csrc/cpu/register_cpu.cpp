@@ -118,8 +118,7 @@ struct CpuBackend {
   // The AVX2 attention kernels tile the work differently from the scalar ones (kernels.h).
   static void rel_attention(const RelAttentionParams& p) {
 #if defined(RELPOS_HAVE_AVX2)
-    // the key-side table (rel_q) has no AVX2 kernel yet: the scalar one computes it
-    if (p.dtype != DType::Float64 && selected_isa() == Isa::Avx2 && p.rel_q == nullptr) {
+    if (p.dtype != DType::Float64 && selected_isa() == Isa::Avx2) {
       rel_attention_avx2(p);
       return;
     }
@@ -131,7 +130,7 @@ struct CpuBackend {
   }
   static void rel_attention_backward(const RelAttentionBwdParams& p) {
 #if defined(RELPOS_HAVE_AVX2)
-    if (p.fwd.dtype != DType::Float64 && selected_isa() == Isa::Avx2 && p.fwd.rel_q == nullptr) {
+    if (p.fwd.dtype != DType::Float64 && selected_isa() == Isa::Avx2) {
       rel_attention_backward_avx2(p);
       return;
     }
@@ -224,7 +223,7 @@ struct CpuBackend {
       chunks = std::min(chunks, std::max<int64_t>(1, kBwdPartialBytes / std::max<int64_t>(1, dq_bytes)));
     }
     AttentionBwdSplit split;
-    at::Tensor dq_partial, rk_partial, rv_partial, rb_partial;
+    at::Tensor dq_partial, rk_partial, rv_partial, rb_partial, rq_partial;
     if (chunks > 1) {
       const int64_t tiles_per_chunk = (k_tiles + chunks - 1) / chunks;
       split.chunk_keys = tiles_per_chunk * kAttentionTileK;
@@ -246,6 +245,10 @@ struct CpuBackend {
       if (p.drel_bias_partial != nullptr) {
         rb_partial = at::zeros({c, f.batch, f.heads, rows}, opts);
         split.drel_bias_partial = rb_partial.data_ptr<float>();
+      }
+      if (p.drel_q_partial != nullptr) {
+        rq_partial = at::zeros({c, f.batch, f.heads, rows, f.dim}, opts);
+        split.drel_q_partial = rq_partial.data_ptr<float>();
       }
     }
     at::Tensor tile_classes;

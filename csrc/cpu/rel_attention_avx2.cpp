@@ -65,7 +65,7 @@ class Buffers {
   float* take(int64_t n) { return pool_[used_++].get(n > 0 ? n : 1); }
 
  private:
-  Scratch pool_[48];
+  Scratch pool_[56];
   int used_ = 0;
 };
 
@@ -410,6 +410,7 @@ struct Head {
   const char* rel_k;   // table rows of head h (or the shared table); null when absent
   const char* rel_v;
   const char* rel_bias;  // [2K+1] of head h (or the shared one); null when absent
+  const char* rel_q;   // key-side table rows of head h (or the shared table); null when absent
   const bool* pad;     // key padding row of batch b, or null
   const bool* amask;   // attention mask of (b, h), [q_len, k_len] rows (broadcast resolved), or null
   const int64_t* qseg;  // segment ids of batch b's queries [q_len] and keys [k_len], or null
@@ -427,6 +428,7 @@ Head head_of(const RelAttentionParams& p, int64_t b, int64_t h, const AttnMaskTi
   hd.v = static_cast<const char*>(p.v) + kvh * p.kv_stride * es;
   hd.rel_k = p.rel_k ? static_cast<const char*>(p.rel_k) + (p.rel_k_per_head ? h * rows * p.dim * es : 0) : nullptr;
   hd.rel_v = p.rel_v ? static_cast<const char*>(p.rel_v) + (p.rel_v_per_head ? h * rows * p.dim * es : 0) : nullptr;
+  hd.rel_q = p.rel_q ? static_cast<const char*>(p.rel_q) + (p.rel_q_per_head ? h * rows * p.dim * es : 0) : nullptr;
   hd.rel_bias = p.rel_bias ? static_cast<const char*>(p.rel_bias) + (p.rel_bias_per_head ? h * rows * es : 0) : nullptr;
   hd.pad = p.key_padding_mask ? p.key_padding_mask + b * p.k_len : nullptr;
   hd.amask = p.attn_mask ? &p.attn_mask[b * p.attn_mask_b_stride + h * p.attn_mask_h_stride] : nullptr;
@@ -1003,6 +1005,33 @@ void bias_grad_band(const float* wds, int64_t rows, const Band& band, float inv_
   axpy(inv_scale, wds, partial + band.lo, band.n);
 }
 
+// The key-side table rel_q, k_j . rel_q[b(i, j)]: the key term with queries and keys swapped.
+// Per key, the clamped buckets' values k_j . rel_q[0] and k_j . rel_q[2K] (the "ends", lo and
+// hi); inside the band of a (query tile, key tile), KE^T[c, j - j0] = rel_q[band.lo + c] . k_j,
+// [band.n, BK] (from the transposed key tile, the B operand S = Q K^T uses). Bucket and key both
+// move by one along a query row, so the row reads KE^T along a diagonal (stride BK + 1): an
+// element-wise gather, where QE's row is a contiguous slice. The values are kept unscaled (dK
+// takes the table as it is) and scaled by scale * log2(e) as they join the logits.
+// s[j - j0] += alpha * k_j . rel_q[b(i, j)] over the key tile [j0, j0 + nk) for the row split
+// sp against KE^T's band; lo / hi: the ends of key j0 onwards.
+void add_key_side(float* sr, int64_t j0, int64_t nk, const RowSplit& sp, float alpha,
+                  const float* lo, const float* hi, const float* ke) {
+  axpy(alpha, lo, sr, sp.a - j0);
+  for (int64_t j = sp.a; j < sp.e; ++j) sr[j - j0] += alpha * ke[(sp.col0 + j) * BK + (j - j0)];
+  axpy(alpha, hi + (sp.e - j0), sr + (sp.e - j0), j0 + nk - sp.e);
+}
+
+// Backward, the adjoint of add_key_side for a row of dS: its clamped parts summed per key into
+// ds_lo / ds_hi (of key j0 onwards), its band entries stored into WK^T (KE^T's layout, zeros on
+// entry; a (bucket, key) pair of the band belongs to one query row, so nothing is summed there).
+// Then dK += WK rel_q[band] and drel_q[band] += WK^T K are two small matmuls per tile.
+void key_side_grad(const float* dsr, int64_t j0, int64_t nk, const RowSplit& sp, float* ds_lo,
+                   float* ds_hi, float* wk) {
+  add_row(dsr, ds_lo, sp.a - j0);
+  for (int64_t j = sp.a; j < sp.e; ++j) wk[(sp.col0 + j) * BK + (j - j0)] = dsr[j - j0];
+  add_row(dsr + (sp.e - j0), ds_hi + (sp.e - j0), j0 + nk - sp.e);
+}
+
 // Keys [j_begin, j_end) of a kv head (dtype d, rows of D) as float for the matmuls: tiles
 // [t_from, t_to) of BK keys, each transposed into kt + t * D * BK as [D, BK] (the B operand of
 // S = Q K^T), and for float16/bfloat16 also row-major into rows + t * BK * D when rows is not
@@ -1099,6 +1128,13 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
   float* ek0 = buf.take(D);
   float* ek1 = buf.take(D);
   float* band_row = p.rel_bias ? buf.take(max_band) : nullptr;  // the bias over a band (bias_band)
+  // the key-side table: its rows 0 and 2K, a key tile's ends [2, BK] (lo, then hi) and, over the
+  // tile's band (at most BQ + BK - 1 buckets), the table rows as float and KE^T
+  const int64_t tile_band = imin(imax(2 * K - 1, 0), BQ + BK - 1);
+  float* eq_ends = p.rel_q ? buf.take(2 * D) : nullptr;
+  float* kq = p.rel_q ? buf.take(2 * BK) : nullptr;
+  float* band_q = p.rel_q && !f32 ? buf.take(tile_band * D) : nullptr;
+  float* ket = p.rel_q ? buf.take(tile_band * BK) : nullptr;
   const char* cached = nullptr;  // kv head whose tiles [0, built) are in kt_all / v_all
   int64_t built = 0;
   ItemCursor cursor(work);
@@ -1123,6 +1159,10 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
     }
     const bool key_term = has_key_term(hd);
     const int64_t ld_qe = key_term_stride(hd, band);
+    if (hd.rel_q) {
+      load_row(p.dtype, hd.rel_q, eq_ends, D);
+      load_row(p.dtype, hd.rel_q + (rows_tab - 1) * D * es, eq_ends + D, D);
+    }
     fill_f32(m, kNegInf, BQ);
     fill_f32(l, 0.f, BQ);
     fill_f32(w_lo, 0.f, BQ);
@@ -1154,18 +1194,50 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
         load_block(p.dtype, hd.k + j0 * D * es, D, nk, D, kf, D);
         k_tile = kf;
       }
-      // S = Q K^T (scaled, base 2) for the rows [r0, r0 + rows) of the tile; a row computed
-      // alone comes out bitwise the same (the same products summed in the same order)
-      auto scores = [&](int64_t r0, int64_t rows) {
+      // y[r * ldy + j] = x_r . k_{j0 + j} for `rows` float rows x against the tile's keys
+      auto times_keys = [&](const float* x, int64_t rows, float* y, int64_t ldy) {
         if (few_q && k_tile != nullptr) {
-          scores_rows(rows, nk, D, qs + r0 * D, k_tile, s + r0 * BK, BK, false);
+          scores_rows(rows, nk, D, x, k_tile, y, ldy, false);
         } else if (few_q) {
           dispatch(p.dtype, [&](auto tag) {
             const auto* kp = reinterpret_cast<const decltype(tag)*>(hd.k) + j0 * D;
-            scores_rows(rows, nk, D, qs + r0 * D, kp, s + r0 * BK, BK, stream);
+            scores_rows(rows, nk, D, x, kp, y, ldy, stream);
           });
         } else {
-          gemm0(rows, nk, D, qs + r0 * D, D, kt_all + t * D * BK, BK, s + r0 * BK, BK);
+          gemm0(rows, nk, D, x, D, kt_all + t * D * BK, BK, y, ldy);
+        }
+      };
+      // the key-side table over this tile: the keys' ends, and KE^T over the tile's band
+      Band kband;
+      if (hd.rel_q) {
+        times_keys(eq_ends, 2, kq, BK);
+        kband = band_of(p, i0, mq, j0, j0 + nk);
+        const float* bq = kband.n > 0 ? float_rows(p.dtype, hd.rel_q + kband.lo * D * es, kband.n, D, band_q) : nullptr;
+        if (kband.n > 0 && !few_q) {
+          times_keys(bq, kband.n, ket, BK);
+        } else if (kband.n > 0) {  // a few rows read few of KE^T's entries: those alone, by dots
+          dispatch(p.dtype, [&](auto tag) {
+            const auto* kp = reinterpret_cast<const decltype(tag)*>(hd.k);
+            for (int64_t r = 0; r < mq; ++r) {
+              const RowSplit sp = split_row(p, i0 + r, j0, nk, kband);
+              for (int64_t j = sp.a; j < sp.e; ++j) {
+                const float* e = bq + (sp.col0 + j) * D;
+                ket[(sp.col0 + j) * BK + (j - j0)] =
+                    k_tile != nullptr ? dot(e, k_tile + (j - j0) * D, D) : dot(e, kp + j * D, D);
+              }
+            }
+          });
+        }
+      }
+      // S = Q K^T (scaled, base 2) for the rows [r0, r0 + rows) of the tile, with the key-side
+      // term; a row computed alone comes out bitwise the same (the same products summed in the
+      // same order)
+      auto scores = [&](int64_t r0, int64_t rows) {
+        times_keys(qs + r0 * D, rows, s + r0 * BK, BK);
+        if (hd.rel_q == nullptr) return;
+        for (int64_t r = r0; r < r0 + rows; ++r) {
+          add_key_side(s + r * BK, j0, nk, split_row(p, i0 + r, j0, nk, kband), scale2, kq,
+                       kq + BK, ket);
         }
       };
       scores(0, mq);
@@ -1441,6 +1513,16 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
   // the bias over a band (bias_band), then the sums of dS over it (bias_grad_band)
   float* band_row = p.rel_bias ? buf.take(max_band) : nullptr;
   const float inv_scale = static_cast<float>(1.0 / p.scale);  // drel_bias from the scaled dS
+  // the key-side table: its rows 0 and 2K; per key of the run (each [2, run_keys], lo then hi)
+  // the ends and the dS mass of the clamped buckets; a tile's band rows as float, KE^T and WK^T
+  const int64_t tile_band = imin(imax(2 * K - 1, 0), BQ + BK - 1);
+  float* eq_ends = p.rel_q ? buf.take(2 * D) : nullptr;
+  float* kq = p.rel_q ? buf.take(2 * run_keys) : nullptr;
+  float* dsk = p.rel_q ? buf.take(2 * run_keys) : nullptr;
+  float* pq_ends = p.rel_q ? buf.take(2 * D) : nullptr;
+  float* band_q = p.rel_q && !f32 ? buf.take(tile_band * D) : nullptr;
+  float* ket = p.rel_q ? buf.take(tile_band * BK) : nullptr;
+  float* wk = p.rel_q ? buf.take(tile_band * BK) : nullptr;
   ItemCursor cursor(work);
   for (int64_t item; cursor.next(item);) {
     const int64_t c = item % chunks, hk = (item / chunks) % p.kv_heads;
@@ -1514,8 +1596,18 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
         float* pk = partial_of(h, bp.drel_k_partial, split.drel_k_partial, rows_tab * D);
         float* pv = partial_of(h, bp.drel_v_partial, split.drel_v_partial, rows_tab * D);
         float* pb = partial_of(h, bp.drel_bias_partial, split.drel_bias_partial, rows_tab);
+        float* pq = partial_of(h, bp.drel_q_partial, split.drel_q_partial, rows_tab * D);
         float* dq_h = dq_of(h);
         const bool key_term = has_key_term(hd);  // then dS is summed per bucket (wds, ds_lo / hi)
+        if (hd.rel_q) {  // the run's ends, k_j . rel_q[0] and k_j . rel_q[2K]
+          load_row(p.dtype, hd.rel_q, eq_ends, D);
+          load_row(p.dtype, hd.rel_q + (rows_tab - 1) * D * es, eq_ends + D, D);
+          for (int64_t t = r0; t < r1; ++t) {
+            const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0);
+            gemm0(2, nk, D, eq_ends, D, kt_run + (t - r0) * D * BK, BK, kq + (j0 - rb), run_keys);
+          }
+          fill_f32(dsk, 0.f, 2 * run_keys);
+        }
         for (int64_t i0 = 0; i0 < p.q_len; i0 += BQ) {
           const int64_t mq = imin(BQ, p.q_len - i0);
           const int64_t row0 = bh * p.q_len + i0;
@@ -1555,6 +1647,21 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
             const bool clear = tm == TileMask::kClear;
             gemm0(mq, nk, D, qs, D, kt_run + tl * D * BK, BK, s, BK);    // S = Q K^T (base 2)
             gemm0(mq, nk, D, dop, D, vt_run + tl * D * BK, BK, dp, BK);  // dP = dO V^T
+            // the key-side term joins S as in the forward (KE^T over the tile's band)
+            Band kband;
+            const float* bq = nullptr;  // rel_q[kband] as float
+            if (hd.rel_q) {
+              kband = band_of(p, i0, mq, j0, j0 + nk);
+              if (kband.n > 0) {
+                bq = float_rows(p.dtype, hd.rel_q + kband.lo * D * es, kband.n, D, band_q);
+                gemm0(kband.n, nk, D, bq, D, kt_run + tl * D * BK, BK, ket, BK);
+                fill_f32(wk, 0.f, kband.n * BK);
+              }
+              for (int64_t r = 0; r < mq; ++r) {
+                add_key_side(s + r * BK, j0, nk, split_row(p, i0 + r, j0, nk, kband), scale2,
+                             kq + (j0 - rb), kq + run_keys + (j0 - rb), ket);
+              }
+            }
             // every row of the tile on one clamped side: 8 rows at a time, as in the forward
             int64_t r = 0;
             if (const int side = uniform_tile(p, clear, i0, mq, j0, nk); side != 0) {
@@ -1611,6 +1718,16 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
             gemm_at(nk, D, mq, s, BK, dop, D, dv_t, D);          // dV += P^T dO
             gemm_at(nk, D, mq, dp, BK, qp, D, dk_t, D);          // dK += dS^T Q
             gemm(mq, D, nk, dp, BK, kp + (j0 - rb) * D, D, dq, D);  // dQ += dS K
+            if (hd.rel_q) {  // the key-side term's dS: per key in the clamped buckets, WK^T inside
+              for (int64_t r = 0; r < mq; ++r) {
+                key_side_grad(dp + r * BK, j0, nk, split_row(p, i0 + r, j0, nk, kband),
+                              dsk + (j0 - rb), dsk + run_keys + (j0 - rb), wk);
+              }
+              if (kband.n > 0) {  // dK += WK rel_q[band]; drel_q[band] += WK^T K
+                gemm_at(nk, D, kband.n, wk, BK, bq, D, dk_t, D);
+                if (pq != nullptr) gemm(kband.n, D, nk, wk, BK, kp + (j0 - rb) * D, D, pq + kband.lo * D, D);
+              }
+            }
           }
           if (hd.rel_k && band.n > 0) {  // dQ += W_ds @ rel_k; drel_k += W_ds^T Q over the band
             gemm(mq, D, band.n, wds, band.n, band_k, D, dq, D);
@@ -1620,6 +1737,15 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
             gemm_at(band.n, D, mq, wp, band.n, dop, D, pv + band.lo * D, D);
           }
           if (pb != nullptr) bias_grad_band(wds, key_term_rows(hd, mq), band, inv_scale, band_row, pb);
+        }
+        if (hd.rel_q) {  // the clamped buckets' dS mass per key of the run, over the head's rows:
+          // dK += the mass x rel_q rows 0 / 2K; drel_q rows 0 / 2K += the mass x K
+          gemm_at(nrun, D, 2, dsk, run_keys, eq_ends, D, dk_run, D);
+          if (pq != nullptr) {
+            gemm0(2, D, nrun, dsk, run_keys, kp, D, pq_ends, D);
+            add_row(pq_ends, pq, D);
+            add_row(pq_ends + D, pq + (rows_tab - 1) * D, D);
+          }
         }
       }
       const int64_t kv_off = ((b * p.kv_heads + hk) * p.k_len + rb) * D * es;
@@ -1703,6 +1829,7 @@ void rel_attention_backward_reduce(const RelAttentionBwdParams& bp, const Attent
     reduce(split.drel_k_partial, bp.drel_k_partial, rows_tab * D);
     reduce(split.drel_v_partial, bp.drel_v_partial, rows_tab * D);
     reduce(split.drel_bias_partial, bp.drel_bias_partial, rows_tab);
+    reduce(split.drel_q_partial, bp.drel_q_partial, rows_tab * D);
   }
 }
 
