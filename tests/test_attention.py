@@ -70,6 +70,9 @@ CASES = {
     "decode_split_hidden_chunk": (1, 2, 1, 3, 2200, 32, 6, 300, 0, False, True, True, True, True),
     # a few rows (float16/bfloat16 keys converted a tile at a time from 4 rows on)
     "decode_five_rows": (1, 2, 2, 5, 130, 24, 3, 125, 0, False, True, False, True, True),
+    # 16 rows against 2200 keys in two chunks, K small: most key tiles are one-pass uniform
+    # tiles of 8 rows (the AVX2 forward's stale maximum) inside a split decode
+    "decode_split_uniform": (1, 2, 1, 16, 2200, 32, 6, 2184, 0, False, True, False, True, True),
     # enough keys per kv head (and batch * kv heads >= 8, so they are not split into chunks)
     # for the AVX2 backward to sweep them in three runs (512 keys at D = 64), each run's dK / dV
     # summed over the two query heads of its kv head: the first query tile sees none of the
@@ -787,7 +790,9 @@ def test_rel_attention_nan_propagates(backend, where):
 # ---------------------------------------------------------------------------------------- rel_q
 # The key-side table (DeBERTa's position-to-content term, k_j . rel_q[b] before the scale):
 # every kernel path as for the bias, alone and with the other tables.
-REL_Q_CASES = BIAS_CASES
+# ... plus decoding paths of the AVX2 forward the bias cases do not combine with it: a cache
+# long enough to be prefetched, and uniform tiles of 8 rows in a split decode
+REL_Q_CASES = BIAS_CASES + ["decode_long_cache", "decode_split_uniform"]
 
 
 def _rel_q_backend(backend):
@@ -832,6 +837,27 @@ def test_rel_attention_rel_q_random_cases(backend, seed):
         kw.update(window_left=r.choice([-1, 0, 3, 40]), window_right=r.choice([-1, 0, 2, 70]))
     if r.random() < 0.3:
         kw.update(attn_mask=torch.rand(case[3], case[4], generator=torch.Generator().manual_seed(seed)) < 0.2)
+    _check_forward(backend, torch.float32, case, kw)
+    _check_backward(backend, torch.float32, case, kw)
+
+
+@pytest.mark.parametrize("mask", ["dropout", "window", "segments", "attn_mask"])
+@pytest.mark.parametrize("name", ["tiles_uniform_padding", "tiles_two_sided", "decode_split_keys",
+                                  "bwd_key_runs"])
+def test_rel_attention_rel_q_with_masks(backend, name, mask):
+    """A key-side table with each of the masks that make tiles mixed or hidden (and dropout,
+    which takes the uniform rows off their one-pass path), over several key tiles and chunks."""
+    _rel_q_backend(backend)
+    case = CASES[name]
+    kw = dict(rel_q=random_rel_q(case, True, 2).float())
+    if mask == "dropout":
+        kw.update(dropout_p=0.3, dropout_seed=77)
+    elif mask == "window":
+        kw.update(window_left=40, window_right=3)
+    elif mask == "segments":
+        kw.update(zip(("q_segment_ids", "k_segment_ids"), random_segment_ids(case, "packed", 3)))
+    else:
+        kw.update(attn_mask=torch.rand(case[3], case[4], generator=torch.Generator().manual_seed(5)) < 0.1)
     _check_forward(backend, torch.float32, case, kw)
     _check_backward(backend, torch.float32, case, kw)
 

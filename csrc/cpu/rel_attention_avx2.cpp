@@ -15,6 +15,12 @@
 // A bias per bucket (rel_bias, added after the scale) is part of the key term: rel_bias[b] *
 // log2(e) joins QE's band column or clamped bucket, so the key loops do not see it; the backward
 // takes its gradient from the per-bucket sums of dS that drel_k needs anyway.
+// The key-side table rel_q (k_j . rel_q[b], DeBERTa's position-to-content term) is the key term
+// with queries and keys swapped, so its values vary per key, not per row: per key tile, the
+// keys' clamped-bucket values (2 x BK) and, where the tile meets the band, KE^T = rel_q[band]
+// K^T read along the skew's diagonal; both join S right after Q K^T, so the paths below see
+// finished logits. The backward sums dS per key in the clamped buckets and per (bucket, key) in
+// the band (WK^T), for dK and drel_q by small matmuls (add_key_side, key_side_grad).
 // This file is compiled with -mavx2 -mfma -mf16c and includes no torch headers (kernels.h).
 #include <immintrin.h>
 
@@ -1012,6 +1018,7 @@ void bias_grad_band(const float* wds, int64_t rows, const Band& band, float inv_
 // move by one along a query row, so the row reads KE^T along a diagonal (stride BK + 1): an
 // element-wise gather, where QE's row is a contiguous slice. The values are kept unscaled (dK
 // takes the table as it is) and scaled by scale * log2(e) as they join the logits.
+//
 // s[j - j0] += alpha * k_j . rel_q[b(i, j)] over the key tile [j0, j0 + nk) for the row split
 // sp against KE^T's band; lo / hi: the ends of key j0 onwards.
 void add_key_side(float* sr, int64_t j0, int64_t nk, const RowSplit& sp, float alpha,
