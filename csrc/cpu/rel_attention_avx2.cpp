@@ -1039,6 +1039,24 @@ void key_side_grad(const float* dsr, int64_t j0, int64_t nk, const RowSplit& sp,
   add_row(dsr + (sp.e - j0), ds_hi + (sp.e - j0), j0 + nk - sp.e);
 }
 
+// The small matmuls over KE^T / WK^T in strips of kKeyStrip keys of the tile: the keys of a
+// strip reach only mq + kKeyStrip - 1 of the tile's mq + nk - 1 band buckets, and only the
+// pairs that occur are read, so each strip's matmul covers its rectangle of buckets alone (a
+// 64 x 64 tile inside the clipping window: 79 x 16 x 4 = 5056 of 127 x 64 = 8128 entries).
+// f(s, w, c0, n): the strip of keys [j0 + s, j0 + s + w) and its buckets, rows [c0, c0 + n) of
+// the tile's band.
+constexpr int64_t kKeyStrip = 16;
+
+template <typename F>
+void for_key_strips(const RelAttentionParams& p, int64_t i0, int64_t mq, int64_t j0, int64_t nk,
+                    const Band& band, F&& f) {
+  for (int64_t s = 0; s < nk; s += kKeyStrip) {
+    const int64_t w = imin(kKeyStrip, nk - s);
+    const Band sb = band_of(p, i0, mq, j0 + s, j0 + s + w);
+    if (sb.n > 0) f(s, w, sb.lo - band.lo, sb.n);
+  }
+}
+
 // Keys [j_begin, j_end) of a kv head (dtype d, rows of D) as float for the matmuls: tiles
 // [t_from, t_to) of BK keys, each transposed into kt + t * D * BK as [D, BK] (the B operand of
 // S = Q K^T), and for float16/bfloat16 also row-major into rows + t * BK * D when rows is not
@@ -1221,7 +1239,9 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
         kband = band_of(p, i0, mq, j0, j0 + nk);
         const float* bq = kband.n > 0 ? float_rows(p.dtype, hd.rel_q + kband.lo * D * es, kband.n, D, band_q) : nullptr;
         if (kband.n > 0 && !few_q) {
-          times_keys(bq, kband.n, ket, BK);
+          for_key_strips(p, i0, mq, j0, nk, kband, [&](int64_t s0, int64_t w, int64_t c0, int64_t n) {
+            gemm0(n, w, D, bq + c0 * D, D, kt_all + t * D * BK + s0, BK, ket + c0 * BK + s0, BK);
+          });
         } else if (kband.n > 0) {  // a few rows read few of KE^T's entries: those alone, by dots
           dispatch(p.dtype, [&](auto tag) {
             const auto* kp = reinterpret_cast<const decltype(tag)*>(hd.k);
@@ -1661,7 +1681,9 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
               kband = band_of(p, i0, mq, j0, j0 + nk);
               if (kband.n > 0) {
                 bq = float_rows(p.dtype, hd.rel_q + kband.lo * D * es, kband.n, D, band_q);
-                gemm0(kband.n, nk, D, bq, D, kt_run + tl * D * BK, BK, ket, BK);
+                for_key_strips(p, i0, mq, j0, nk, kband, [&](int64_t s0, int64_t w, int64_t c0, int64_t n) {
+                  gemm0(n, w, D, bq + c0 * D, D, kt_run + tl * D * BK + s0, BK, ket + c0 * BK + s0, BK);
+                });
                 fill_f32(wk, 0.f, kband.n * BK);
               }
               for (int64_t r = 0; r < mq; ++r) {
@@ -1730,10 +1752,12 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
                 key_side_grad(dp + r * BK, j0, nk, split_row(p, i0 + r, j0, nk, kband),
                               dsk + (j0 - rb), dsk + run_keys + (j0 - rb), wk);
               }
-              if (kband.n > 0) {  // dK += WK rel_q[band]; drel_q[band] += WK^T K
-                gemm_at(nk, D, kband.n, wk, BK, bq, D, dk_t, D);
-                if (pq != nullptr) gemm(kband.n, D, nk, wk, BK, kp + (j0 - rb) * D, D, pq + kband.lo * D, D);
-              }
+              // dK += WK rel_q[band]; drel_q[band] += WK^T K
+              for_key_strips(p, i0, mq, j0, nk, kband, [&](int64_t s0, int64_t w, int64_t c0, int64_t n) {
+                const float* wks = wk + c0 * BK + s0;
+                gemm_at(w, D, n, wks, BK, bq + c0 * D, D, dk_t + s0 * D, D);
+                if (pq != nullptr) gemm(n, D, w, wks, BK, kp + (j0 - rb + s0) * D, D, pq + (kband.lo + c0) * D, D);
+              });
             }
           }
           if (hd.rel_k && band.n > 0) {  // dQ += W_ds @ rel_k; drel_k += W_ds^T Q over the band
