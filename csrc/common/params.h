@@ -166,8 +166,9 @@ struct RelAttentionBwdParams {
   void* drel_v_partial;           // [batch, heads, 2K+1, dim] acc type, or null
   void* drel_bias_partial;        // [batch, heads, 2K+1] acc type, or null
   void* drel_q_partial;           // [batch, heads, 2K+1, dim] acc type, or null
-  // CUDA only: one dq block per (b, h) over its query tiles in order, so that the table-gradient
-  // atomics add in a fixed order (set under torch.use_deterministic_algorithms; CPU ignores it)
+  // CUDA only: one dq block per (b, h) over its query tiles in order (and, with rel_q, one dk/dv
+  // block per (b, kv head) over its key tiles in order), so that the table-gradient atomics add in
+  // a fixed order (set under torch.use_deterministic_algorithms; CPU ignores it)
   bool serial_q_tiles = false;
 };
 

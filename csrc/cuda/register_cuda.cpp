@@ -54,17 +54,14 @@ struct CudaBackend {
   static void rel_logits(const RelLogitsParams& p) { run(launch_rel_logits, p); }
   static void bucket_sum(const BucketSumParams& p) { run(launch_bucket_sum, p); }
   static void rel_attention(const RelAttentionParams& p) {
-    TORCH_CHECK(p.rel_q == nullptr, "rel_q (the key-side table) is not implemented in the CUDA "
-                "kernels yet");
     run(launch_rel_attention, p);
   }
   static void rel_attention_backward(const RelAttentionBwdParams& params) {
     // The dq kernel adds the table gradients of its query tile to the per-(b, h) partials with
-    // float atomics, in whatever order the tiles run: not bitwise reproducible. Under
-    // torch.use_deterministic_algorithms it runs one block per (b, h) over its query tiles in
-    // order instead (serial_q_tiles): the same sums in a fixed order, with far fewer blocks.
-    TORCH_CHECK(params.fwd.rel_q == nullptr, "rel_q (the key-side table) is not implemented in "
-                "the CUDA kernels yet");
+    // float atomics, in whatever order the tiles run (and the dk/dv kernel drel_q, from its key
+    // tiles): not bitwise reproducible. Under torch.use_deterministic_algorithms they run one
+    // block per (b, h) over its query tiles (per (b, kv head) over its key tiles) in order
+    // instead (serial_q_tiles): the same sums in a fixed order, with far fewer blocks.
     RelAttentionBwdParams p = params;
     p.serial_q_tiles = (p.drel_k_partial != nullptr || p.drel_v_partial != nullptr ||
                         p.drel_bias_partial != nullptr || p.drel_q_partial != nullptr) &&

@@ -41,9 +41,10 @@ void launch_rel_attention(const RelAttentionParams& p, Stream stream) {
     dispatch_head_dim(p.dim, [&]<int kDC>() {
       using Tl = AttnTile<acc_t<T>, kDC>;
       const int64_t blocks = p.batch * p.heads * cdiv(p.q_len, Tl::kOwn);
-      launch(rel_attention_fwd_kernel<T, kDC>, dim3(grid_x(blocks, "rel_attention"), 1, 1),
-             dim3(Tl::kThreads, 1, 1), Tl::fwd_smem(p.rel_bias != nullptr) * sizeof(acc_t<T>),
-             stream, p);
+      const bool rel_q = p.rel_q != nullptr;  // the kernel's kRelQ
+      launch(rel_q ? rel_attention_fwd_kernel<T, kDC, true> : rel_attention_fwd_kernel<T, kDC, false>,
+             dim3(grid_x(blocks, "rel_attention"), 1, 1), dim3(Tl::kThreads, 1, 1),
+             Tl::fwd_smem(p.rel_bias != nullptr, rel_q) * sizeof(acc_t<T>), stream, p);
     });
   });
 }
@@ -67,18 +68,28 @@ void launch_rel_attention_backward(const RelAttentionBwdParams& p, void* workspa
     dispatch_head_dim(f.dim, [&]<int kDC>() {
       using Tl = AttnTile<A, kDC>;
       const int64_t q_blocks = f.batch * f.heads * (p.serial_q_tiles ? 1 : cdiv(f.q_len, Tl::kOwn));
-      const bool bias = f.rel_bias != nullptr;  // the kernels' kBias
-      launch(p.serial_q_tiles ? (bias ? rel_attention_bwd_dq_kernel<T, kDC, true, true>
-                                      : rel_attention_bwd_dq_kernel<T, kDC, true, false>)
-                              : (bias ? rel_attention_bwd_dq_kernel<T, kDC, false, true>
-                                      : rel_attention_bwd_dq_kernel<T, kDC, false, false>),
-             dim3(grid_x(q_blocks, "rel_attention_backward"), 1, 1), dim3(Tl::kThreads, 1, 1),
-             Tl::dq_smem(bias) * sizeof(A), stream, p, static_cast<const A*>(ws));
-      const int64_t k_blocks = f.batch * f.kv_heads * cdiv(f.k_len, Tl::kOwn);
-      launch(bias ? rel_attention_bwd_dkdv_kernel<T, kDC, true>
-                  : rel_attention_bwd_dkdv_kernel<T, kDC, false>,
-             dim3(grid_x(k_blocks, "rel_attention_backward"), 1, 1), dim3(Tl::kThreads, 1, 1),
-             Tl::dkdv_smem(bias) * sizeof(A), stream, p, static_cast<const A*>(ws));
+      // The kernels' kBias and kRelQ; the rel_q kernels are the bias ones too (kBias, the bias
+      // checked at run time), which saves instantiations (and nvcc time) at a few registers.
+      const bool bias = f.rel_bias != nullptr, rel_q = f.rel_q != nullptr;
+      const bool serial = p.serial_q_tiles;
+      auto dq = rel_q    ? (serial ? rel_attention_bwd_dq_kernel<T, kDC, true, true, true>
+                                   : rel_attention_bwd_dq_kernel<T, kDC, false, true, true>)
+                : bias   ? (serial ? rel_attention_bwd_dq_kernel<T, kDC, true, true, false>
+                                   : rel_attention_bwd_dq_kernel<T, kDC, false, true, false>)
+                         : (serial ? rel_attention_bwd_dq_kernel<T, kDC, true, false, false>
+                                   : rel_attention_bwd_dq_kernel<T, kDC, false, false, false>);
+      launch(dq, dim3(grid_x(q_blocks, "rel_attention_backward"), 1, 1), dim3(Tl::kThreads, 1, 1),
+             Tl::dq_smem(bias, rel_q) * sizeof(A), stream, p, static_cast<const A*>(ws));
+      // Only the rel_q kernels add to a table gradient from several key tiles: their serial form
+      // takes one block per (b, kv head) over its key tiles in order (deterministic mode).
+      const bool dkdv_serial = serial && rel_q;
+      const int64_t k_blocks = f.batch * f.kv_heads * (dkdv_serial ? 1 : cdiv(f.k_len, Tl::kOwn));
+      auto dkdv = rel_q  ? (dkdv_serial ? rel_attention_bwd_dkdv_kernel<T, kDC, true, true, true>
+                                        : rel_attention_bwd_dkdv_kernel<T, kDC, false, true, true>)
+                  : bias ? rel_attention_bwd_dkdv_kernel<T, kDC, false, true, false>
+                         : rel_attention_bwd_dkdv_kernel<T, kDC, false, false, false>;
+      launch(dkdv, dim3(grid_x(k_blocks, "rel_attention_backward"), 1, 1), dim3(Tl::kThreads, 1, 1),
+             Tl::dkdv_smem(bias, rel_q) * sizeof(A), stream, p, static_cast<const A*>(ws));
     });
   });
 }

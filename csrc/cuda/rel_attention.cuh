@@ -59,18 +59,25 @@ struct AttnTile {
   static constexpr int kBand = kOwn + kLanes - 1;      // table rows of one tile pair
   static constexpr int kLdP = kLanes + 1;
   static constexpr int kBiasSmem = 2 + kBand;          // staged rel_bias (stage_bias)
+  // staged rel_q rows of a chunk (stage_key_side: bucket 0, bucket 2K, the band) and, for the
+  // dk/dv kernel, the clamped dS mass of each owned key
+  static constexpr int kKeySideSmem = (2 + kBand) * kLd + 2 * kOwn;
 
   // Dynamic shared memory of each kernel, in elements of A (layouts in the kernels); the staged
-  // bias at the end, only with a bias.
-  static constexpr int fwd_smem(bool bias) {
-    return kOwn * kD + (kLanes + kBand) * kLd + kOwn * kLdP + 2 * kOwn + (bias ? kBiasSmem : 0);
+  // bias at the end, only with a bias, and after it the staged rel_q, only with one (the rel_q
+  // kernels are also the bias kernels, kBias, so they always hold the bias's room).
+  static constexpr int tail_smem(bool bias, bool rel_q) {
+    return (bias || rel_q ? kBiasSmem : 0) + (rel_q ? kKeySideSmem : 0);
   }
-  static constexpr int dq_smem(bool bias) {
+  static constexpr int fwd_smem(bool bias, bool rel_q) {
+    return kOwn * kD + (kLanes + kBand) * kLd + kOwn * kLdP + 2 * kOwn + tail_smem(bias, rel_q);
+  }
+  static constexpr int dq_smem(bool bias, bool rel_q) {
     return 2 * kOwn * kD + 2 * (kLanes + kBand) * kLd + 2 * kOwn * kLdP +
-           (4 + 1 + kRowTerms) * kOwn + (bias ? kBiasSmem : 0);
+           (4 + 1 + kRowTerms) * kOwn + tail_smem(bias, rel_q);
   }
-  static constexpr int dkdv_smem(bool bias) {
-    return 2 * kOwn * kD + 2 * (kLanes + kBand) * kLd + 2 * kOwn * kLdP + (bias ? kBiasSmem : 0);
+  static constexpr int dkdv_smem(bool bias, bool rel_q) {
+    return 2 * kOwn * kD + 2 * (kLanes + kBand) * kLd + 2 * kOwn * kLdP + tail_smem(bias, rel_q);
   }
 };
 
@@ -178,6 +185,42 @@ RELPOS_DEVICE void stage_chunk(A* dst, const T* src, int rows, int64_t valid, in
   for (int idx = threadIdx.x; idx < rows * Tl::kDK; idx += Tl::kThreads) {
     const int r = idx / Tl::kDK, c = idx % Tl::kDK;
     dst[r * Tl::kLd + c] = (r < valid && d0 + c < dim) ? A(to_float(src[r * dim + d0 + c])) : A(0);
+  }
+}
+
+// The rel_q rows (key-side table, rel_q of one head: `eq`) one (query tile, key tile) pair reads,
+// columns [d0, d0 + kDK) (stride kLd, zero beyond `dim`): dst[0] = eq[0], dst[1] = eq[2K] (the
+// clamped buckets), dst[2 + c] = eq[band.begin + c] for the nb inner buckets of the band.
+// table_rows = 2K + 1.
+template <typename Tl, typename T, typename A>
+RELPOS_DEVICE void stage_key_side(A* dst, const T* eq, int64_t table_rows, const BucketSpan& band,
+                                  int nb, int64_t dim, int64_t d0) {
+  for (int idx = threadIdx.x; idx < (nb + 2) * Tl::kDK; idx += Tl::kThreads) {
+    const int r = idx / Tl::kDK, c = idx % Tl::kDK;
+    const int64_t bucket = r == 0 ? 0 : (r == 1 ? table_rows - 1 : band.begin + r - 2);
+    dst[r * Tl::kLd + c] = d0 + c < dim ? A(to_float(eq[bucket * dim + d0 + c])) : A(0);
+  }
+}
+
+// Row of the staged rel_q (stage_key_side) for key j of a query row whose inner keys are `in` and
+// whose band row for j is erow (band_row): 0 left of the inner keys, 1 right of them.
+RELPOS_DEVICE int key_side_row(int64_t j, const KeySpan& in, int erow) {
+  return j < in.begin ? 0 : (j >= in.end ? 1 : 2 + erow);
+}
+
+// k_j . rel_q[b(i, j)] over one staged chunk, for each of a warp's rows rr: the key is key[dd]
+// (stride 1), its staged rel_q row eqs[qrow[rr]] (stride kLd). In the forward and the dq kernel
+// the key is the lane's streamed row (one key, a row per rr); in the dk/dv kernel the owned key
+// rows (key + rr kD) meet the lane's query.
+template <typename Tl, typename A>
+RELPOS_DEVICE void key_side_dots(const A* key, int key_stride, int n, const A* eqs,
+                                 const int (&qrow)[Tl::kRows], A (&ke)[Tl::kRows]) {
+  RELPOS_UNROLL4
+  for (int dd = 0; dd < n; ++dd) {
+    RELPOS_UNROLL
+    for (int rr = 0; rr < Tl::kRows; ++rr) {
+      ke[rr] += key[rr * key_stride + dd] * eqs[qrow[rr] * Tl::kLd + dd];
+    }
   }
 }
 
@@ -304,13 +347,46 @@ RELPOS_DEVICE void accumulate_inner_band(A (&acc)[Tl::kRows][Tl::kChunks * Tl::k
   }
 }
 
+// The rel_q band of dk for the owned key rows of a warp (keys j_first .. j_first + kRows - 1, the
+// first nk_warp of them real): each key's inner queries within the query tile [i0, i0 + nq) read
+// the staged rel_q rows (stage_key_side, band rows from 2) along the skew, one bucket fewer per
+// query: dk[rr] += sum_ii w[rr][ii] rel_q[b(i0 + ii, j)].
+template <typename Tl, typename A>
+RELPOS_DEVICE void accumulate_key_side_band(A (&acc)[Tl::kRows][Tl::kChunks * Tl::kCPC], int ch,
+                                            const A* w, const A* eqs, const RelAttentionParams& p,
+                                            int64_t i0, int64_t nq, int64_t j_first,
+                                            int64_t nk_warp, const BucketSpan& band, int lane) {
+  const int64_t K = p.max_distance;
+  RELPOS_UNROLL
+  for (int rr = 0; rr < Tl::kRows; ++rr) {
+    if (rr >= nk_warp) break;  // warp-uniform
+    // queries with |r| < K: q_offset + i in (k_offset + j - K, k_offset + j + K)
+    const int64_t c = p.k_offset + j_first + rr - p.q_offset;
+    const int64_t ib = c - K + 1 > i0 ? c - K + 1 : i0;
+    const int64_t ie = c + K < i0 + nq ? c + K : i0 + nq;
+    if (ib >= ie) continue;
+    // staged row of query i0 if it were inner (bucket r + K); each next query is one row lower
+    const int first = 2 + static_cast<int>(rel_distance(i0, j_first + rr, p.q_offset, p.k_offset) +
+                                           K - band.begin);
+    const A* w_row = w + rr * Tl::kLdP;
+    for (int64_t ii = ib - i0; ii < ie - i0; ++ii) {
+      const A wi = w_row[ii];
+      const A* e = eqs + (first - ii) * Tl::kLd + lane;
+      RELPOS_UNROLL
+      for (int cc = 0; cc < Tl::kCPC; ++cc) acc[rr][ch * Tl::kCPC + cc] += wi * e[cc * 32];
+    }
+  }
+}
+
 // ---- forward ------------------------------------------------------------------------------------
 // Grid: batch * heads * ceil(q_len / kOwn) blocks of kThreads. Shared memory (dynamic, elements of
 // the accumulation type): sQ [kOwn][kD] | sKV [32][kLd] a chunk of K, then of V | sE [kBand][kLd] a
 // chunk of the rel_k band, then of the rel_v band | sP [kOwn][33] the tile's probabilities |
 // sQe [kOwn][2] q_i . rel_k[0] and q_i . rel_k[2K] | sB [2 + kBand] the tile pair's rel_bias
-// (stage_bias; only with a bias).
-template <typename T, int kDC>
+// (stage_bias; with a bias or kRelQ) | sEq [2 + kBand][kLd] a chunk of the tile pair's rel_q rows
+// (stage_key_side; kRelQ only). kRelQ: rel_q is given (a template flag, as kBias of the backward,
+// so that the kernel without it keeps its registers).
+template <typename T, int kDC, bool kRelQ>
 __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
     rel_attention_fwd_kernel(RelAttentionParams p) {
   using A = acc_t<T>;
@@ -323,6 +399,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
   A* sP = sE + Tl::kBand * Tl::kLd;
   A* sQe = sP + Tl::kOwn * Tl::kLdP;
   A* sB = sQe + 2 * Tl::kOwn;
+  A* sEq = sB + Tl::kBiasSmem;
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t q_tiles = (p.q_len + Tl::kOwn - 1) / Tl::kOwn;
@@ -339,6 +416,8 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
                 : static_cast<const T*>(p.rel_v) + (p.rel_v_per_head ? h * table_rows * D : 0);
   const T* eb = p.rel_bias == nullptr ? nullptr
                 : static_cast<const T*>(p.rel_bias) + (p.rel_bias_per_head ? h * table_rows : 0);
+  const T* eq = !kRelQ ? nullptr
+                : static_cast<const T*>(p.rel_q) + (p.rel_q_per_head ? h * table_rows * D : 0);
   const A scale2 = static_cast<A>(p.scale * kLog2e);  // logits in base 2
   const int n_chunks = static_cast<int>((D + Tl::kDK - 1) / Tl::kDK);
 
@@ -393,18 +472,32 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
       if (n_chunks == 0) __syncthreads();
     }
 
-    // S = Q K^T (+ Q . rel_k along the skew), chunk by chunk of columns.
+    // With rel_q, this lane's key meets one staged rel_q row per owned row (key_side_row).
+    int qrow[R];
+    A ke[R];
+    if constexpr (kRelQ) {
+      RELPOS_UNROLL
+      for (int rr = 0; rr < R; ++rr) {
+        const int64_t i = i0 + warp * R + rr;
+        qrow[rr] = key_side_row(j, inner_keys(i, p.k_len, K, p.q_offset, p.k_offset), erow[rr]);
+        ke[rr] = 0;
+      }
+    }
+
+    // S = Q K^T (+ Q . rel_k along the skew, + K . rel_q), chunk by chunk of columns.
     A s[R], se[R];
     RELPOS_UNROLL
     for (int rr = 0; rr < R; ++rr) s[rr] = se[rr] = 0;
     for (int ch = 0; ch < n_chunks; ++ch) {
       const int64_t d0 = static_cast<int64_t>(ch) * Tl::kDK;
       const int dn = static_cast<int>(D - d0 < Tl::kDK ? D - d0 : Tl::kDK);
-      __syncthreads();  // the previous readers of sKV / sE are done
+      __syncthreads();  // the previous readers of sKV / sE (/ sEq) are done
       stage_chunk<Tl>(sKV, k + j0 * D, Tl::kLanes, nk, D, d0);
       if (k_band) stage_chunk<Tl>(sE, ek + band.begin * D, nb, nb, D, d0);
+      if constexpr (kRelQ) stage_key_side<Tl>(sEq, eq, table_rows, band, nb, D, d0);
       __syncthreads();
       score_dots<Tl>(k_band, my_q, d0, dn, sKV + lane * Tl::kLd, sE, erow, s, se);
+      if constexpr (kRelQ) key_side_dots<Tl>(sKV + lane * Tl::kLd, 0, dn, sEq, qrow, ke);
     }
 
     // Online softmax; this lane's probability of each row goes to sP.
@@ -416,7 +509,10 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
       if (attn_visible(p, b, h, i, j)) {
         const A* qe = sQe + (warp * R + rr) * 2;
         const A rel = ek == nullptr ? A(0) : (j < in.begin ? qe[0] : (j >= in.end ? qe[1] : se[rr]));
-        x = (s[rr] + rel) * scale2;
+        // (q . k + k . rel_q) + q . rel_k, the order of the backward's prob_grad
+        A sk = s[rr];
+        if constexpr (kRelQ) sk += ke[rr];
+        x = (sk + rel) * scale2;
         if (eb != nullptr) x += staged_bias(sB, j, in, erow[rr]);  // bias * log2 e, after the scale
       }
       const A mt = warp_max(x);
@@ -553,12 +649,15 @@ RELPOS_DEVICE ProbGrad<A> prob_grad(bool visible, bool has_k, bool has_v, int64_
 // bp.serial_q_tiles, all the tiles of its (b, h) in order. Shared memory: sQ, sdO [kOwn][kD] | sK,
 // sV [32][kLd] chunks | sEk, sEv [kBand][kLd] band chunks | sP, sDS [kOwn][33] | sLo [kOwn][4] (per
 // row: clamped ds mass lo/hi, clamped p mass lo/hi) | sRow [kOwn][1 + kRowTerms] (lse in base 2, ws
-// row) | sB [2 + kBand] the tile pair's rel_bias (stage_bias; kBias only). dq accumulates in
+// row) | sB [2 + kBand] the tile pair's rel_bias (stage_bias; kBias only) | sEq [2 + kBand][kLd]
+// a chunk of the tile pair's rel_q rows (stage_key_side; kRelQ only). dq accumulates in
 // registers; the table (and bias) gradients of the band go straight to drel_*_partial with
 // atomicAdd (rows shared by query tiles), those of the clamped buckets at the end of the tile.
 // kBias: rel_bias is given (a template flag so that the kernels without one keep the registers they
-// had without bias code).
-template <typename T, int kDC, bool kBias>
+// had without bias code). kRelQ: rel_q is given (and kBias is set with it, the bias then checked
+// at run time: one instantiation fewer); rel_q only enters the logits here (k_j . rel_q[b] does
+// not depend on q): its gradients are the dk/dv kernel's, which owns the keys.
+template <typename T, int kDC, bool kBias, bool kRelQ>
 __device__ void bwd_dq_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws, int64_t bh,
                             int64_t tile) {
   using A = acc_t<T>;
@@ -577,6 +676,7 @@ __device__ void bwd_dq_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws,
   A* sLo = sDS + Tl::kOwn * Tl::kLdP;
   A* sRow = sLo + 4 * Tl::kOwn;
   A* sB = sRow + (1 + kRowTerms) * Tl::kOwn;
+  A* sEq = sB + Tl::kBiasSmem;
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t h = bh % p.heads, b = bh / p.heads;
@@ -598,6 +698,8 @@ __device__ void bwd_dq_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws,
                 : static_cast<const T*>(p.rel_bias) + (p.rel_bias_per_head ? h * table_rows : 0);
   A* pb = !kBias || bp.drel_bias_partial == nullptr ? nullptr
           : static_cast<A*>(bp.drel_bias_partial) + bh * table_rows;
+  const T* eq = !kRelQ ? nullptr
+                : static_cast<const T*>(p.rel_q) + (p.rel_q_per_head ? h * table_rows * D : 0);
   const A scale = static_cast<A>(p.scale);
   const A scale2 = static_cast<A>(p.scale * kLog2e);  // the softmax is in base 2
   const int n_chunks = static_cast<int>((D + Tl::kDK - 1) / Tl::kDK);
@@ -638,6 +740,17 @@ __device__ void bwd_dq_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws,
     // the previous tile read sB before its "sP / sDS complete" barrier; the chunk loop below (at
     // least one chunk: the backward does not run for D = 0) publishes it
     if (eb != nullptr) stage_bias<Tl>(sB, eb, table_rows, band, nb);
+    // with rel_q, as the forward: this lane's key meets one staged rel_q row per owned row
+    int qrow[R];
+    A ke[R];
+    if constexpr (kRelQ) {
+      RELPOS_UNROLL
+      for (int rr = 0; rr < R; ++rr) {
+        const int64_t i = i0 + warp * R + rr;
+        qrow[rr] = key_side_row(j, inner_keys(i, p.k_len, K, p.q_offset, p.k_offset), erow[rr]);
+        ke[rr] = 0;
+      }
+    }
 
     A s[R], se[R], dp[R], dpe[R];
     RELPOS_UNROLL
@@ -650,9 +763,11 @@ __device__ void bwd_dq_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws,
       stage_chunk<Tl>(sV, v + j0 * D, Tl::kLanes, nk, D, d0);
       if (k_band) stage_chunk<Tl>(sEk, ek + band.begin * D, nb, nb, D, d0);
       if (v_band) stage_chunk<Tl>(sEv, ev + band.begin * D, nb, nb, D, d0);
+      if constexpr (kRelQ) stage_key_side<Tl>(sEq, eq, table_rows, band, nb, D, d0);
       __syncthreads();
       score_dots<Tl>(k_band, my_q, d0, dn, sK + lane * Tl::kLd, sEk, erow, s, se);
       score_dots<Tl>(v_band, my_g, d0, dn, sV + lane * Tl::kLd, sEv, erow, dp, dpe);
+      if constexpr (kRelQ) key_side_dots<Tl>(sK + lane * Tl::kLd, 0, dn, sEq, qrow, ke);
     }
     RELPOS_UNROLL
     for (int rr = 0; rr < R; ++rr) {
@@ -660,8 +775,10 @@ __device__ void bwd_dq_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws,
       const KeySpan in = inner_keys(i, p.k_len, K, p.q_offset, p.k_offset);
       const A* row = sRow + (warp * R + rr) * (1 + kRowTerms);
       const A bias2 = eb == nullptr ? A(0) : staged_bias(sB, j, in, erow[rr]);
+      A sk = s[rr];  // (q . k + k . rel_q), as the forward
+      if constexpr (kRelQ) sk += ke[rr];
       const ProbGrad<A> g = prob_grad(attn_visible(p, b, h, i, j), ek != nullptr, ev != nullptr, j,
-                                      in.begin, in.end, s[rr], se[rr], dp[rr], dpe[rr], row + 1,
+                                      in.begin, in.end, sk, se[rr], dp[rr], dpe[rr], row + 1,
                                       row[0], bias2, scale2, p.dropout.on,
                                       attn_dropout<A>(p, attn_dropout_key(p, bh, i), j));
       const bool lo = j < in.begin, hi = j >= in.end;
@@ -786,31 +903,38 @@ __device__ void bwd_dq_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws,
 // block leaves registers for 2 blocks per SM instead of 3. Likewise kBias (set when rel_bias is
 // given): the bias code costs the one-tile form without a bias 13-18 registers (sm_80 and sm_90; at
 // D <= 32 168 -> 184-186, again 3 blocks per SM -> 2), so only the bias instantiations hold it.
-template <typename T, int kDC, bool kSerial, bool kBias>
+// kRelQ (rel_q given; with kBias) likewise.
+template <typename T, int kDC, bool kSerial, bool kBias, bool kRelQ>
 __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
     rel_attention_bwd_dq_kernel(RelAttentionBwdParams bp, const acc_t<T>* ws) {
   using Tl = AttnTile<acc_t<T>, kDC>;
   const int64_t q_tiles = (bp.fwd.q_len + Tl::kOwn - 1) / Tl::kOwn;
   if constexpr (!kSerial) {
-    bwd_dq_tile<T, kDC, kBias>(bp, ws, blockIdx.x / q_tiles, blockIdx.x % q_tiles);
+    bwd_dq_tile<T, kDC, kBias, kRelQ>(bp, ws, blockIdx.x / q_tiles, blockIdx.x % q_tiles);
   } else {
     for (int64_t t = 0; t < q_tiles; ++t) {
-      bwd_dq_tile<T, kDC, kBias>(bp, ws, blockIdx.x, t);
+      bwd_dq_tile<T, kDC, kBias, kRelQ>(bp, ws, blockIdx.x, t);
       __syncthreads();  // the next tile restages the shared memory this one read last
     }
   }
 }
 
 // ---- backward: dk and dv ------------------------------------------------------------------------
-// Grid: batch * kv_heads * ceil(k_len / kOwn) blocks; each owns kOwn keys of one kv head (the only
-// writer of their dk / dv) and loops over the query heads of the group and their query tiles of 32
-// (one query row per lane). Shared memory: sK, sV [kOwn][kD] | sQ, sdO [32][kLd] chunks | sEk, sEv
-// [kBand][kLd] band chunks | sP, sDS [kOwn][33] (key row x query lane) | sB [2 + kBand] the tile
-// pair's rel_bias (stage_bias; kBias only). kBias: rel_bias is given (a template flag as for the dq
-// kernel: the bias code costs a kernel without one 0-9 registers, at D <= 64 168 -> 173-177).
-template <typename T, int kDC, bool kBias>
-__global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
-    rel_attention_bwd_dkdv_kernel(RelAttentionBwdParams bp, const acc_t<T>* ws) {
+// One key tile (tile) of one (b, kv head) (bkv): kOwn keys (the only writer of their dk / dv); it
+// loops over the query heads of the group and their query tiles of 32 (one query row per lane).
+// Shared memory: sK, sV [kOwn][kD] | sQ, sdO [32][kLd] chunks | sEk, sEv [kBand][kLd] band chunks |
+// sP, sDS [kOwn][33] (key row x query lane) | sB [2 + kBand] the tile pair's rel_bias
+// (stage_bias; kBias only) | sEq [2 + kBand][kLd] a chunk of the tile pair's rel_q rows
+// (stage_key_side) and sKm [kOwn][2] the clamped dS mass of each key (kRelQ only). kBias:
+// rel_bias is given (a template flag as for the dq kernel: the bias code costs a kernel without
+// one 0-9 registers, at D <= 64 168 -> 173-177). kRelQ: rel_q is given (with kBias): dk_j +=
+// scale sum_i ds_ij rel_q[b(i, j)], the band along the skew per query tile and the clamped
+// buckets from each key's dS mass per head; drel_q[b] = scale sum ds_ij k_j, the band per query
+// tile and the clamped rows per head, with atomicAdd into drel_q_partial (rows shared by key
+// tiles).
+template <typename T, int kDC, bool kBias, bool kRelQ>
+__device__ void bwd_dkdv_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws, int64_t bkv,
+                              int64_t tile) {
   using A = acc_t<T>;
   using Tl = AttnTile<A, kDC>;
   constexpr int R = Tl::kRows, C = Tl::kChunks * Tl::kCPC;
@@ -825,11 +949,12 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
   A* sP = sEv + Tl::kBand * Tl::kLd;
   A* sDS = sP + Tl::kOwn * Tl::kLdP;
   A* sB = sDS + Tl::kOwn * Tl::kLdP;
+  A* sEq = sB + Tl::kBiasSmem;
+  A* sKm = sEq + (2 + Tl::kBand) * Tl::kLd;
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t k_tiles = (p.k_len + Tl::kOwn - 1) / Tl::kOwn;
-  const int64_t bkv = blockIdx.x / k_tiles, hk = bkv % p.kv_heads, b = bkv / p.kv_heads;
-  const int64_t j0 = (blockIdx.x % k_tiles) * Tl::kOwn;
+  const int64_t hk = bkv % p.kv_heads, b = bkv / p.kv_heads;
+  const int64_t j0 = tile * Tl::kOwn;
   const int64_t nk = p.k_len - j0 < Tl::kOwn ? p.k_len - j0 : Tl::kOwn;
   const int64_t D = p.dim, K = p.max_distance, table_rows = num_buckets(K);
   const int64_t group = p.heads / p.kv_heads;
@@ -872,6 +997,15 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
                   : static_cast<const T*>(p.rel_v) + (p.rel_v_per_head ? h * table_rows * D : 0);
     const T* eb = !kBias ? nullptr
                   : static_cast<const T*>(p.rel_bias) + (p.rel_bias_per_head ? h * table_rows : 0);
+    const T* eq = !kRelQ ? nullptr
+                  : static_cast<const T*>(p.rel_q) + (p.rel_q_per_head ? h * table_rows * D : 0);
+    A* pq = !kRelQ || bp.drel_q_partial == nullptr ? nullptr
+            : static_cast<A*>(bp.drel_q_partial) + bh * table_rows * D;
+    A km[R][2];  // kRelQ: this lane's part of each owned key's dS mass in bucket 0 / 2K
+    if constexpr (kRelQ) {
+      RELPOS_UNROLL
+      for (int rr = 0; rr < R; ++rr) km[rr][0] = km[rr][1] = 0;
+    }
     for (int64_t i0 = (i_first / Tl::kLanes) * Tl::kLanes; i0 < i_end; i0 += Tl::kLanes) {
       const int64_t i = i0 + lane;
       const int nq = static_cast<int>(p.q_len - i0 < Tl::kLanes ? p.q_len - i0 : Tl::kLanes);
@@ -892,6 +1026,16 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
       // the previous query tile read sB before the first barrier of its dk / dv loop; the chunk
       // loop below (at least one chunk: the backward does not run for D = 0) publishes it
       if (eb != nullptr) stage_bias<Tl>(sB, eb, table_rows, band, nb);
+      // with rel_q: each owned key meets this lane's query at one staged rel_q row
+      int qrow[R];
+      A ke[R];
+      if constexpr (kRelQ) {
+        RELPOS_UNROLL
+        for (int rr = 0; rr < R; ++rr) {
+          qrow[rr] = key_side_row(j0 + warp * R + rr, in, erow[rr]);
+          ke[rr] = 0;
+        }
+      }
 
       A s[R], se[R], dp[R], dpe[R];
       RELPOS_UNROLL
@@ -904,18 +1048,26 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
         stage_chunk<Tl>(sG, g + i0 * D, Tl::kLanes, nq, D, d0);
         if (k_band) stage_chunk<Tl>(sEk, ek + band.begin * D, nb, nb, D, d0);
         if (v_band) stage_chunk<Tl>(sEv, ev + band.begin * D, nb, nb, D, d0);
+        if constexpr (kRelQ) stage_key_side<Tl>(sEq, eq, table_rows, band, nb, D, d0);
         __syncthreads();
         score_dots_t<Tl>(k_band, my_k, d0, dn, sQ + lane * Tl::kLd, sEk, erow, s, se);
         score_dots_t<Tl>(v_band, my_v, d0, dn, sG + lane * Tl::kLd, sEv, erow, dp, dpe);
+        if constexpr (kRelQ) key_side_dots<Tl>(my_k + d0, Tl::kD, dn, sEq, qrow, ke);
       }
       RELPOS_UNROLL
       for (int rr = 0; rr < R; ++rr) {
         const int64_t j = j0 + warp * R + rr;
         const A bias2 = eb == nullptr ? A(0) : staged_bias(sB, j, in, erow[rr]);
+        A sk = s[rr];  // (q . k + k . rel_q), as the forward
+        if constexpr (kRelQ) sk += ke[rr];
         const ProbGrad<A> pg = prob_grad(attn_visible(p, b, h, i, j), ek != nullptr, ev != nullptr, j,
-                                         in.begin, in.end, s[rr], se[rr], dp[rr], dpe[rr], row,
+                                         in.begin, in.end, sk, se[rr], dp[rr], dpe[rr], row,
                                          lse2, bias2, scale2, p.dropout.on,
                                          attn_dropout<A>(p, drop_key, j));
+        if constexpr (kRelQ) {
+          km[rr][0] += j < in.begin ? pg.ds : A(0);
+          km[rr][1] += j >= in.end ? pg.ds : A(0);
+        }
         sP[(warp * R + rr) * Tl::kLdP + lane] = pg.p;
         sDS[(warp * R + rr) * Tl::kLdP + lane] = pg.ds;
       }
@@ -930,10 +1082,68 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
         if (n_chunks > 1) {  // one chunk: still staged from the score pass
           stage_chunk<Tl>(sQ, q + i0 * D, Tl::kLanes, nq, D, static_cast<int64_t>(ch) * Tl::kDK);
           stage_chunk<Tl>(sG, g + i0 * D, Tl::kLanes, nq, D, static_cast<int64_t>(ch) * Tl::kDK);
+          if constexpr (kRelQ) {
+            if (nb > 0) {
+              stage_key_side<Tl>(sEq, eq, table_rows, band, nb, D, static_cast<int64_t>(ch) * Tl::kDK);
+            }
+          }
           __syncthreads();
         }
         chunk_accumulate<Tl>(dk, ch, my_ds, sQ, nq, lane);
         chunk_accumulate<Tl>(dv, ch, my_p, sG, nq, lane);
+        if constexpr (kRelQ) {
+          if (nb > 0) accumulate_key_side_band<Tl>(dk, ch, my_ds, sEq, p, i0, nq, j0 + warp * R,
+                                                   nk - warp * R, band, lane);
+        }
+      }
+      if constexpr (kRelQ) {
+        // drel_q of the band: bucket c meets owned key r at the query of distance c - K. sDS is
+        // complete (the first barrier of the loop above) and rewritten only after the next
+        // tile's score barriers.
+        if (nb > 0 && pq != nullptr) {
+          for (int64_t idx = threadIdx.x; idx < nb * D; idx += Tl::kThreads) {
+            const int64_t c = idx / D, d = idx % D, bucket = band.begin + c;
+            A gq = 0;
+            for (int r = 0; r < nk; ++r) {
+              const int64_t ii = p.k_offset + j0 + r - p.q_offset - (bucket - K) - i0;
+              if (ii < 0 || ii >= nq) continue;
+              gq += sDS[r * Tl::kLdP + ii] * sK[r * Tl::kD + d];
+            }
+            atomicAdd(pq + bucket * D + d, gq * scale);
+          }
+        }
+      }
+    }
+    if constexpr (kRelQ) {
+      // The clamped buckets of head h: each owned key's dS mass there (km, summed over the
+      // warp) times rel_q[0] / rel_q[2K] into dk, and times k_j into drel_q[0] / drel_q[2K].
+      __syncthreads();  // the previous head's readers of sKm are done
+      RELPOS_UNROLL
+      for (int rr = 0; rr < R; ++rr) {
+        const A lo = warp_sum(km[rr][0]), hi = warp_sum(km[rr][1]);
+        if (lane == 0) {
+          sKm[(warp * R + rr) * 2 + 0] = lo;
+          sKm[(warp * R + rr) * 2 + 1] = hi;
+        }
+        RELPOS_UNROLL
+        for (int c = 0; c < C; ++c) {
+          const int64_t d = c * 32 + lane;
+          if (d < D) {
+            dk[rr][c] += lo * A(to_float(eq[d])) + hi * A(to_float(eq[(table_rows - 1) * D + d]));
+          }
+        }
+      }
+      __syncthreads();
+      if (pq != nullptr) {
+        for (int64_t d = threadIdx.x; d < D; d += Tl::kThreads) {
+          A g_lo = 0, g_hi = 0;
+          for (int r = 0; r < nk; ++r) {
+            g_lo += sKm[r * 2 + 0] * sK[r * Tl::kD + d];
+            g_hi += sKm[r * 2 + 1] * sK[r * Tl::kD + d];
+          }
+          atomicAdd(pq + d, g_lo * scale);
+          atomicAdd(pq + (table_rows - 1) * D + d, g_hi * scale);
+        }
       }
     }
   }
@@ -950,6 +1160,26 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
       if (d >= D) continue;
       dkp[r * D + d] = from_float<T>(dk[rr][c] * scale);
       dvp[r * D + d] = from_float<T>(dv[rr][c]);
+    }
+  }
+}
+
+// Grid: batch * kv_heads * ceil(k_len / kOwn) blocks, one key tile each; or, kSerial (set from
+// bp.serial_q_tiles with rel_q, whose gradient the key tiles add to with atomics), batch *
+// kv_heads blocks that each take their (b, kv head)'s key tiles in order, so that drel_q comes out
+// bitwise the same on every run (as the dq kernel's kSerial). kSerial only with kRelQ: without
+// rel_q this kernel has no atomics.
+template <typename T, int kDC, bool kSerial, bool kBias, bool kRelQ>
+__global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
+    rel_attention_bwd_dkdv_kernel(RelAttentionBwdParams bp, const acc_t<T>* ws) {
+  using Tl = AttnTile<acc_t<T>, kDC>;
+  const int64_t k_tiles = (bp.fwd.k_len + Tl::kOwn - 1) / Tl::kOwn;
+  if constexpr (!kSerial) {
+    bwd_dkdv_tile<T, kDC, kBias, kRelQ>(bp, ws, blockIdx.x / k_tiles, blockIdx.x % k_tiles);
+  } else {
+    for (int64_t t = 0; t < k_tiles; ++t) {
+      bwd_dkdv_tile<T, kDC, kBias, kRelQ>(bp, ws, blockIdx.x, t);
+      __syncthreads();  // the next tile restages the shared memory this one read last
     }
   }
 }
