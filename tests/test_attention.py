@@ -10,6 +10,7 @@ import torch
 
 import relpos_ext
 from relpos_ext import reference as ref
+from _emu import emu_seed
 from conftest import assert_close
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -797,8 +798,6 @@ REL_Q_CASES = BIAS_CASES + ["decode_long_cache", "decode_split_uniform"]
 
 def _rel_q_backend(backend):
     _attention_backend(backend)
-    if backend.name in ("cuda-emu", "cuda"):
-        pytest.skip("rel_q: the CUDA kernels do not take the key-side table yet")
     return backend
 
 
@@ -884,6 +883,29 @@ def test_rel_attention_rel_q_is_the_transposed_key_term():
     logits_t = (out_t[..., :6].clamp_min(1e-300)).log() + lse_t[..., None]
     qk = q @ k.transpose(-1, -2)
     torch.testing.assert_close(logits - qk, (logits_t - qk.transpose(-1, -2)).transpose(-1, -2))
+
+
+@pytest.mark.parametrize("name", ["tiles_decode_gqa", "tiles_two_sided"])
+def test_rel_attention_rel_q_deterministic_is_bitwise(backend, name):
+    """Under torch.use_deterministic_algorithms the forward and backward with a key-side table
+    (per head, with a bias and both tables) are bitwise the same from run to run. The CUDA dk/dv
+    kernel adds drel_q from each key tile with atomics; in this mode it takes a (b, kv head)'s key
+    tiles in order in one block (as the dq kernel its query tiles). On the emulator the two runs
+    use different schedules (emu_seed: block order and thread interleaving, hence atomics order),
+    which is how an unordered sum would show there."""
+    _rel_q_backend(backend)
+    case = CASES[name]
+    tensors, kw = make_inputs(case, torch.float32)
+    kw.update(rel_q=random_rel_q(case, True, 3).float(), rel_bias=random_bias(case, True, 3).float())
+    grad = torch.randn(tensors[0].shape, generator=torch.Generator().manual_seed(5))
+    results = []
+    for seed in (1, 2):
+        schedule = emu_seed(seed) if backend.name == "cuda-emu" else contextlib.nullcontext()
+        with deterministic(), schedule:
+            out, lse = _call(backend, tensors, kw)
+            results.append((out, lse, *_call_backward(backend, grad, tensors, out, lse, kw)))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
 
 
 THREAD_SHAPES = [(2, 4, 2, 300, 260, 32, 40), (1, 8, 2, 5, 8200, 64, 8195),
