@@ -77,7 +77,8 @@ struct AttnTile {
            (4 + 1 + kRowTerms) * kOwn + tail_smem(bias, rel_q);
   }
   static constexpr int dkdv_smem(bool bias, bool rel_q) {
-    return 2 * kOwn * kD + 2 * (kLanes + kBand) * kLd + 2 * kOwn * kLdP + tail_smem(bias, rel_q);
+    return 2 * kOwn * kD + 2 * (kLanes + kBand) * kLd + 2 * kOwn * kLdP + tail_smem(bias, rel_q) +
+           (rel_q ? kOwn * kD : 0);  // sDkq
   }
 };
 
@@ -347,34 +348,28 @@ RELPOS_DEVICE void accumulate_inner_band(A (&acc)[Tl::kRows][Tl::kChunks * Tl::k
   }
 }
 
-// The rel_q band of dk for the owned key rows of a warp (keys j_first .. j_first + kRows - 1, the
-// first nk_warp of them real): each key's inner queries within the query tile [i0, i0 + nq) read
-// the staged rel_q rows (stage_key_side, band rows from 2) along the skew, one bucket fewer per
-// query: dk[rr] += sum_ii w[rr][ii] rel_q[b(i0 + ii, j)].
+// The rel_q band of dk over one staged chunk (columns [d0, d0 + dn)), into dst [kOwn][kD] in
+// shared memory: each owned key r (< nk) meets its inner queries of the query tile [i0, i0 + nq)
+// at the staged rel_q rows (stage_key_side, band rows from 2) along the skew, one bucket fewer per
+// query: dst[r][d] += sum_ii w[r][ii] rel_q[b(i0 + ii, j0 + r)][d]. Block-wide, each entry by one
+// thread; in shared memory rather than the dk registers, which the D <= 256 kernels do not have
+// to spare for the band's indices.
 template <typename Tl, typename A>
-RELPOS_DEVICE void accumulate_key_side_band(A (&acc)[Tl::kRows][Tl::kChunks * Tl::kCPC], int ch,
-                                            const A* w, const A* eqs, const RelAttentionParams& p,
-                                            int64_t i0, int64_t nq, int64_t j_first,
-                                            int64_t nk_warp, const BucketSpan& band, int lane) {
+RELPOS_DEVICE void key_side_band_dk(A* dst, const A* w, const A* eqs, const RelAttentionParams& p,
+                                    int64_t i0, int64_t nq, int64_t j0, int64_t nk,
+                                    const BucketSpan& band, int64_t d0, int dn) {
   const int64_t K = p.max_distance;
-  RELPOS_UNROLL
-  for (int rr = 0; rr < Tl::kRows; ++rr) {
-    if (rr >= nk_warp) break;  // warp-uniform
-    // queries with |r| < K: q_offset + i in (k_offset + j - K, k_offset + j + K)
-    const int64_t c = p.k_offset + j_first + rr - p.q_offset;
-    const int64_t ib = c - K + 1 > i0 ? c - K + 1 : i0;
-    const int64_t ie = c + K < i0 + nq ? c + K : i0 + nq;
-    if (ib >= ie) continue;
-    // staged row of query i0 if it were inner (bucket r + K); each next query is one row lower
-    const int first = 2 + static_cast<int>(rel_distance(i0, j_first + rr, p.q_offset, p.k_offset) +
-                                           K - band.begin);
-    const A* w_row = w + rr * Tl::kLdP;
-    for (int64_t ii = ib - i0; ii < ie - i0; ++ii) {
-      const A wi = w_row[ii];
-      const A* e = eqs + (first - ii) * Tl::kLd + lane;
-      RELPOS_UNROLL
-      for (int cc = 0; cc < Tl::kCPC; ++cc) acc[rr][ch * Tl::kCPC + cc] += wi * e[cc * 32];
-    }
+  for (int idx = threadIdx.x; idx < Tl::kOwn * Tl::kDK; idx += Tl::kThreads) {
+    const int r = idx / Tl::kDK, dd = idx % Tl::kDK;
+    if (r >= nk || dd >= dn) continue;
+    // r(i0 + ii, j) = c - ii; inner queries have |r| < K
+    const int64_t c = rel_distance(i0, j0 + r, p.q_offset, p.k_offset);
+    const int64_t ib = c - K + 1 > 0 ? c - K + 1 : 0;
+    const int64_t ie = c + K < nq ? c + K : nq;
+    const int64_t first = 2 + c + K - band.begin;  // staged row of query i0 if it were inner
+    A acc = 0;
+    for (int64_t ii = ib; ii < ie; ++ii) acc += w[r * Tl::kLdP + ii] * eqs[(first - ii) * Tl::kLd + dd];
+    dst[r * Tl::kD + d0 + dd] += acc;
   }
 }
 
@@ -925,11 +920,12 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
 // Shared memory: sK, sV [kOwn][kD] | sQ, sdO [32][kLd] chunks | sEk, sEv [kBand][kLd] band chunks |
 // sP, sDS [kOwn][33] (key row x query lane) | sB [2 + kBand] the tile pair's rel_bias
 // (stage_bias; kBias only) | sEq [2 + kBand][kLd] a chunk of the tile pair's rel_q rows
-// (stage_key_side) and sKm [kOwn][2] the clamped dS mass of each key (kRelQ only). kBias:
+// (stage_key_side), sKm [kOwn][2] the clamped dS mass of each key and sDkq [kOwn][kD] the rel_q
+// part of dk (kRelQ only). kBias:
 // rel_bias is given (a template flag as for the dq kernel: the bias code costs a kernel without
 // one 0-9 registers, at D <= 64 168 -> 173-177). kRelQ: rel_q is given (with kBias): dk_j +=
-// scale sum_i ds_ij rel_q[b(i, j)], the band along the skew per query tile and the clamped
-// buckets from each key's dS mass per head; drel_q[b] = scale sum ds_ij k_j, the band per query
+// scale sum_i ds_ij rel_q[b(i, j)] (in sDkq, added at the end), the band along the skew per query
+// tile and the clamped buckets from each key's dS mass per head; drel_q[b] = scale sum ds_ij k_j, the band per query
 // tile and the clamped rows per head, with atomicAdd into drel_q_partial (rows shared by key
 // tiles).
 template <typename T, int kDC, bool kBias, bool kRelQ>
@@ -951,6 +947,7 @@ __device__ void bwd_dkdv_tile(const RelAttentionBwdParams& bp, const acc_t<T>* w
   A* sB = sDS + Tl::kOwn * Tl::kLdP;
   A* sEq = sB + Tl::kBiasSmem;
   A* sKm = sEq + (2 + Tl::kBand) * Tl::kLd;
+  A* sDkq = sKm + 2 * Tl::kOwn;
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t hk = bkv % p.kv_heads, b = bkv / p.kv_heads;
@@ -964,6 +961,9 @@ __device__ void bwd_dkdv_tile(const RelAttentionBwdParams& bp, const acc_t<T>* w
 
   stage_owned<Tl>(sK, static_cast<const T*>(p.k) + bkv * p.kv_stride + j0 * D, nk, D);
   stage_owned<Tl>(sV, static_cast<const T*>(p.v) + bkv * p.kv_stride + j0 * D, nk, D);
+  if constexpr (kRelQ) {
+    for (int idx = threadIdx.x; idx < Tl::kOwn * Tl::kD; idx += Tl::kThreads) sDkq[idx] = 0;
+  }
   __syncthreads();
   const A* my_k = sK + warp * R * Tl::kD;
   const A* my_v = sV + warp * R * Tl::kD;
@@ -1001,10 +1001,11 @@ __device__ void bwd_dkdv_tile(const RelAttentionBwdParams& bp, const acc_t<T>* w
                   : static_cast<const T*>(p.rel_q) + (p.rel_q_per_head ? h * table_rows * D : 0);
     A* pq = !kRelQ || bp.drel_q_partial == nullptr ? nullptr
             : static_cast<A*>(bp.drel_q_partial) + bh * table_rows * D;
-    A km[R][2];  // kRelQ: this lane's part of each owned key's dS mass in bucket 0 / 2K
+    // kRelQ: sKm[r][0 / 1], key r's dS mass in bucket 0 / 2K over this head's query tiles, each
+    // entry summed by one thread (after the previous head's readers: its closing barrier). In
+    // shared memory rather than per-lane registers: the D <= 256 kernels have none to spare.
     if constexpr (kRelQ) {
-      RELPOS_UNROLL
-      for (int rr = 0; rr < R; ++rr) km[rr][0] = km[rr][1] = 0;
+      if (threadIdx.x < 2 * Tl::kOwn) sKm[threadIdx.x] = 0;
     }
     for (int64_t i0 = (i_first / Tl::kLanes) * Tl::kLanes; i0 < i_end; i0 += Tl::kLanes) {
       const int64_t i = i0 + lane;
@@ -1064,10 +1065,7 @@ __device__ void bwd_dkdv_tile(const RelAttentionBwdParams& bp, const acc_t<T>* w
                                          in.begin, in.end, sk, se[rr], dp[rr], dpe[rr], row,
                                          lse2, bias2, scale2, p.dropout.on,
                                          attn_dropout<A>(p, drop_key, j));
-        if constexpr (kRelQ) {
-          km[rr][0] += j < in.begin ? pg.ds : A(0);
-          km[rr][1] += j >= in.end ? pg.ds : A(0);
-        }
+
         sP[(warp * R + rr) * Tl::kLdP + lane] = pg.p;
         sDS[(warp * R + rr) * Tl::kLdP + lane] = pg.ds;
       }
@@ -1092,8 +1090,12 @@ __device__ void bwd_dkdv_tile(const RelAttentionBwdParams& bp, const acc_t<T>* w
         chunk_accumulate<Tl>(dk, ch, my_ds, sQ, nq, lane);
         chunk_accumulate<Tl>(dv, ch, my_p, sG, nq, lane);
         if constexpr (kRelQ) {
-          if (nb > 0) accumulate_key_side_band<Tl>(dk, ch, my_ds, sEq, p, i0, nq, j0 + warp * R,
-                                                   nk - warp * R, band, lane);
+          if (nb > 0) {
+            key_side_band_dk<Tl>(sDkq, sDS, sEq, p, i0, nq, j0, nk, band,
+                                 static_cast<int64_t>(ch) * Tl::kDK,
+                                 static_cast<int>(D - ch * Tl::kDK < Tl::kDK ? D - ch * Tl::kDK
+                                                                             : Tl::kDK));
+          }
         }
       }
       if constexpr (kRelQ) {
@@ -1112,28 +1114,29 @@ __device__ void bwd_dkdv_tile(const RelAttentionBwdParams& bp, const acc_t<T>* w
             atomicAdd(pq + bucket * D + d, gq * scale);
           }
         }
+        // the clamped dS mass of each key (thread 2 r + side, the one that zeroed the entry)
+        if (threadIdx.x < 2 * Tl::kOwn) {
+          const int r = threadIdx.x / 2;
+          const bool hi_side = threadIdx.x % 2 != 0;
+          A m = 0;
+          for (int ii = 0; ii < nq; ++ii) {
+            const KeySpan qin = inner_keys(i0 + ii, p.k_len, K, p.q_offset, p.k_offset);
+            const int64_t jr = j0 + r;
+            if (hi_side ? jr >= qin.end : jr < qin.begin) m += sDS[r * Tl::kLdP + ii];
+          }
+          sKm[threadIdx.x] += m;
+        }
       }
     }
     if constexpr (kRelQ) {
-      // The clamped buckets of head h: each owned key's dS mass there (km, summed over the
-      // warp) times rel_q[0] / rel_q[2K] into dk, and times k_j into drel_q[0] / drel_q[2K].
-      __syncthreads();  // the previous head's readers of sKm are done
-      RELPOS_UNROLL
-      for (int rr = 0; rr < R; ++rr) {
-        const A lo = warp_sum(km[rr][0]), hi = warp_sum(km[rr][1]);
-        if (lane == 0) {
-          sKm[(warp * R + rr) * 2 + 0] = lo;
-          sKm[(warp * R + rr) * 2 + 1] = hi;
-        }
-        RELPOS_UNROLL
-        for (int c = 0; c < C; ++c) {
-          const int64_t d = c * 32 + lane;
-          if (d < D) {
-            dk[rr][c] += lo * A(to_float(eq[d])) + hi * A(to_float(eq[(table_rows - 1) * D + d]));
-          }
-        }
+      // The clamped buckets of head h: each owned key's dS mass there (sKm) times rel_q[0] /
+      // rel_q[2K] into dk (sDkq), and times k_j into drel_q[0] / drel_q[2K].
+      __syncthreads();  // sKm and sDkq complete
+      for (int64_t idx = threadIdx.x; idx < nk * D; idx += Tl::kThreads) {
+        const int64_t r = idx / D, d = idx % D;
+        sDkq[r * Tl::kD + d] += sKm[r * 2 + 0] * A(to_float(eq[d])) +
+                                sKm[r * 2 + 1] * A(to_float(eq[(table_rows - 1) * D + d]));
       }
-      __syncthreads();
       if (pq != nullptr) {
         for (int64_t d = threadIdx.x; d < D; d += Tl::kThreads) {
           A g_lo = 0, g_hi = 0;
@@ -1145,6 +1148,7 @@ __device__ void bwd_dkdv_tile(const RelAttentionBwdParams& bp, const acc_t<T>* w
           atomicAdd(pq + (table_rows - 1) * D + d, g_hi * scale);
         }
       }
+      __syncthreads();  // the readers of sKm are done before the next head zeroes it
     }
   }
 
@@ -1158,7 +1162,9 @@ __device__ void bwd_dkdv_tile(const RelAttentionBwdParams& bp, const acc_t<T>* w
     for (int c = 0; c < C; ++c) {
       const int64_t d = c * 32 + lane;
       if (d >= D) continue;
-      dkp[r * D + d] = from_float<T>(dk[rr][c] * scale);
+      A x = dk[rr][c];
+      if constexpr (kRelQ) x += sDkq[r * Tl::kD + d];  // complete: the last head's closing barrier
+      dkp[r * D + d] = from_float<T>(x * scale);
       dvp[r * D + d] = from_float<T>(dv[rr][c]);
     }
   }
