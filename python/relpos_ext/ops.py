@@ -349,8 +349,8 @@ def rel_attention(
         rel_q: ``[2K+1, D]`` or ``[H, 2K+1, D]``, or None: the key-side table, whose term
             ``k_j . rel_q[b(i, j)]`` joins the logits before the scale: DeBERTa's
             position-to-content term (``rel_k`` is its content-to-position term). Its gradient
-            flows to ``k`` and to the table. So far only the scalar CPU kernel computes it (the
-            AVX2 path falls back to it; CUDA raises).
+            flows to ``k`` and to the table. The scalar CPU kernel and the CUDA kernels compute
+            it (the AVX2 path falls back to the scalar one).
 
     Returns:
         ``out [B, H, Lq, D]`` (rows with no visible key are 0), or ``(out, lse)``.
