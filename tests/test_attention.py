@@ -304,35 +304,6 @@ def random_bias(case, per_head: bool, seed: int = 0) -> torch.Tensor:
                            dtype=torch.float64)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per_head"])
-@pytest.mark.parametrize("name", BIAS_CASES)
-def test_rel_attention_bias(backend, dtype, per_head, name):
-    """Forward and backward (all six gradients) with a rel_bias against the reference."""
-    _attention_backend(backend)
-    kw = dict(rel_bias=random_bias(CASES[name], per_head).to(dtype))
-    _check_forward(backend, dtype, CASES[name], kw)
-    _check_backward(backend, dtype, CASES[name], kw)
-
-
-@pytest.mark.parametrize("seed", range(12))
-def test_rel_attention_bias_random_cases(backend, seed):
-    """Seeded random configurations (float32, long-key ones among them) with a bias and, at
-    random, dropout, a window and an attention mask."""
-    _attention_backend(backend)
-    r = random.Random(3000 + seed)
-    case = random_long_case(300 + seed, max_size=4_000_000) if seed % 3 == 2 else random_case(300 + seed)
-    kw = dict(rel_bias=random_bias(case, r.random() < 0.5, seed).float())
-    if r.random() < 0.4:
-        kw.update(dropout_p=r.choice([0.1, 0.5]), dropout_seed=r.randint(0, 2**62))
-    if r.random() < 0.4:
-        kw.update(window_left=r.choice([-1, 0, 3, 40]), window_right=r.choice([-1, 0, 2, 70]))
-    if r.random() < 0.3:
-        kw.update(attn_mask=torch.rand(case[3], case[4], generator=torch.Generator().manual_seed(seed)) < 0.2)
-    _check_forward(backend, torch.float32, case, kw)
-    _check_backward(backend, torch.float32, case, kw)
-
-
 def test_rel_attention_bias_is_a_logit_offset():
     """A bias constant over the buckets shifts every logit of a row equally: the output is
     unchanged and the log-sum-exp moves by that constant; a bias that is -inf-like far away
@@ -785,20 +756,12 @@ def test_rel_attention_nan_propagates(backend, where):
     assert out.isnan().any() and not out.isnan().all()
 
 
-# (B, H, Hkv, Lq, Lk, D, q_offset): tiles of GQA heads with a query offset; decoding 5 rows
-# against 8200 keys (the AVX2 forward splits them into 8 chunks, the backward into chunks with
-# partials); 70 rows against 1100 keys at D = 64 (the AVX2 backward's key runs)
 # ---------------------------------------------------------------------------------------- rel_q
 # The key-side table (DeBERTa's position-to-content term, k_j . rel_q[b] before the scale):
 # every kernel path as for the bias, alone and with the other tables.
 # ... plus decoding paths of the AVX2 forward the bias cases do not combine with it: a cache
 # long enough to be prefetched, and uniform tiles of 8 rows in a split decode
 REL_Q_CASES = BIAS_CASES + ["decode_long_cache", "decode_split_uniform"]
-
-
-def _rel_q_backend(backend):
-    _attention_backend(backend)
-    return backend
 
 
 def random_rel_q(case, per_head: bool, seed: int = 0) -> torch.Tensor:
@@ -809,26 +772,35 @@ def random_rel_q(case, per_head: bool, seed: int = 0) -> torch.Tensor:
                        dtype=torch.float64)
 
 
+def _random_term(term, case, per_head, seed=0):
+    return {"rel_bias": random_bias, "rel_q": random_rel_q}[term](case, per_head, seed)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per_head"])
-@pytest.mark.parametrize("name", REL_Q_CASES)
-def test_rel_attention_rel_q(backend, dtype, per_head, name):
-    """Forward and backward (all seven gradients) with a key-side table against the reference."""
-    _rel_q_backend(backend)
-    kw = dict(rel_q=random_rel_q(CASES[name], per_head).to(dtype))
+@pytest.mark.parametrize("term,name", [("rel_bias", n) for n in BIAS_CASES] +
+                         [("rel_q", n) for n in REL_Q_CASES])
+def test_rel_attention_bias_and_rel_q(backend, dtype, per_head, term, name):
+    """Forward and backward (all seven gradients) with a rel_bias, or with a key-side table,
+    against the reference."""
+    _attention_backend(backend)
+    kw = {term: _random_term(term, CASES[name], per_head).to(dtype)}
     _check_forward(backend, dtype, CASES[name], kw)
     _check_backward(backend, dtype, CASES[name], kw)
 
 
+@pytest.mark.parametrize("term", ["rel_bias", "rel_q"])
 @pytest.mark.parametrize("seed", range(12))
-def test_rel_attention_rel_q_random_cases(backend, seed):
-    """Seeded random configurations (float32, long-key ones among them) with a key-side table
-    and, at random, a bias, dropout, a window and an attention mask."""
-    _rel_q_backend(backend)
-    r = random.Random(5000 + seed)
-    case = random_long_case(500 + seed, max_size=4_000_000) if seed % 3 == 2 else random_case(500 + seed)
-    kw = dict(rel_q=random_rel_q(case, r.random() < 0.5, seed).float())
-    if r.random() < 0.5:
+def test_rel_attention_bias_and_rel_q_random_cases(backend, seed, term):
+    """Seeded random configurations (float32, long-key ones among them) with a bias, or a
+    key-side table and at random a bias, and at random dropout, a window and an attention
+    mask."""
+    _attention_backend(backend)
+    base = 300 if term == "rel_bias" else 500
+    r = random.Random(10 * base + seed)
+    case = random_long_case(base + seed, max_size=4_000_000) if seed % 3 == 2 else random_case(base + seed)
+    kw = {term: _random_term(term, case, r.random() < 0.5, seed).float()}
+    if term == "rel_q" and r.random() < 0.5:
         kw.update(rel_bias=random_bias(case, r.random() < 0.5, seed).float())
     if r.random() < 0.4:
         kw.update(dropout_p=r.choice([0.1, 0.5]), dropout_seed=r.randint(0, 2**62))
@@ -846,7 +818,7 @@ def test_rel_attention_rel_q_random_cases(backend, seed):
 def test_rel_attention_rel_q_with_masks(backend, name, mask):
     """A key-side table with each of the masks that make tiles mixed or hidden (and dropout,
     which takes the uniform rows off their one-pass path), over several key tiles and chunks."""
-    _rel_q_backend(backend)
+    _attention_backend(backend)
     case = CASES[name]
     kw = dict(rel_q=random_rel_q(case, True, 2).float())
     if mask == "dropout":
@@ -893,7 +865,7 @@ def test_rel_attention_rel_q_deterministic_is_bitwise(backend, name):
     tiles in order in one block (as the dq kernel its query tiles). On the emulator the two runs
     use different schedules (emu_seed: block order and thread interleaving, hence atomics order),
     which is how an unordered sum would show there."""
-    _rel_q_backend(backend)
+    _attention_backend(backend)
     case = CASES[name]
     tensors, kw = make_inputs(case, torch.float32)
     kw.update(rel_q=random_rel_q(case, True, 3).float(), rel_bias=random_bias(case, True, 3).float())
@@ -908,6 +880,9 @@ def test_rel_attention_rel_q_deterministic_is_bitwise(backend, name):
         assert torch.equal(got, want)
 
 
+# (B, H, Hkv, Lq, Lk, D, q_offset): tiles of GQA heads with a query offset; decoding 5 rows
+# against 8200 keys (the AVX2 forward splits them into 8 chunks, the backward into chunks with
+# partials); 70 rows against 1100 keys at D = 64 (the AVX2 backward's key runs)
 THREAD_SHAPES = [(2, 4, 2, 300, 260, 32, 40), (1, 8, 2, 5, 8200, 64, 8195),
                  (1, 8, 8, 70, 1100, 64, 1030)]
 
@@ -1489,45 +1464,42 @@ def test_module_asymmetric_clipping(per_head):
         relpos_ext.nn.RelativeMultiheadAttention(32, 4, (3, -1))
 
 
-@pytest.mark.parametrize("clip", [3, (5, 2)], ids=["symmetric", "asymmetric"])
-@pytest.mark.parametrize("gqa", [False, True])
-def test_module_rel_bias(gqa, clip):
-    """rel_bias=True: a learned [H, 2K+1] (or [H, left + right + 1]) bias, zero at first. With
-    random values: output and every gradient (the bias's included) match the reference module;
-    need_weights returns the probabilities the kernels applied (without a value table, the
-    output is out_proj(weights @ v)); a KV cache decodes the rows of one call; a compiled
-    (fullgraph) step gives eager's loss and bias gradient."""
-    torch.manual_seed(0)
-    kw = dict(embed_dim=32, num_heads=4, max_distance=clip, num_kv_heads=2 if gqa else None,
-              rel_values=False, rel_bias=True)
-    m = relpos_ext.nn.RelativeMultiheadAttention(**kw)
-    rows = 7 if clip == 3 else 8
-    assert m.rel_bias.shape == (4, rows) and not m.rel_bias.any()
-    x = torch.randn(2, 13, 32)
+def _check_learned_positions(m, kw, param, table_of, clip, x):
+    """The module m with its learned `param` (rel_bias or rel_q, zero at first) set to random
+    values: the table the kernels get (table_of(m)) is the clipped one; output and every
+    gradient (param's included) match the reference module; need_weights returns the
+    probabilities the kernels applied (there is no value table: the output is
+    out_proj(weights @ v)); a KV cache decodes the rows of one call; a compiled (fullgraph) step
+    gives eager's loss and param's gradient."""
+    weight = getattr(m, param)
+    assert not weight.any()
     with torch.no_grad():
-        unbiased = m(x, is_causal=True)[0]
-        m.rel_bias.normal_(0, 2)
+        without = m(x, is_causal=True)[0]
+        weight.normal_(0, 2 if param == "rel_bias" else 1)
     left, right = clip if isinstance(clip, tuple) else (clip, clip)
     dist = torch.arange(-m.max_distance, m.max_distance + 1)  # the kernels' buckets' distances
-    torch.testing.assert_close(m.bias_table(), m.rel_bias[:, dist.clamp(-left, right) + left],
+    torch.testing.assert_close(table_of(m), weight[..., dist.clamp(-left, right) + left, :]
+                               if weight.dim() == 3 else weight[:, dist.clamp(-left, right) + left],
                                atol=0, rtol=0)
     r = ref.RelativeMultiheadAttentionReference(**kw)
     r.load_state_dict(m.state_dict())
+    batch, length, embed = x.shape
     got, w = m(x, is_causal=True, need_weights=True, average_attn_weights=False)
-    assert not torch.allclose(got, unbiased, atol=1e-3)  # the bias moves the output
+    assert not torch.allclose(got, without, atol=1e-3)  # the learned term moves the output
     exp, _ = r(x, is_causal=True)
     torch.testing.assert_close(got, exp, atol=1e-5, rtol=1e-5)
-    v = m._heads(m.v_proj(x), m.num_kv_heads).repeat_interleave(4 // m.num_kv_heads, 1)
-    by_weights = m.out_proj((w @ v).transpose(1, 2).reshape(2, 13, 32))
+    heads = m.num_heads
+    v = m._heads(m.v_proj(x), m.num_kv_heads).repeat_interleave(heads // m.num_kv_heads, 1)
+    by_weights = m.out_proj((w @ v).transpose(1, 2).reshape(batch, length, embed))
     torch.testing.assert_close(by_weights, got, atol=1e-5, rtol=1e-5)
     got.square().sum().backward()
     exp.square().sum().backward()
-    assert m.rel_bias.grad is not None and m.rel_bias.grad.abs().sum() > 0
+    assert weight.grad is not None and weight.grad.abs().sum() > 0
     for (name, pm), pr in zip(m.named_parameters(), r.parameters()):
         torch.testing.assert_close(pm.grad, pr.grad, atol=1e-4, rtol=1e-4, msg=name)
     cache, pieces, start = relpos_ext.nn.KVCache(), [], 0
     with torch.no_grad():
-        for n in (5, 1, 7):
+        for n in (5, 1, length - 6):
             pieces.append(m(x[:, start:start + n], is_causal=True, cache=cache)[0])
             start += n
     torch.testing.assert_close(torch.cat(pieces, 1), got.detach(), atol=1e-5, rtol=1e-5)
@@ -1537,60 +1509,37 @@ def test_module_rel_bias(gqa, clip):
     loss = step(x)
     loss.backward()
     torch.testing.assert_close(loss, exp.square().sum(), atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(m.rel_bias.grad, r.rel_bias.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(weight.grad, getattr(r, param).grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("clip", [3, (5, 2)], ids=["symmetric", "asymmetric"])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_module_rel_bias(gqa, clip):
+    """rel_bias=True: a learned [H, 2K+1] (or [H, left + right + 1]) bias, zero at first;
+    _check_learned_positions."""
+    torch.manual_seed(0)
+    kw = dict(embed_dim=32, num_heads=4, max_distance=clip, num_kv_heads=2 if gqa else None,
+              rel_values=False, rel_bias=True)
+    m = relpos_ext.nn.RelativeMultiheadAttention(**kw)
+    assert m.rel_bias.shape == (4, 7 if clip == 3 else 8)
+    _check_learned_positions(m, kw, "rel_bias", lambda m: m.bias_table(), clip,
+                             torch.randn(2, 13, 32))
 
 
 @pytest.mark.parametrize("clip", [3, (4, 3)], ids=["symmetric", "asymmetric"])
 @pytest.mark.parametrize("gqa", [False, True])
 def test_module_rel_queries(gqa, clip):
-    """rel_queries=True: a learned key-side table (DeBERTa's position-to-content term) next to
-    the key table, random values: the table the kernels get is the clipped one; output and
-    every gradient (the table's included) match the reference module; need_weights returns the
-    probabilities the kernels applied; a KV cache decodes the rows of one call; a compiled
-    (fullgraph) step gives eager's loss and table gradient."""
+    """rel_queries=True: a learned per-head key-side table (DeBERTa's position-to-content term)
+    next to the key table; _check_learned_positions from a zero table."""
     torch.manual_seed(0)
     kw = dict(embed_dim=32, num_heads=4, max_distance=clip, num_kv_heads=2 if gqa else None,
               rel_values=False, rel_queries=True, per_head_tables=True)
     m = relpos_ext.nn.RelativeMultiheadAttention(**kw)
-    rows = 7 if clip == 3 else 8
-    assert m.rel_q.shape == (4, rows, 8)
-    x = torch.randn(2, 13, 32)
+    assert m.rel_q.shape == (4, 7 if clip == 3 else 8, 8)
     with torch.no_grad():
-        m.rel_q.normal_(0, 1)
-    left, right = clip if isinstance(clip, tuple) else (clip, clip)
-    dist = torch.arange(-m.max_distance, m.max_distance + 1)
-    torch.testing.assert_close(m.key_side_table(), m.rel_q[:, dist.clamp(-left, right) + left],
-                               atol=0, rtol=0)
-    r = ref.RelativeMultiheadAttentionReference(**kw)
-    r.load_state_dict(m.state_dict())
-    got, w = m(x, is_causal=True, need_weights=True, average_attn_weights=False)
-    with torch.no_grad():
-        without = relpos_ext.nn.RelativeMultiheadAttention(**{**kw, "rel_queries": False})
-        without.load_state_dict({n: t for n, t in m.state_dict().items() if n != "rel_q"})
-        assert not torch.allclose(got, without(x, is_causal=True)[0], atol=1e-3)
-    exp, _ = r(x, is_causal=True)
-    torch.testing.assert_close(got, exp, atol=1e-5, rtol=1e-5)
-    v = m._heads(m.v_proj(x), m.num_kv_heads).repeat_interleave(4 // m.num_kv_heads, 1)
-    by_weights = m.out_proj((w @ v).transpose(1, 2).reshape(2, 13, 32))
-    torch.testing.assert_close(by_weights, got, atol=1e-5, rtol=1e-5)
-    got.square().sum().backward()
-    exp.square().sum().backward()
-    assert m.rel_q.grad is not None and m.rel_q.grad.abs().sum() > 0
-    for (name, pm), pr in zip(m.named_parameters(), r.parameters()):
-        torch.testing.assert_close(pm.grad, pr.grad, atol=1e-4, rtol=1e-4, msg=name)
-    cache, pieces, start = relpos_ext.nn.KVCache(), [], 0
-    with torch.no_grad():
-        for n in (5, 1, 7):
-            pieces.append(m(x[:, start:start + n], is_causal=True, cache=cache)[0])
-            start += n
-    torch.testing.assert_close(torch.cat(pieces, 1), got.detach(), atol=1e-5, rtol=1e-5)
-    torch._dynamo.reset()
-    m.zero_grad()
-    step = torch.compile(lambda x: m(x, is_causal=True)[0].square().sum(), fullgraph=True)
-    loss = step(x)
-    loss.backward()
-    torch.testing.assert_close(loss, exp.square().sum(), atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(m.rel_q.grad, r.rel_q.grad, atol=1e-4, rtol=1e-4)
+        m.rel_q.zero_()
+    _check_learned_positions(m, kw, "rel_q", lambda m: m.key_side_table(), clip,
+                             torch.randn(2, 13, 32))
 
 
 def test_module_from_multihead_attention_with_rel_bias():

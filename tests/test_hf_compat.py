@@ -394,6 +394,18 @@ def _t5_pair(cls, config):
     return model, fused
 
 
+def _seq2seq_batch():
+    """300 source and 140 target tokens (past T5's max distance of 128, so its last buckets are
+    read), padding in both: (src, src_keep, tgt, tgt_keep)."""
+    src = torch.randint(1, 97, (2, 300))
+    src_keep = torch.ones(2, 300, dtype=torch.long)
+    src_keep[1, 250:] = 0
+    tgt = torch.randint(1, 97, (2, 140))
+    tgt_keep = torch.ones(2, 140, dtype=torch.long)
+    tgt_keep[0, 120:] = 0
+    return src, src_keep, tgt, tgt_keep
+
+
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 @pytest.mark.parametrize("cls_name", ["T5Model", "MT5Model"])
 def test_t5_model_matches_transformers(cls_name, impl):
@@ -405,12 +417,7 @@ def test_t5_model_matches_transformers(cls_name, impl):
     model, fused = _t5_pair(getattr(transformers, cls_name), _t5_config(impl))
     names = hf.use_fused_attention(fused)
     assert len(names) == 4 and all(n.endswith("SelfAttention") for n in names)
-    src = torch.randint(1, 97, (2, 300))
-    src_keep = torch.ones(2, 300, dtype=torch.long)
-    src_keep[1, 250:] = 0
-    tgt = torch.randint(1, 97, (2, 140))
-    tgt_keep = torch.ones(2, 140, dtype=torch.long)
-    tgt_keep[0, 120:] = 0
+    src, src_keep, tgt, tgt_keep = _seq2seq_batch()
     kw = dict(input_ids=src, attention_mask=src_keep, decoder_input_ids=tgt,
               decoder_attention_mask=tgt_keep, use_cache=False)
     exp, got = model(**kw), fused(**kw)
@@ -580,12 +587,7 @@ def test_umt5_model_matches_transformers(impl):
     fused.load_state_dict(model.state_dict())
     names = hf.use_fused_attention(fused)
     assert len(names) == 4 and all(n.endswith("SelfAttention") for n in names)
-    src = torch.randint(1, 97, (2, 300))
-    src_keep = torch.ones(2, 300, dtype=torch.long)
-    src_keep[1, 250:] = 0
-    tgt = torch.randint(1, 97, (2, 140))
-    tgt_keep = torch.ones(2, 140, dtype=torch.long)
-    tgt_keep[0, 120:] = 0
+    src, src_keep, tgt, tgt_keep = _seq2seq_batch()
     kw = dict(input_ids=src, attention_mask=src_keep, decoder_input_ids=tgt,
               decoder_attention_mask=tgt_keep, use_cache=False, output_hidden_states=True)
     exp, got = model(**kw), fused(**kw)
