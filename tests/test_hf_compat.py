@@ -556,6 +556,17 @@ def test_deberta_v2_sequence_classification_training_compiles():
     assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("terms", [1, 2, 3])
+def test_deberta_scale_is_transformers_scale(dtype, terms):
+    """The fused layer's scale is transformers' sqrt(D * factor), taken in float32 and rounded
+    to the model's dtype (13.875 rather than 13.856 in bfloat16 for D = 64 and both terms)."""
+    from transformers.models.deberta_v2.modeling_deberta_v2 import scaled_size_sqrt
+
+    want = scaled_size_sqrt(torch.empty(1, 1, 64, dtype=dtype), terms).to(dtype)
+    assert hf._deberta_scales(64, terms)[dtype] == 1.0 / want.item()
+
+
 def test_deberta_v1_and_sew_d_left_alone():
     """DeBERTa v1 and SEW-D have classes named DisentangledSelfAttention with other maths or
     signatures: use_fused_attention leaves them alone."""
