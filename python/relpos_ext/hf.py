@@ -212,20 +212,32 @@ def _fused_t5_forward(
             or (position_bias is not None and position_bias.dim() != 2)):
         return type(self).forward(self, hidden_states, mask, key_value_states, position_bias,
                                   past_key_values, **kwargs)
+    if position_bias is None and self.has_relative_attention_bias:
+        position_bias = _t5_table(self)
+    return _t5_self_attention(self, hidden_states, mask, position_bias), position_bias, None
+
+
+def _t5_table(self: nn.Module) -> Tensor:
+    """A T5 / UMT5 attention module's bias embedding as the ``[H, 2K+1]`` rel_bias table."""
+    return t5_bias_table(self.relative_attention_bias.weight, not self.is_decoder,
+                         self.relative_attention_max_distance)
+
+
+def _t5_self_attention(self: nn.Module, hidden_states: Tensor, mask: Tensor | None,
+                       table: Tensor | None) -> Tensor:
+    """T5's (and UMT5's) self-attention through rel_attention: the module's q, k, v and o
+    projections, its bias table (or None), causal in a decoder, no scaling (T5 does not scale
+    its logits), its dropout in training; ``mask``: transformers' attention mask."""
     batch, length, _ = hidden_states.shape
     shape = (batch, length, self.n_heads, self.key_value_proj_dim)
     q, k, v = (proj(hidden_states).view(shape).transpose(1, 2) for proj in (self.q, self.k, self.v))
-    if position_bias is None and self.has_relative_attention_bias:
-        position_bias = t5_bias_table(self.relative_attention_bias.weight, not self.is_decoder,
-                                      self.relative_attention_max_distance)
     padding, attn_mask = _padding_or_mask(mask, batch)
     out = ops.rel_attention(
-        q, k, v, None, None, 0 if position_bias is None else position_bias.shape[-1] // 2,
+        q, k, v, None, None, 0 if table is None else table.shape[-1] // 2,
         causal=self.is_decoder, scale=1.0, key_padding_mask=padding, attn_mask=attn_mask,
         dropout_p=self.dropout if self.training else 0.0,
-        rel_bias=None if position_bias is None else position_bias.to(q.dtype))
-    out = self.o(out.transpose(1, 2).reshape(batch, length, self.inner_dim))
-    return out, position_bias, None
+        rel_bias=None if table is None else table.to(q.dtype))
+    return self.o(out.transpose(1, 2).reshape(batch, length, self.inner_dim))
 
 
 def _fused_umt5_forward(
@@ -243,19 +255,8 @@ def _fused_umt5_forward(
             or kwargs.get("output_attentions")):
         return type(self).forward(self, hidden_states, encoder_hidden_states, past_key_values,
                                   attention_mask, **kwargs)
-    batch, length, _ = hidden_states.shape
-    shape = (batch, length, self.n_heads, self.key_value_proj_dim)
-    q, k, v = (proj(hidden_states).view(shape).transpose(1, 2) for proj in (self.q, self.k, self.v))
-    bias = None
-    if self.has_relative_attention_bias:
-        bias = t5_bias_table(self.relative_attention_bias.weight, not self.is_decoder,
-                             self.relative_attention_max_distance).to(q.dtype)
-    padding, attn_mask = _padding_or_mask(attention_mask, batch)
-    out = ops.rel_attention(
-        q, k, v, None, None, 0 if bias is None else self.relative_attention_max_distance,
-        causal=self.is_decoder, scale=self.scaling, key_padding_mask=padding,
-        attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0, rel_bias=bias)
-    return self.o(out.transpose(1, 2).reshape(batch, length, self.inner_dim)), None
+    table = _t5_table(self) if self.has_relative_attention_bias else None
+    return _t5_self_attention(self, hidden_states, attention_mask, table), None
 
 
 def _padding_or_mask(mask: Tensor | None, batch: int) -> tuple[Tensor | None, Tensor | None]:
