@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <type_traits>
+#include <vector>
 
 #include "common/attention_impl.h"
 #include "common/ops_impl.h"
@@ -223,7 +224,7 @@ struct CpuBackend {
       chunks = std::min(chunks, std::max<int64_t>(1, kBwdPartialBytes / std::max<int64_t>(1, dq_bytes)));
     }
     AttentionBwdSplit split;
-    at::Tensor dq_partial, rk_partial, rv_partial, rb_partial, rq_partial;
+    at::Tensor partials[5];  // dq and the table / bias gradients' per-chunk partials, kept alive
     if (chunks > 1) {
       const int64_t tiles_per_chunk = (k_tiles + chunks - 1) / chunks;
       split.chunk_keys = tiles_per_chunk * kAttentionTileK;
@@ -232,24 +233,20 @@ struct CpuBackend {
     if (split.chunks > 1) {
       const auto opts = at::TensorOptions().dtype(at::kFloat);
       const int64_t c = split.chunks, rows = num_buckets(f.max_distance);
-      dq_partial = at::zeros({c, f.batch, f.heads, f.q_len, f.dim}, opts);
-      split.dq_partial = dq_partial.data_ptr<float>();
-      if (p.drel_k_partial != nullptr) {
-        rk_partial = at::zeros({c, f.batch, f.heads, rows, f.dim}, opts);
-        split.drel_k_partial = rk_partial.data_ptr<float>();
-      }
-      if (p.drel_v_partial != nullptr) {
-        rv_partial = at::zeros({c, f.batch, f.heads, rows, f.dim}, opts);
-        split.drel_v_partial = rv_partial.data_ptr<float>();
-      }
-      if (p.drel_bias_partial != nullptr) {
-        rb_partial = at::zeros({c, f.batch, f.heads, rows}, opts);
-        split.drel_bias_partial = rb_partial.data_ptr<float>();
-      }
-      if (p.drel_q_partial != nullptr) {
-        rq_partial = at::zeros({c, f.batch, f.heads, rows, f.dim}, opts);
-        split.drel_q_partial = rq_partial.data_ptr<float>();
-      }
+      // a partial per chunk for each gradient the call has: [c, B, H, per-head shape...]
+      int used = 0;
+      auto partial = [&](bool has, at::IntArrayRef per_head, float*& out) {
+        if (!has) return;
+        std::vector<int64_t> shape{c, f.batch, f.heads};
+        shape.insert(shape.end(), per_head.begin(), per_head.end());
+        partials[used] = at::zeros(shape, opts);
+        out = partials[used++].data_ptr<float>();
+      };
+      partial(true, {f.q_len, f.dim}, split.dq_partial);
+      partial(p.drel_k_partial != nullptr, {rows, f.dim}, split.drel_k_partial);
+      partial(p.drel_v_partial != nullptr, {rows, f.dim}, split.drel_v_partial);
+      partial(p.drel_bias_partial != nullptr, {rows}, split.drel_bias_partial);
+      partial(p.drel_q_partial != nullptr, {rows, f.dim}, split.drel_q_partial);
     }
     at::Tensor tile_classes;
     split.mask_tiles = mask_tiles(f, tile_classes);
