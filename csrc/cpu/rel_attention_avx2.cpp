@@ -164,14 +164,16 @@ inline __m256 hsum8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// The reductions below take their last n % 8 entries as one masked vector, not a scalar loop:
+// GCC vectorises such a loop as an in-order reduction (products rounded before the adds) to a
+// width that depends on the ISA flags, so builds with other flags would round differently.
 template <typename T>  // b: float, or float16/bfloat16 converted by load8
 float dot(const float* a, const T* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc);
-  float s = hsum(acc);
-  for (; i < n; ++i) s += a[i] * to_f32(b[i]);
-  return s;
+  if (i < n) acc = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, tail_mask(n - i)), load_n(b + i, n - i), acc);
+  return hsum(acc);
 }
 
 void axpy(float alpha, const float* x, float* y, int64_t n) {  // y += alpha x
@@ -207,9 +209,8 @@ float sum_row(const float* x, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(x + i));
-  float s = hsum(acc);
-  for (; i < n; ++i) s += x[i];
-  return s;
+  if (i < n) acc = _mm256_add_ps(acc, _mm256_maskload_ps(x + i, tail_mask(n - i)));
+  return hsum(acc);
 }
 
 // ------------------------------------------------------------------------------ matmul
