@@ -1,4 +1,4 @@
-# Fails when an object compiled with AVX2 flags defines a weak (W/V) or unique (u) symbol.
+# Fails when an object compiled with AVX2 (or AVX-512) flags defines a weak (W/V) or unique (u) symbol.
 # Such a symbol (an inline function or template instance) may be the copy the linker keeps for
 # the scalar path too, which would then execute AVX2 instructions on CPUs without them.
 # Usage: cmake -DNM=<nm> -DOBJECTS="a.o|b.o" -P check_no_weak_symbols.cmake

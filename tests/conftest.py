@@ -3,6 +3,9 @@
 Backends:
   cpu-scalar  torch.ops.relpos on CPU tensors with RELPOS_CPU_ISA=scalar
   cpu-avx2    torch.ops.relpos on CPU tensors with RELPOS_CPU_ISA=avx2
+  cpu-avx512  the same with RELPOS_CPU_ISA=avx512 (the attention kernels' AVX-512 build; only on
+              CPUs with AVX-512, and only in tests/test_attention.py: other ops run their AVX2
+              kernels there)
   cuda-emu    the CUDA kernels run by the CPU emulator: torch.ops.relpos_emu on CPU tensors
   cuda        torch.ops.relpos on CUDA tensors (only where a GPU exists)
 """
@@ -22,7 +25,7 @@ import relpos_ext
 sys.path.insert(0, str(Path(__file__).parent))
 from _emu import load_emu  # noqa: E402
 
-BACKENDS = ["cpu-scalar", "cpu-avx2", "cuda-emu", "cuda"]
+BACKENDS = ["cpu-scalar", "cpu-avx2", "cpu-avx512", "cuda-emu", "cuda"]
 
 # Absolute/relative tolerance per dtype, for results compared with a float64 reference computed
 # from the same (already rounded) inputs. Data movement ops are compared exactly instead.
@@ -61,6 +64,14 @@ def _avx2_available() -> bool:
     return "avx2" in info["cpu_kernels"]
 
 
+def skip_unless_avx512(monkeypatch) -> None:
+    """Skip unless the AVX-512 attention kernels are built and this CPU runs them (the default
+    path picks them exactly then)."""
+    monkeypatch.delenv("RELPOS_CPU_ISA", raising=False)
+    if relpos_ext.build_info()["cpu_kernel_in_use"] != "avx512":
+        pytest.skip("no AVX-512 attention kernels on this build/CPU")
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch) -> Backend:
     name = request.param
@@ -71,6 +82,10 @@ def backend(request, monkeypatch) -> Backend:
         if not _avx2_available():
             pytest.skip("AVX2 kernels not built (non-x86 build)")
         monkeypatch.setenv("RELPOS_CPU_ISA", "avx2")
+        return Backend(name, "cpu", "relpos")
+    if name == "cpu-avx512":
+        skip_unless_avx512(monkeypatch)
+        monkeypatch.setenv("RELPOS_CPU_ISA", "avx512")
         return Backend(name, "cpu", "relpos")
     if name == "cuda-emu":
         if not load_emu():
@@ -86,11 +101,14 @@ def backend(request, monkeypatch) -> Backend:
 def pytest_collection_modifyitems(config, items):
     # Everything parametrised with the cuda-emu backend runs the emulator: mark it so that
     # `pytest -m emu` (the AddressSanitizer step) selects exactly those tests. float64 on the
-    # cpu-avx2 backend would run the scalar kernel again (AVX2 has no float64 path): deselect.
+    # cpu-avx2 backend would run the scalar kernel again (AVX2 has no float64 path): deselect;
+    # so is cpu-avx512 outside the attention tests, where it would run the AVX2 kernels again.
     keep, dropped = [], []
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if params.get("backend") == "cpu-avx2" and params.get("dtype") == torch.float64:
+        vector = params.get("backend") in ("cpu-avx2", "cpu-avx512")
+        if (vector and params.get("dtype") == torch.float64) or (
+                params.get("backend") == "cpu-avx512" and item.path.name != "test_attention.py"):
             dropped.append(item)
             continue
         if params.get("backend") == "cuda-emu":

@@ -11,7 +11,7 @@ import torch
 import relpos_ext
 from relpos_ext import reference as ref
 from _emu import emu_seed
-from conftest import assert_close
+from conftest import Backend, assert_close, skip_unless_avx512
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
@@ -917,6 +917,28 @@ def test_rel_attention_cpu_results_do_not_depend_on_threads(shape, bias):
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[6] < 2**20])  # tables fit
+def test_rel_attention_avx512_is_bitwise_avx2(monkeypatch, dtype, name):
+    """The AVX-512 build of the attention kernels differs from the AVX2 build only in the width
+    of its matmul blocks (32 columns instead of 16, masked tails), whose entries are the same
+    FMA chains: outputs and all seven gradients must be bitwise those of the AVX2 kernels, here
+    with per-head tables, a bias and a key-side table on every case."""
+    skip_unless_avx512(monkeypatch)
+    case = CASES[name]
+    tensors, kw = make_inputs(case, dtype)
+    kw.update(rel_q=random_rel_q(case, True, 4).to(dtype), rel_bias=random_bias(case, True, 4).to(dtype))
+    cpu = Backend("cpu", "cpu", "relpos")
+    grad = torch.randn(tensors[0].shape, generator=torch.Generator().manual_seed(6)).to(dtype)
+    results = []
+    for isa in ("avx2", "avx512"):
+        monkeypatch.setenv("RELPOS_CPU_ISA", isa)
+        out, lse = _call(cpu, tensors, kw)
+        results.append((out, lse, *_call_backward(cpu, grad, tensors, out, lse, kw)))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("tables", [True, False])

@@ -1,4 +1,5 @@
-// fma_peak_gflops (isa.h): fma_spin (fma_peak_avx2.cpp) on `threads` threads at once.
+// fma_peak_gflops (isa.h): fma_spin (fma_peak_avx2.cpp, or fma_peak_avx512.cpp where the AVX-512
+// attention kernels are selected) on `threads` threads at once.
 #include <chrono>
 #include <thread>
 #include <vector>
@@ -10,13 +11,22 @@ namespace relpos::cpu {
 
 std::optional<double> fma_peak_gflops(int threads, double seconds) {
 #if defined(RELPOS_HAVE_AVX2)
-  if (selected_isa() != Isa::Avx2 || threads < 1) return std::nullopt;
+  const Isa isa = selected_isa();
+  if (isa == Isa::Scalar || threads < 1) return std::nullopt;
   using clock = std::chrono::steady_clock;
-  constexpr double kFlopPerIter = 12 * 8 * 2;  // 12 FMAs of 8 lanes
+  float (*fma_spin)(int64_t) = &avx2::fma_spin;
+  double lanes = 8;
+#if defined(RELPOS_HAVE_AVX512)
+  if (isa == Isa::Avx512) {
+    fma_spin = &avx512::fma_spin;
+    lanes = 16;
+  }
+#endif
+  const double kFlopPerIter = 12 * lanes * 2;  // 12 FMAs of 8 or 16 lanes
   // calibrate on one thread, then the timed runs: the best of three
   int64_t iters = 1 << 20;
   auto t0 = clock::now();
-  volatile float sink = avx2::fma_spin(iters);
+  volatile float sink = fma_spin(iters);
   const double t_cal = std::chrono::duration<double>(clock::now() - t0).count();
   iters = static_cast<int64_t>(iters * (seconds / 3) / (t_cal > 1e-6 ? t_cal : 1e-6)) + 1;
   double best = 0;
@@ -24,7 +34,7 @@ std::optional<double> fma_peak_gflops(int threads, double seconds) {
     std::vector<std::thread> pool;
     std::vector<float> out(threads);
     t0 = clock::now();
-    for (int t = 0; t < threads; ++t) pool.emplace_back([&, t] { out[t] = avx2::fma_spin(iters); });
+    for (int t = 0; t < threads; ++t) pool.emplace_back([&, t] { out[t] = fma_spin(iters); });
     for (auto& th : pool) th.join();
     const double dt = std::chrono::duration<double>(clock::now() - t0).count();
     sink = sink + out[0];

@@ -18,6 +18,17 @@ bool cpu_has_avx2() {
 #endif
 }
 
+bool cpu_has_avx512() {
+#if defined(RELPOS_HAVE_AVX512) && (defined(__x86_64__) || defined(_M_X64))
+  static const bool has = cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq");
+  return has;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 Isa selected_isa() {
@@ -29,11 +40,23 @@ Isa selected_isa() {
                 "RELPOS_CPU_ISA=avx2 but the AVX2 kernels are not available on this build/CPU");
     return Isa::Avx2;
   }
+  if (want == "avx512") {
+    TORCH_CHECK(cpu_has_avx512(),
+                "RELPOS_CPU_ISA=avx512 but the AVX-512 kernels are not available on this build/CPU");
+    return Isa::Avx512;
+  }
   TORCH_CHECK(want == "auto" || want.empty(),
-              "RELPOS_CPU_ISA must be one of scalar, avx2, auto; got '", want, "'");
-  return cpu_has_avx2() ? Isa::Avx2 : Isa::Scalar;
+              "RELPOS_CPU_ISA must be one of scalar, avx2, avx512, auto; got '", want, "'");
+  return cpu_has_avx512() ? Isa::Avx512 : cpu_has_avx2() ? Isa::Avx2 : Isa::Scalar;
 }
 
-const char* isa_name(Isa isa) { return isa == Isa::Avx2 ? "avx2" : "scalar"; }
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::Avx512: return "avx512";
+    case Isa::Avx2: return "avx2";
+    case Isa::Scalar: break;
+  }
+  return "scalar";
+}
 
 }  // namespace relpos::cpu

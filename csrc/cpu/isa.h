@@ -1,5 +1,7 @@
 // Runtime choice of the CPU kernel path. AVX2 (with FMA and F16C) is used when it was compiled in
-// and the CPU has it; RELPOS_CPU_ISA=scalar|avx2|auto overrides, read at every call so tests can
+// and the CPU has it; AVX-512 (F, VL, BW, DQ) on top of that selects the fused attention kernels
+// built with 16-lane matmul blocks (rel_attention_avx512.cpp; every other op runs its AVX2
+// kernel). RELPOS_CPU_ISA=scalar|avx2|avx512|auto overrides, read at every call so tests can
 // cover each path in one process (torchao does the same with its own variable).
 #pragma once
 
@@ -7,16 +9,17 @@
 
 namespace relpos::cpu {
 
-enum class Isa { Scalar, Avx2 };
+enum class Isa { Scalar, Avx2, Avx512 };
 
 // The path for this call: RELPOS_CPU_ISA if set (error if it names a path that cannot run here),
 // else the best available.
 Isa selected_isa();
 const char* isa_name(Isa isa);
 
-// The float32 FMA rate of `threads` cores each running independent 8-lane FMAs for about
-// `seconds`, in GFLOP/s (2 FLOP per FMA lane): this machine's ceiling for any float32 kernel, the
-// benchmarks' roofline (fma_peak.cpp). nullopt where the AVX2 kernels cannot run.
+// The float32 FMA rate of `threads` cores each running independent FMAs of the selected path's
+// width (8 lanes, or 16 on the AVX-512 path) for about `seconds`, in GFLOP/s (2 FLOP per FMA
+// lane): this machine's ceiling for the selected kernels, the benchmarks' roofline
+// (fma_peak.cpp). nullopt on the scalar path.
 std::optional<double> fma_peak_gflops(int threads, double seconds);
 
 }  // namespace relpos::cpu

@@ -89,6 +89,21 @@ class WorkQueue {
   std::atomic<int64_t> next_{0};
 };
 
+// The fused attention kernels of rel_attention_avx2.cpp, declared for each namespace that file
+// is compiled into: avx2, and avx512 (rel_attention_avx512.cpp: the same code with 16-lane
+// matmul blocks, for CPUs with AVX-512).
+#define RELPOS_ATTENTION_KERNELS                                                                  \
+  void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split,                 \
+                     WorkQueue& work);                                                            \
+  void rel_attention_combine(const RelAttentionParams& p, const AttentionFwdSplit& split,         \
+                             int64_t begin, int64_t end);                                         \
+  void rel_attention_backward(const RelAttentionBwdParams& p, const AttentionBwdSplit& split,     \
+                              WorkQueue& work);                                                   \
+  void rel_attention_backward_reduce(const RelAttentionBwdParams& p,                              \
+                                     const AttentionBwdSplit& split, int64_t begin, int64_t end); \
+  void attn_mask_tiles(const RelAttentionParams& p, const AttnMaskTiles& t, int64_t begin,        \
+                       int64_t end);
+
 namespace avx2 {
 void rel_gather(const RelGatherParams& p, int64_t begin, int64_t end);
 void rel_gather_backward(const RelGatherBwdParams& p, int64_t begin, int64_t end);
@@ -104,18 +119,18 @@ void bucket_sum(const BucketSumParams& p, int64_t begin, int64_t end);
 //   rel_attention_backward: (b, kv head, key chunk) of batch * kv_heads * split.chunks;
 //   rel_attention_backward_reduce (only when split.chunks > 1): (b, h) of batch * heads;
 //   attn_mask_tiles: (mask slab, query tile) of t.slabs * t.q_tiles, filling t.cls.
-void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, WorkQueue& work);
-void rel_attention_combine(const RelAttentionParams& p, const AttentionFwdSplit& split,
-                           int64_t begin, int64_t end);
-void rel_attention_backward(const RelAttentionBwdParams& p, const AttentionBwdSplit& split,
-                            WorkQueue& work);
-void rel_attention_backward_reduce(const RelAttentionBwdParams& p, const AttentionBwdSplit& split,
-                                   int64_t begin, int64_t end);
-void attn_mask_tiles(const RelAttentionParams& p, const AttnMaskTiles& t, int64_t begin,
-                     int64_t end);
+RELPOS_ATTENTION_KERNELS
 // 12 * iters independent 8-lane FMAs (fma_peak_avx2.cpp); returns a value of them so that none is
 // optimised away. For fma_peak_gflops (isa.h).
 float fma_spin(int64_t iters);
 }  // namespace avx2
+
+namespace avx512 {
+RELPOS_ATTENTION_KERNELS
+// fma_spin with 16-lane FMAs (fma_peak_avx512.cpp): 12 * iters of them.
+float fma_spin(int64_t iters);
+}  // namespace avx512
+
+#undef RELPOS_ATTENTION_KERNELS
 
 }  // namespace relpos::cpu

@@ -46,7 +46,7 @@ void run(const Params& p, int64_t items, int64_t grain,
          ScalarFn scalar_fn) {
   if (items <= 0) return;
   const Isa isa = selected_isa();  // validates RELPOS_CPU_ISA on every call
-  if (avx2_fn != nullptr && params_dtype(p) != DType::Float64 && isa == Isa::Avx2) {
+  if (avx2_fn != nullptr && params_dtype(p) != DType::Float64 && isa != Isa::Scalar) {
     at::parallel_for(0, items, grain, [&](int64_t b, int64_t e) { avx2_fn(p, b, e); });
     return;
   }
@@ -119,8 +119,8 @@ struct CpuBackend {
   // The AVX2 attention kernels tile the work differently from the scalar ones (kernels.h).
   static void rel_attention(const RelAttentionParams& p) {
 #if defined(RELPOS_HAVE_AVX2)
-    if (p.dtype != DType::Float64 && selected_isa() == Isa::Avx2) {
-      rel_attention_avx2(p);
+    if (const Isa isa = selected_isa(); p.dtype != DType::Float64 && isa != Isa::Scalar) {
+      rel_attention_avx2(p, attention_kernels(isa));
       return;
     }
 #endif
@@ -131,8 +131,8 @@ struct CpuBackend {
   }
   static void rel_attention_backward(const RelAttentionBwdParams& p) {
 #if defined(RELPOS_HAVE_AVX2)
-    if (p.fwd.dtype != DType::Float64 && selected_isa() == Isa::Avx2) {
-      rel_attention_backward_avx2(p);
+    if (const Isa isa = selected_isa(); p.fwd.dtype != DType::Float64 && isa != Isa::Scalar) {
+      rel_attention_backward_avx2(p, attention_kernels(isa));
       return;
     }
 #endif
@@ -169,7 +169,27 @@ struct CpuBackend {
     return t;
   }
 
-  static void rel_attention_avx2(const RelAttentionParams& p) {
+  // The fused attention kernels of a vector path: avx2, or avx512 (the same code with 16-lane
+  // matmul blocks, kernels.h).
+  struct AttentionKernels {
+    decltype(&avx2::rel_attention) fwd;
+    decltype(&avx2::rel_attention_combine) combine;
+    decltype(&avx2::rel_attention_backward) bwd;
+    decltype(&avx2::rel_attention_backward_reduce) reduce;
+  };
+  static AttentionKernels attention_kernels(Isa isa) {
+#if defined(RELPOS_HAVE_AVX512)
+    if (isa == Isa::Avx512) {
+      return {&avx512::rel_attention, &avx512::rel_attention_combine, &avx512::rel_attention_backward,
+              &avx512::rel_attention_backward_reduce};
+    }
+#endif
+    (void)isa;
+    return {&avx2::rel_attention, &avx2::rel_attention_combine, &avx2::rel_attention_backward,
+            &avx2::rel_attention_backward_reduce};
+  }
+
+  static void rel_attention_avx2(const RelAttentionParams& p, const AttentionKernels& kern) {
     const int64_t tiles = p.batch * p.heads * ((p.q_len + kAttentionTileQ - 1) / kAttentionTileQ);
     const int64_t k_tiles = (p.k_len + kAttentionTileK - 1) / kAttentionTileK;
     AttentionFwdSplit split;
@@ -197,10 +217,10 @@ struct CpuBackend {
     // about 8 chunks per thread: small enough to balance, large enough that a thread seldom
     // moves to another kv head (whose keys it then transposes again)
     const int64_t chunk = std::max<int64_t>(1, items / (8 * at::get_num_threads()));
-    run_queue(items, chunk, [&](WorkQueue& work) { avx2::rel_attention(p, split, work); });
+    run_queue(items, chunk, [&](WorkQueue& work) { kern.fwd(p, split, work); });
     if (split.chunks > 1) {
       at::parallel_for(0, p.batch * p.heads, 1, [&](int64_t b, int64_t e) {
-        avx2::rel_attention_combine(p, split, b, e);
+        kern.combine(p, split, b, e);
       });
     }
   }
@@ -213,7 +233,7 @@ struct CpuBackend {
   static constexpr int64_t kBwdTargetItems = 8;
   static constexpr int64_t kBwdPartialBytes = int64_t(32) << 20;
 
-  static void rel_attention_backward_avx2(const RelAttentionBwdParams& p) {
+  static void rel_attention_backward_avx2(const RelAttentionBwdParams& p, const AttentionKernels& kern) {
     const RelAttentionParams& f = p.fwd;
     const int64_t units = f.batch * f.kv_heads;
     const int64_t k_tiles = (f.k_len + kAttentionTileK - 1) / kAttentionTileK;
@@ -250,12 +270,10 @@ struct CpuBackend {
     }
     at::Tensor tile_classes;
     split.mask_tiles = mask_tiles(f, tile_classes);
-    run_queue(units * split.chunks, 1, [&](WorkQueue& work) {
-      avx2::rel_attention_backward(p, split, work);
-    });
+    run_queue(units * split.chunks, 1, [&](WorkQueue& work) { kern.bwd(p, split, work); });
     if (split.chunks > 1) {
       at::parallel_for(0, f.batch * f.heads, 1, [&](int64_t b, int64_t e) {
-        avx2::rel_attention_backward_reduce(p, split, b, e);
+        kern.reduce(p, split, b, e);
       });
     }
   }

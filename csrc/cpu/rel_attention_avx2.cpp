@@ -21,7 +21,10 @@
 // K^T read along the skew's diagonal; both join S right after Q K^T, so the paths below see
 // finished logits. The backward sums dS per key in the clamped buckets and per (bucket, key) in
 // the band (WK^T), for dK and drel_q by small matmuls (add_key_side, key_side_grad).
-// This file is compiled with -mavx2 -mfma -mf16c and includes no torch headers (kernels.h).
+// This file is compiled with -mavx2 -mfma -mf16c and includes no torch headers (kernels.h). It is
+// compiled a second time, with AVX-512 flags and into namespace avx512, by
+// rel_attention_avx512.cpp: there the matmul blocks (gemm_block) are 16 lanes wide, with the same
+// FMA chains, so both builds give bitwise the same results.
 #include <immintrin.h>
 
 #include <cmath>
@@ -36,7 +39,12 @@
 #include "cpu/kernels.h"
 #include "cpu/vec_avx2.h"
 
-namespace relpos::cpu::avx2 {
+#ifndef RELPOS_ATTENTION_ISA
+#define RELPOS_ATTENTION_ISA avx2
+#endif
+
+namespace relpos::cpu::RELPOS_ATTENTION_ISA {
+using namespace relpos::cpu::avx2;  // vec_avx2.h's helpers, when compiled as namespace avx512
 namespace {
 
 constexpr int64_t BQ = kAttentionTileQ;  // query rows per tile
@@ -214,85 +222,125 @@ float sum_row(const float* x, int64_t n) {
 }
 
 // ------------------------------------------------------------------------------ matmul
+// The register type of the matmul blocks: 8-lane AVX2, or 16-lane AVX-512 where this file is
+// compiled a second time with AVX-512 flags (rel_attention_avx512.cpp). Every other loop here
+// stays 8 lanes wide in both builds.
+struct Ymm {
+  using reg = __m256;
+  using mask = __m256i;
+  static constexpr int64_t kLanes = 8;
+  static mask tail(int64_t n) { return tail_mask(imin(imax(n, 0), 8)); }
+  static reg zero() { return _mm256_setzero_ps(); }
+  static reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static reg load(const float* p, mask m) { return _mm256_maskload_ps(p, m); }
+  static void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
+  static void store(float* p, mask m, reg v) { _mm256_maskstore_ps(p, m, v); }
+  static reg bcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+};
+#if defined(__AVX512F__)
+struct Zmm {
+  using reg = __m512;
+  using mask = __mmask16;
+  static constexpr int64_t kLanes = 16;
+  static mask tail(int64_t n) { return n >= 16 ? mask(0xFFFF) : n <= 0 ? mask(0) : mask((1u << n) - 1); }
+  static reg zero() { return _mm512_setzero_ps(); }
+  static reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static reg load(const float* p, mask m) { return _mm512_maskz_loadu_ps(m, p); }
+  static void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
+  static void store(float* p, mask m, reg v) { _mm512_mask_storeu_ps(p, m, v); }
+  static reg bcast(const float* p) { return _mm512_set1_ps(*p); }
+  static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+};
+using MatmulVec = Zmm;
+#else
+using MatmulVec = Ymm;
+#endif
+
 // C[M, N] (+)= A[M, K] @ B[K, N], float. B and C are row-major (ldb, ldc); A is read by broadcasts
 // at A + m * lda + k * ka, so a transposed operand (ka = its row stride, lda = 1) costs nothing
-// extra: P^T dO reads P in place. Register block: MR rows x 16 columns, an outer product per k
-// (2 loads of B, MR broadcasts of A, 2*MR FMAs). ACC = false overwrites C (no fill, no load).
+// extra: P^T dO reads P in place. Register block: MR rows x 2 vectors (16 columns with AVX2, 32
+// with AVX-512), an outer product per k (2 loads of B, MR broadcasts of A, 2*MR FMAs). ACC = false
+// overwrites C (no fill, no load). Each C entry is one FMA chain over k ascending, whatever the
+// vector width: the AVX-512 build gives bitwise the AVX2 build's results.
 // The accumulators are named variables, not an array: GCC kept an array of __m256 on the stack
 // inside the k loop (a store per FMA), which halved the speed.
-template <int MR, bool FULL, bool ACC>
+template <typename V, int MR, bool FULL, bool ACC>
 inline void gemm_block(int64_t K, const float* A, int64_t lda, int64_t ka, const float* B,
                        int64_t ldb, float* C, int64_t ldc, int64_t n) {
-  const __m256i m0 = tail_mask(imin(n, 8));
-  const __m256i m1 = tail_mask(imax(n - 8, 0));
-  auto load = [&](const float* ptr, const __m256i& mk) {
-    return FULL ? _mm256_loadu_ps(ptr) : _mm256_maskload_ps(ptr, mk);
+  using reg = typename V::reg;
+  constexpr int64_t W = V::kLanes;
+  const typename V::mask m0 = V::tail(n), m1 = V::tail(n - W);
+  auto load = [&](const float* ptr, const typename V::mask& mk) {
+    return FULL ? V::load(ptr) : V::load(ptr, mk);
   };
-  auto loadc = [&](const float* ptr, const __m256i& mk) {
-    return ACC ? load(ptr, mk) : _mm256_setzero_ps();
+  auto loadc = [&](const float* ptr, const typename V::mask& mk) {
+    return ACC ? load(ptr, mk) : V::zero();
   };
-  auto store = [&](float* ptr, const __m256i& mk, __m256 v) {
+  auto store = [&](float* ptr, const typename V::mask& mk, reg v) {
     if (FULL) {
-      _mm256_storeu_ps(ptr, v);
+      V::store(ptr, v);
     } else {
-      _mm256_maskstore_ps(ptr, mk, v);
+      V::store(ptr, mk, v);
     }
   };
-  const __m256 z = _mm256_setzero_ps();
-  __m256 c00 = loadc(C, m0), c01 = loadc(C + 8, m1);
-  __m256 c10 = MR > 1 ? loadc(C + ldc, m0) : z, c11 = MR > 1 ? loadc(C + ldc + 8, m1) : z;
-  __m256 c20 = MR > 2 ? loadc(C + 2 * ldc, m0) : z, c21 = MR > 2 ? loadc(C + 2 * ldc + 8, m1) : z;
-  __m256 c30 = MR > 3 ? loadc(C + 3 * ldc, m0) : z, c31 = MR > 3 ? loadc(C + 3 * ldc + 8, m1) : z;
-  __m256 c40 = MR > 4 ? loadc(C + 4 * ldc, m0) : z, c41 = MR > 4 ? loadc(C + 4 * ldc + 8, m1) : z;
-  __m256 c50 = MR > 5 ? loadc(C + 5 * ldc, m0) : z, c51 = MR > 5 ? loadc(C + 5 * ldc + 8, m1) : z;
+  const reg z = V::zero();
+  reg c00 = loadc(C, m0), c01 = loadc(C + W, m1);
+  reg c10 = MR > 1 ? loadc(C + ldc, m0) : z, c11 = MR > 1 ? loadc(C + ldc + W, m1) : z;
+  reg c20 = MR > 2 ? loadc(C + 2 * ldc, m0) : z, c21 = MR > 2 ? loadc(C + 2 * ldc + W, m1) : z;
+  reg c30 = MR > 3 ? loadc(C + 3 * ldc, m0) : z, c31 = MR > 3 ? loadc(C + 3 * ldc + W, m1) : z;
+  reg c40 = MR > 4 ? loadc(C + 4 * ldc, m0) : z, c41 = MR > 4 ? loadc(C + 4 * ldc + W, m1) : z;
+  reg c50 = MR > 5 ? loadc(C + 5 * ldc, m0) : z, c51 = MR > 5 ? loadc(C + 5 * ldc + W, m1) : z;
   const float* a = A;
   const float* b = B;
   for (int64_t k = 0; k < K; ++k, a += ka, b += ldb) {
-    const __m256 b0 = load(b, m0), b1 = load(b + 8, m1);
-    __m256 x = _mm256_broadcast_ss(a);
-    c00 = _mm256_fmadd_ps(x, b0, c00);
-    c01 = _mm256_fmadd_ps(x, b1, c01);
+    const reg b0 = load(b, m0), b1 = load(b + W, m1);
+    reg x = V::bcast(a);
+    c00 = V::fma(x, b0, c00);
+    c01 = V::fma(x, b1, c01);
     if constexpr (MR > 1) {
-      x = _mm256_broadcast_ss(a + lda);
-      c10 = _mm256_fmadd_ps(x, b0, c10);
-      c11 = _mm256_fmadd_ps(x, b1, c11);
+      x = V::bcast(a + lda);
+      c10 = V::fma(x, b0, c10);
+      c11 = V::fma(x, b1, c11);
     }
     if constexpr (MR > 2) {
-      x = _mm256_broadcast_ss(a + 2 * lda);
-      c20 = _mm256_fmadd_ps(x, b0, c20);
-      c21 = _mm256_fmadd_ps(x, b1, c21);
+      x = V::bcast(a + 2 * lda);
+      c20 = V::fma(x, b0, c20);
+      c21 = V::fma(x, b1, c21);
     }
     if constexpr (MR > 3) {
-      x = _mm256_broadcast_ss(a + 3 * lda);
-      c30 = _mm256_fmadd_ps(x, b0, c30);
-      c31 = _mm256_fmadd_ps(x, b1, c31);
+      x = V::bcast(a + 3 * lda);
+      c30 = V::fma(x, b0, c30);
+      c31 = V::fma(x, b1, c31);
     }
     if constexpr (MR > 4) {
-      x = _mm256_broadcast_ss(a + 4 * lda);
-      c40 = _mm256_fmadd_ps(x, b0, c40);
-      c41 = _mm256_fmadd_ps(x, b1, c41);
+      x = V::bcast(a + 4 * lda);
+      c40 = V::fma(x, b0, c40);
+      c41 = V::fma(x, b1, c41);
     }
     if constexpr (MR > 5) {
-      x = _mm256_broadcast_ss(a + 5 * lda);
-      c50 = _mm256_fmadd_ps(x, b0, c50);
-      c51 = _mm256_fmadd_ps(x, b1, c51);
+      x = V::bcast(a + 5 * lda);
+      c50 = V::fma(x, b0, c50);
+      c51 = V::fma(x, b1, c51);
     }
   }
   store(C, m0, c00);
-  store(C + 8, m1, c01);
-  if constexpr (MR > 1) { store(C + ldc, m0, c10); store(C + ldc + 8, m1, c11); }
-  if constexpr (MR > 2) { store(C + 2 * ldc, m0, c20); store(C + 2 * ldc + 8, m1, c21); }
-  if constexpr (MR > 3) { store(C + 3 * ldc, m0, c30); store(C + 3 * ldc + 8, m1, c31); }
-  if constexpr (MR > 4) { store(C + 4 * ldc, m0, c40); store(C + 4 * ldc + 8, m1, c41); }
-  if constexpr (MR > 5) { store(C + 5 * ldc, m0, c50); store(C + 5 * ldc + 8, m1, c51); }
+  store(C + W, m1, c01);
+  if constexpr (MR > 1) { store(C + ldc, m0, c10); store(C + ldc + W, m1, c11); }
+  if constexpr (MR > 2) { store(C + 2 * ldc, m0, c20); store(C + 2 * ldc + W, m1, c21); }
+  if constexpr (MR > 3) { store(C + 3 * ldc, m0, c30); store(C + 3 * ldc + W, m1, c31); }
+  if constexpr (MR > 4) { store(C + 4 * ldc, m0, c40); store(C + 4 * ldc + W, m1, c41); }
+  if constexpr (MR > 5) { store(C + 5 * ldc, m0, c50); store(C + 5 * ldc + W, m1, c51); }
 }
 
 template <int MR, bool ACC>
 inline void gemm_rows(int64_t N, int64_t K, const float* A, int64_t lda, int64_t ka,
                       const float* B, int64_t ldb, float* C, int64_t ldc) {
+  using V = MatmulVec;
+  constexpr int64_t NB = 2 * V::kLanes;
   int64_t j = 0;
-  for (; j + 16 <= N; j += 16) gemm_block<MR, true, ACC>(K, A, lda, ka, B + j, ldb, C + j, ldc, 16);
-  if (j < N) gemm_block<MR, false, ACC>(K, A, lda, ka, B + j, ldb, C + j, ldc, N - j);
+  for (; j + NB <= N; j += NB) gemm_block<V, MR, true, ACC>(K, A, lda, ka, B + j, ldb, C + j, ldc, NB);
+  if (j < N) gemm_block<V, MR, false, ACC>(K, A, lda, ka, B + j, ldb, C + j, ldc, N - j);
 }
 
 // C[0, :N] += sum_k A[k * ka] B[k, :N] for a single row of C (decoding: P V of one query row).
@@ -348,6 +396,8 @@ void gemm_t(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, int64_
     }
     return;
   }
+  // 6 rows per block with either width: 8 rows (16 of AVX-512's 32 registers accumulating) ran
+  // no faster (L = 1024 and 2048, forward and backward, within 2%)
   int64_t i = 0;
   for (; i + 6 <= M; i += 6) gemm_rows<6, ACC>(N, K, A + i * lda, lda, ka, B, ldb, C + i * ldc, ldc);
   const float* a = A + i * lda;
@@ -1881,4 +1931,4 @@ void attn_mask_tiles(const RelAttentionParams& p, const AttnMaskTiles& t, int64_
   }
 }
 
-}  // namespace relpos::cpu::avx2
+}  // namespace relpos::cpu::RELPOS_ATTENTION_ISA

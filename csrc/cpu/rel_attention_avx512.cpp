@@ -1,0 +1,7 @@
+// The fused attention kernels (rel_attention_avx2.cpp) compiled again with AVX-512 flags
+// (-mavx512f -mavx512vl -mavx512bw -mavx512dq, plus AVX2/FMA/F16C) into namespace avx512: the
+// matmul blocks become 16 lanes wide (gemm_block with Zmm), which doubles their FMA rate on CPUs
+// with two 512-bit FMA units; the rest of the file is the AVX2 code as it is. Same FMA chains,
+// so the results are bitwise those of the AVX2 build (tests/test_attention.py checks it).
+#define RELPOS_ATTENTION_ISA avx512
+#include "cpu/rel_attention_avx2.cpp"
