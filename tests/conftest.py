@@ -3,9 +3,9 @@
 Backends:
   cpu-scalar  torch.ops.relpos on CPU tensors with RELPOS_CPU_ISA=scalar
   cpu-avx2    torch.ops.relpos on CPU tensors with RELPOS_CPU_ISA=avx2
-  cpu-avx512  the same with RELPOS_CPU_ISA=avx512 (the attention kernels' AVX-512 build; only on
-              CPUs with AVX-512, and only in tests/test_attention.py: other ops run their AVX2
-              kernels there)
+  cpu-avx512  the same with RELPOS_CPU_ISA=avx512 (the AVX-512 builds of the attention and
+              rel_logits kernels; only on CPUs with AVX-512, and only in the tests of those ops:
+              the others run their AVX2 kernels there)
   cuda-emu    the CUDA kernels run by the CPU emulator: torch.ops.relpos_emu on CPU tensors
   cuda        torch.ops.relpos on CUDA tensors (only where a GPU exists)
 """
@@ -102,13 +102,15 @@ def pytest_collection_modifyitems(config, items):
     # Everything parametrised with the cuda-emu backend runs the emulator: mark it so that
     # `pytest -m emu` (the AddressSanitizer step) selects exactly those tests. float64 on the
     # cpu-avx2 backend would run the scalar kernel again (AVX2 has no float64 path): deselect;
-    # so is cpu-avx512 outside the attention tests, where it would run the AVX2 kernels again.
+    # so is cpu-avx512 outside the tests of the ops it has kernels for (the attention tests and
+    # the rel_logits ones), where it would run the AVX2 kernels again.
     keep, dropped = [], []
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         vector = params.get("backend") in ("cpu-avx2", "cpu-avx512")
+        avx512_op = item.path.name == "test_attention.py" or "rel_logits" in item.name
         if (vector and params.get("dtype") == torch.float64) or (
-                params.get("backend") == "cpu-avx512" and item.path.name != "test_attention.py"):
+                params.get("backend") == "cpu-avx512" and not avx512_op):
             dropped.append(item)
             continue
         if params.get("backend") == "cuda-emu":

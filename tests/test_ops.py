@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from relpos_ext import reference as ref
-from conftest import assert_close
+from conftest import assert_close, skip_unless_avx512
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
@@ -164,6 +164,27 @@ def test_rel_logits_backward(backend, dtype, case):
     scale = max(1.0, (q.shape[0] * q.shape[2] * max(lk, 1)) ** 0.5)
     assert_close(dq, torch.zeros_like(q64) if dq_ref is None else dq_ref, dtype, scale)
     assert_close(dt, torch.zeros_like(t64) if dt_ref is None else dt_ref, dtype, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", LOGITS_CASES + [
+    (2, 3, 70, 90, 64, 89, 0, 0, True),  # unclipped, 12 register tiles of rows, 6 panels
+    (1, 2, 33, 100, 37, 40, 5, 0, False),  # clipped, odd D, a query offset
+])
+def test_rel_logits_avx512_is_bitwise_avx2(monkeypatch, dtype, case):
+    """rel_logits' AVX-512 build differs from the AVX2 one only in the width of its register
+    tile (panels of 32 buckets instead of 16), whose entries are the same FMA chains: forward
+    and backward must be bitwise those of the AVX2 kernels."""
+    skip_unless_avx512(monkeypatch)
+    q, table, k, lk, qo, ko = _logits_inputs(case, dtype)
+    grad = torch.randn(*q.shape[:3], lk).to(dtype)
+    results = []
+    for isa in ("avx2", "avx512"):
+        monkeypatch.setenv("RELPOS_CPU_ISA", isa)
+        out = torch.ops.relpos.rel_logits(q, table, k, lk, qo, ko)
+        results.append((out, *torch.ops.relpos.rel_logits_backward(grad, q, table, k, qo, ko)))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
 
 
 def test_rel_logits_backward_in_head_groups():

@@ -126,6 +126,10 @@ float fma_spin(int64_t iters);
 }  // namespace avx2
 
 namespace avx512 {
+// rel_logits_avx2.cpp with a 16-lane register tile (rel_logits_avx512.cpp; bucket_sum is the
+// AVX2 code as it is).
+void rel_logits(const RelLogitsParams& p, int64_t begin, int64_t end);
+void bucket_sum(const BucketSumParams& p, int64_t begin, int64_t end);
 RELPOS_ATTENTION_KERNELS
 // fma_spin with 16-lane FMAs (fma_peak_avx512.cpp): 12 * iters of them.
 float fma_spin(int64_t iters);

@@ -33,21 +33,31 @@ at::ScalarType scalar_type_of(DType d) {
 #else
 #define RELPOS_AVX2_FN(name) nullptr
 #endif
+#if defined(RELPOS_HAVE_AVX512)
+#define RELPOS_AVX512_FN(name) &avx512::name
+#else
+#define RELPOS_AVX512_FN(name) nullptr
+#endif
 
 template <typename Params>
 DType params_dtype(const Params& p) { return p.dtype; }
 DType params_dtype(const RelAttentionBwdParams& p) { return p.fwd.dtype; }
 
-// Runs `avx2_fn` (float32/float16/bfloat16 on the AVX2 path) or the scalar template over
-// [0, items) in parallel. `grain` is the number of items worth a task.
+template <typename Params>
+using VectorFn = void (*)(const Params&, int64_t, int64_t);
+
+// Runs `avx2_fn` (float32/float16/bfloat16 on the AVX2 path; on the AVX-512 path `avx512_fn`
+// where the op has one, else `avx2_fn`) or the scalar template over [0, items) in parallel.
+// `grain` is the number of items worth a task.
 template <typename Params, typename ScalarFn>
 void run(const Params& p, int64_t items, int64_t grain,
-         std::type_identity_t<void (*)(const Params&, int64_t, int64_t)> avx2_fn,
-         ScalarFn scalar_fn) {
+         std::type_identity_t<VectorFn<Params>> avx2_fn, ScalarFn scalar_fn,
+         std::type_identity_t<VectorFn<Params>> avx512_fn = nullptr) {
   if (items <= 0) return;
   const Isa isa = selected_isa();  // validates RELPOS_CPU_ISA on every call
   if (avx2_fn != nullptr && params_dtype(p) != DType::Float64 && isa != Isa::Scalar) {
-    at::parallel_for(0, items, grain, [&](int64_t b, int64_t e) { avx2_fn(p, b, e); });
+    const VectorFn<Params> fn = isa == Isa::Avx512 && avx512_fn != nullptr ? avx512_fn : avx2_fn;
+    at::parallel_for(0, items, grain, [&](int64_t b, int64_t e) { fn(p, b, e); });
     return;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scalar_type_of(params_dtype(p)), "relpos_cpu",
@@ -108,13 +118,15 @@ struct CpuBackend {
     run(p, p.batch * p.heads * p.q_len, grain_for(p.k_len + p.dim * 8), RELPOS_AVX2_FN(rel_logits),
         []<typename T>(const RelLogitsParams& pp, int64_t b, int64_t e) {
           scalar::rel_logits<T>(pp, b, e);
-        });
+        },
+        RELPOS_AVX512_FN(rel_logits));
   }
   static void bucket_sum(const BucketSumParams& p) {
     run(p, p.batch * p.heads * p.q_len, grain_for(p.k_len), RELPOS_AVX2_FN(bucket_sum),
         []<typename T>(const BucketSumParams& pp, int64_t b, int64_t e) {
           scalar::bucket_sum<T>(pp, b, e);
-        });
+        },
+        RELPOS_AVX512_FN(bucket_sum));
   }
   // The AVX2 attention kernels tile the work differently from the scalar ones (kernels.h).
   static void rel_attention(const RelAttentionParams& p) {

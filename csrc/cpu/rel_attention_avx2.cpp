@@ -39,11 +39,11 @@
 #include "cpu/kernels.h"
 #include "cpu/vec_avx2.h"
 
-#ifndef RELPOS_ATTENTION_ISA
-#define RELPOS_ATTENTION_ISA avx2
+#ifndef RELPOS_ISA
+#define RELPOS_ISA avx2
 #endif
 
-namespace relpos::cpu::RELPOS_ATTENTION_ISA {
+namespace relpos::cpu::RELPOS_ISA {
 using namespace relpos::cpu::avx2;  // vec_avx2.h's helpers, when compiled as namespace avx512
 namespace {
 
@@ -158,11 +158,6 @@ inline void prefetch_ahead(const void* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
 }
 
-inline __m256i tail_mask(int64_t n) {  // lanes [0, n) of 8 enabled
-  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), idx);
-}
-
 // sums[u] = the sum of the lanes of a[u], for 8 vectors at once (pairwise horizontal adds, then
 // the two 128-bit halves)
 inline __m256 hsum8(const __m256* a) {
@@ -222,41 +217,6 @@ float sum_row(const float* x, int64_t n) {
 }
 
 // ------------------------------------------------------------------------------ matmul
-// The register type of the matmul blocks: 8-lane AVX2, or 16-lane AVX-512 where this file is
-// compiled a second time with AVX-512 flags (rel_attention_avx512.cpp). Every other loop here
-// stays 8 lanes wide in both builds.
-struct Ymm {
-  using reg = __m256;
-  using mask = __m256i;
-  static constexpr int64_t kLanes = 8;
-  static mask tail(int64_t n) { return tail_mask(imin(imax(n, 0), 8)); }
-  static reg zero() { return _mm256_setzero_ps(); }
-  static reg load(const float* p) { return _mm256_loadu_ps(p); }
-  static reg load(const float* p, mask m) { return _mm256_maskload_ps(p, m); }
-  static void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
-  static void store(float* p, mask m, reg v) { _mm256_maskstore_ps(p, m, v); }
-  static reg bcast(const float* p) { return _mm256_broadcast_ss(p); }
-  static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
-};
-#if defined(__AVX512F__)
-struct Zmm {
-  using reg = __m512;
-  using mask = __mmask16;
-  static constexpr int64_t kLanes = 16;
-  static mask tail(int64_t n) { return n >= 16 ? mask(0xFFFF) : n <= 0 ? mask(0) : mask((1u << n) - 1); }
-  static reg zero() { return _mm512_setzero_ps(); }
-  static reg load(const float* p) { return _mm512_loadu_ps(p); }
-  static reg load(const float* p, mask m) { return _mm512_maskz_loadu_ps(m, p); }
-  static void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
-  static void store(float* p, mask m, reg v) { _mm512_mask_storeu_ps(p, m, v); }
-  static reg bcast(const float* p) { return _mm512_set1_ps(*p); }
-  static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
-};
-using MatmulVec = Zmm;
-#else
-using MatmulVec = Ymm;
-#endif
-
 // C[M, N] (+)= A[M, K] @ B[K, N], float. B and C are row-major (ldb, ldc); A is read by broadcasts
 // at A + m * lda + k * ka, so a transposed operand (ka = its row stride, lda = 1) costs nothing
 // extra: P^T dO reads P in place. Register block: MR rows x 2 vectors (16 columns with AVX2, 32
@@ -1931,4 +1891,4 @@ void attn_mask_tiles(const RelAttentionParams& p, const AttnMaskTiles& t, int64_
   }
 }
 
-}  // namespace relpos::cpu::RELPOS_ATTENTION_ISA
+}  // namespace relpos::cpu::RELPOS_ISA

@@ -3,5 +3,5 @@
 // matmul blocks become 16 lanes wide (gemm_block with Zmm), which doubles their FMA rate on CPUs
 // with two 512-bit FMA units; the rest of the file is the AVX2 code as it is. Same FMA chains,
 // so the results are bitwise those of the AVX2 build (tests/test_attention.py checks it).
-#define RELPOS_ATTENTION_ISA avx512
+#define RELPOS_ISA avx512
 #include "cpu/rel_attention_avx2.cpp"

@@ -4,11 +4,13 @@
 //
 // rel_logits tiling. A row i reaches the buckets [b(i, 0), b(i, Lk-1)], at most min(Lk, 2K+1) of
 // them; rows i0..i0+5 together reach at most 5 more. Per block of kMR = 6 consecutive rows of one
-// (b, h) the kernel computes QE = q_block @ table[reached buckets]^T (kMR x 16 register tile: 12
-// accumulators, one broadcast of q per row and two loads of a table panel per d), and then writes
+// (b, h) the kernel computes QE = q_block @ table[reached buckets]^T (kMR x kNR register tile: 12
+// accumulators, one broadcast of q per row and two loads of a table panel per d; kNR = 16 buckets,
+// or 32 where rel_logits_avx512.cpp compiles this file with AVX-512 flags, with the same FMA
+// chains, so the same results), and then writes
 // each output row as the three runs of common/relpos_index.h: unclamped_keys: a constant fill with
 // QE[., 0], a contiguous slice of the QE row (the bucket grows by one per key) and a constant fill
-// with QE[., 2K]. The table is repacked once per call and (b, h) run into float32 panels of 16
+// with QE[., 2K]. The table is repacked once per call and (b, h) run into float32 panels of kNR
 // buckets, [D][16] each (the "packed B" of a GEMM), covering only the buckets the rows reach: the
 // cost is O(reached buckets * D), small next to the O(rows * min(Lk, 2K+1) * D) of the products.
 //
@@ -20,31 +22,38 @@
 #include "cpu/kernels.h"
 #include "cpu/vec_avx2.h"
 
-namespace relpos::cpu::avx2 {
+#ifndef RELPOS_ISA
+#define RELPOS_ISA avx2
+#endif
+
+namespace relpos::cpu::RELPOS_ISA {
+using namespace relpos::cpu::avx2;  // vec_avx2.h's helpers, when compiled as namespace avx512
 namespace {
 
-constexpr int64_t kMR = 6;   // query rows per register tile
-constexpr int64_t kNR = 16;  // buckets per packed panel (two ymm)
+using V = MatmulVec;
+constexpr int64_t kMR = 6;                 // query rows per register tile
+constexpr int64_t kNR = 2 * V::kLanes;     // buckets per packed panel (two registers)
 
-// C[r, 0:16] = sum_d A[r, d] * P[d, 0:16] for r < M. A: M rows of D floats; P: one [D][16] panel.
+// C[r, 0:kNR] = sum_d A[r, d] * P[d, 0:kNR] for r < M. A: M rows of D floats; P: one [D][kNR]
+// panel.
 template <int M>
 inline void tile_kernel(const float* A, int64_t D, const float* P, float* C, int64_t ldc) {
-  __m256 c0[M], c1[M];
+  typename V::reg c0[M], c1[M];
 #pragma GCC unroll 6
-  for (int r = 0; r < M; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
+  for (int r = 0; r < M; ++r) c0[r] = c1[r] = V::zero();
   for (int64_t d = 0; d < D; ++d) {
-    const __m256 b0 = _mm256_load_ps(P + d * kNR), b1 = _mm256_load_ps(P + d * kNR + 8);
+    const typename V::reg b0 = V::load(P + d * kNR), b1 = V::load(P + d * kNR + V::kLanes);
 #pragma GCC unroll 6
     for (int r = 0; r < M; ++r) {
-      const __m256 a = _mm256_broadcast_ss(A + r * D + d);
-      c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
-      c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
+      const typename V::reg a = V::bcast(A + r * D + d);
+      c0[r] = V::fma(a, b0, c0[r]);
+      c1[r] = V::fma(a, b1, c1[r]);
     }
   }
 #pragma GCC unroll 6
   for (int r = 0; r < M; ++r) {
-    _mm256_storeu_ps(C + r * ldc, c0[r]);
-    _mm256_storeu_ps(C + r * ldc + 8, c1[r]);
+    V::store(C + r * ldc, c0[r]);
+    V::store(C + r * ldc + V::kLanes, c1[r]);
   }
 }
 
@@ -52,8 +61,8 @@ using TileFn = void (*)(const float*, int64_t, const float*, float*, int64_t);
 constexpr TileFn kTile[kMR + 1] = {nullptr,         tile_kernel<1>, tile_kernel<2>, tile_kernel<3>,
                                    tile_kernel<4>, tile_kernel<5>, tile_kernel<6>};
 
-// Buckets [lo, lo + 16 * panels) of one head's table as float32 panels P[p][d][k] = table[lo +
-// 16p + k][d]; buckets past the table's end are zero.
+// Buckets [lo, lo + kNR * panels) of one head's table as float32 panels P[p][d][k] = table[lo +
+// kNR p + k][d]; buckets past the table's end are zero.
 struct Packed {
   const void* src = nullptr;
   int64_t lo = 0, panels = 0;
@@ -241,4 +250,4 @@ void bucket_sum(const BucketSumParams& p, int64_t begin, int64_t end) {
   dispatch(p.dtype, [&](auto tag) { bucket_sum_rows<decltype(tag)>(p, begin, end); });
 }
 
-}  // namespace relpos::cpu::avx2
+}  // namespace relpos::cpu::RELPOS_ISA

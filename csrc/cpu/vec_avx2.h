@@ -222,5 +222,45 @@ inline void dispatch(DType dtype, F&& f) {
   std::abort();  // the glue never routes float64 here (cpu/register_cpu.cpp)
 }
 
+inline __m256i tail_mask(int64_t n) {  // lanes [0, n) of 8 enabled
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), idx);
+}
+
+// The register type of the matmul blocks (gemm_block in rel_attention_avx2.cpp, tile_kernel in
+// rel_logits_avx2.cpp): 8-lane AVX2, or 16-lane AVX-512 where those files are compiled a second
+// time with AVX-512 flags (*_avx512.cpp). Every other loop there stays 8 lanes wide in both.
+struct Ymm {
+  using reg = __m256;
+  using mask = __m256i;
+  static constexpr int64_t kLanes = 8;
+  static mask tail(int64_t n) { return tail_mask(imin(imax(n, 0), 8)); }
+  static reg zero() { return _mm256_setzero_ps(); }
+  static reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static reg load(const float* p, mask m) { return _mm256_maskload_ps(p, m); }
+  static void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
+  static void store(float* p, mask m, reg v) { _mm256_maskstore_ps(p, m, v); }
+  static reg bcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+};
+#if defined(__AVX512F__)
+struct Zmm {
+  using reg = __m512;
+  using mask = __mmask16;
+  static constexpr int64_t kLanes = 16;
+  static mask tail(int64_t n) { return n >= 16 ? mask(0xFFFF) : n <= 0 ? mask(0) : mask((1u << n) - 1); }
+  static reg zero() { return _mm512_setzero_ps(); }
+  static reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static reg load(const float* p, mask m) { return _mm512_maskz_loadu_ps(m, p); }
+  static void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
+  static void store(float* p, mask m, reg v) { _mm512_mask_storeu_ps(p, m, v); }
+  static reg bcast(const float* p) { return _mm512_set1_ps(*p); }
+  static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+};
+using MatmulVec = Zmm;
+#else
+using MatmulVec = Ymm;
+#endif
+
 }  // namespace
 }  // namespace relpos::cpu::avx2
