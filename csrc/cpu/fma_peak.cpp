@@ -1,5 +1,5 @@
-// fma_peak_gflops (isa.h): fma_spin (fma_peak_avx2.cpp, or fma_peak_avx512.cpp where the AVX-512
-// attention kernels are selected) on `threads` threads at once.
+// fma_peak_gflops (isa.h): fma_spin (fma_peak_avx2.cpp, or fma_peak_avx512.cpp on the AVX-512
+// path) on `threads` threads at once.
 #include <chrono>
 #include <thread>
 #include <vector>

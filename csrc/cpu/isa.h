@@ -1,6 +1,6 @@
 // Runtime choice of the CPU kernel path. AVX2 (with FMA and F16C) is used when it was compiled in
-// and the CPU has it; AVX-512 (F, VL, BW, DQ) on top of that selects the fused attention kernels
-// built with 16-lane matmul blocks (rel_attention_avx512.cpp; every other op runs its AVX2
+// and the CPU has it; AVX-512 (F, VL, BW, DQ) on top of that selects the fused attention and
+// rel_logits kernels built with 16-lane matmul blocks (*_avx512.cpp; every other op runs its AVX2
 // kernel). RELPOS_CPU_ISA=scalar|avx2|avx512|auto overrides, read at every call so tests can
 // cover each path in one process (torchao does the same with its own variable).
 #pragma once
