@@ -65,11 +65,11 @@ def _avx2_available() -> bool:
 
 
 def skip_unless_avx512(monkeypatch) -> None:
-    """Skip unless the AVX-512 attention kernels are built and this CPU runs them (the default
-    path picks them exactly then)."""
+    """Skip unless the AVX-512 kernels are built and this CPU runs them (the default path picks
+    them exactly then)."""
     monkeypatch.delenv("RELPOS_CPU_ISA", raising=False)
     if relpos_ext.build_info()["cpu_kernel_in_use"] != "avx512":
-        pytest.skip("no AVX-512 attention kernels on this build/CPU")
+        pytest.skip("no AVX-512 kernels on this build/CPU")
 
 
 @pytest.fixture(params=BACKENDS)
