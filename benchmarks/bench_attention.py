@@ -292,9 +292,10 @@ def machine_peak(threads: int) -> dict:
     shared machines a second core is sometimes partly busy elsewhere, which only lowers the
     multi-thread figure):
 
-    - ``fma_gflops``: independent AVX2 FMAs and nothing else (``relpos_ext._C._fma_peak_gflops``):
-      what the FMA units can do at all, so ``FLOP / fma_gflops`` is a floor on the time of any
-      float32 method that does those FLOPs. None without the AVX2 kernels.
+    - ``fma_gflops``: independent FMAs of the selected kernel path's width (8-lane AVX2, 16-lane
+      on the AVX-512 path) and nothing else (``relpos_ext._C._fma_peak_gflops``): what the FMA
+      units can do at all, so ``FLOP / fma_gflops`` is a floor on the time of any float32 method
+      that does those FLOPs at that width. None on the scalar path.
     - ``mm_gflops``: the best ``torch.mm`` rate over a square and the two attention-shaped
       products (best of 10 timed blocks each): what the vendor GEMM reaches, for reference.
 
@@ -632,9 +633,10 @@ def main(argv: list[str] | None = None) -> int:
         fma = (f"{peak['fma_gflops']:.0f} GFLOP/s ({args.threads} threads "
                f"{peak['fma_multi_thread_gflops']:.0f}, 1 thread "
                f"{peak['fma_single_thread_gflops']:.0f})" if peak["fma_gflops"] else "not measured")
+        isa = relpos_ext.build_info()["cpu_kernel_in_use"]
         print(f"float32 peak (the higher of {args.threads} threads and {args.threads} x 1 thread, "
               f"before and after the run; the roofline uses {peak['basis']}):\n"
-              f"    FMA units (independent AVX2 FMAs): {fma}\n"
+              f"    FMA units (independent {isa} FMAs): {fma}\n"
               f"    torch.mm (best shape): {peak['mm_gflops']:.0f} GFLOP/s ({args.threads} threads "
               f"{peak['mm_multi_thread_gflops']:.0f}: "
               + ", ".join(f"{k} {v:.0f}" for k, v in peak["mm_by_shape"].items())
