@@ -11,7 +11,7 @@
 // each output row as the three runs of common/relpos_index.h: unclamped_keys: a constant fill with
 // QE[., 0], a contiguous slice of the QE row (the bucket grows by one per key) and a constant fill
 // with QE[., 2K]. The table is repacked once per call and (b, h) run into float32 panels of kNR
-// buckets, [D][16] each (the "packed B" of a GEMM), covering only the buckets the rows reach: the
+// buckets, [D][kNR] each (the "packed B" of a GEMM), covering only the buckets the rows reach: the
 // cost is O(reached buckets * D), small next to the O(rows * min(Lk, 2K+1) * D) of the products.
 //
 // Clipped tables (2K+1 << Lk) are bound by the output stores, unclipped ones (K >= L-1) by the
@@ -31,8 +31,8 @@ using namespace relpos::cpu::avx2;  // vec_avx2.h's helpers, when compiled as na
 namespace {
 
 using V = MatmulVec;
-constexpr int64_t kMR = 6;                 // query rows per register tile
-constexpr int64_t kNR = 2 * V::kLanes;     // buckets per packed panel (two registers)
+constexpr int64_t kMR = 6;              // query rows per register tile
+constexpr int64_t kNR = 2 * V::kLanes;  // buckets per packed panel (two registers)
 
 // C[r, 0:kNR] = sum_d A[r, d] * P[d, 0:kNR] for r < M. A: M rows of D floats; P: one [D][kNR]
 // panel.
