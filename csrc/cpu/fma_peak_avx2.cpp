@@ -1,42 +1,42 @@
-// The float32 FMA throughput of one core running AVX2: the ceiling on the speed of any float32
-// kernel (no kernel does more than this machine's FMA units allow), for the benchmarks' roofline
-// (fma_peak.cpp runs it on several threads). Compiled with -mavx2 -mfma; no torch headers.
+// The float32 FMA throughput of one core running vector FMAs: the ceiling on the speed of any
+// float32 kernel (no kernel does more than this machine's FMA units allow), for the benchmarks'
+// roofline (fma_peak.cpp runs it on several threads). Compiled with -mavx2 -mfma (8 lanes, Ymm),
+// and a second time with AVX-512 flags into namespace avx512 by fma_peak_avx512.cpp (16 lanes,
+// Zmm: MatmulVec, the width of that build's matmul blocks). No torch headers.
 #include <immintrin.h>
 
 #include <cstdint>
 
 #include "cpu/kernels.h"
+#include "cpu/vec_avx2.h"
 
-namespace relpos::cpu::avx2 {
+#ifndef RELPOS_ISA
+#define RELPOS_ISA avx2
+#endif
+
+namespace relpos::cpu::RELPOS_ISA {
+using namespace relpos::cpu::avx2;  // vec_avx2.h's register traits, when compiled as avx512
 
 float fma_spin(int64_t iters) {
+  using V = MatmulVec;
+  using reg = V::reg;
   // 12 independent chains keep every FMA unit busy: more than units (2) x latency (4 cycles).
-  const __m256 x = _mm256_set1_ps(0.9999f), y = _mm256_set1_ps(1e-4f);
-  __m256 a0 = _mm256_set1_ps(0.f), a1 = _mm256_set1_ps(1.f), a2 = _mm256_set1_ps(2.f);
-  __m256 a3 = _mm256_set1_ps(3.f), a4 = _mm256_set1_ps(4.f), a5 = _mm256_set1_ps(5.f);
-  __m256 a6 = _mm256_set1_ps(6.f), a7 = _mm256_set1_ps(7.f), a8 = _mm256_set1_ps(8.f);
-  __m256 a9 = _mm256_set1_ps(9.f), a10 = _mm256_set1_ps(10.f), a11 = _mm256_set1_ps(11.f);
-  for (int64_t k = 0; k < iters; ++k) {
-    a0 = _mm256_fmadd_ps(a0, x, y);
-    a1 = _mm256_fmadd_ps(a1, x, y);
-    a2 = _mm256_fmadd_ps(a2, x, y);
-    a3 = _mm256_fmadd_ps(a3, x, y);
-    a4 = _mm256_fmadd_ps(a4, x, y);
-    a5 = _mm256_fmadd_ps(a5, x, y);
-    a6 = _mm256_fmadd_ps(a6, x, y);
-    a7 = _mm256_fmadd_ps(a7, x, y);
-    a8 = _mm256_fmadd_ps(a8, x, y);
-    a9 = _mm256_fmadd_ps(a9, x, y);
-    a10 = _mm256_fmadd_ps(a10, x, y);
-    a11 = _mm256_fmadd_ps(a11, x, y);
+  const float xs = 0.9999f, ys = 1e-4f;
+  const reg x = V::bcast(&xs), y = V::bcast(&ys);
+  reg a[12];
+  for (int u = 0; u < 12; ++u) {
+    const float s = static_cast<float>(u);
+    a[u] = V::bcast(&s);
   }
-  const __m256 s = _mm256_add_ps(
-      _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
-      _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)),
-                    _mm256_add_ps(_mm256_add_ps(a8, a9), _mm256_add_ps(a10, a11))));
-  float lanes[8];
-  _mm256_storeu_ps(lanes, s);
-  return lanes[0];
+  for (int64_t k = 0; k < iters; ++k) {
+#pragma GCC unroll 12
+    for (int u = 0; u < 12; ++u) a[u] = V::fma(a[u], x, y);
+  }
+  float lanes[12][V::kLanes];
+  for (int u = 0; u < 12; ++u) V::store(lanes[u], a[u]);
+  float s = 0.f;
+  for (int u = 0; u < 12; ++u) s += lanes[u][0];
+  return s;
 }
 
-}  // namespace relpos::cpu::avx2
+}  // namespace relpos::cpu::RELPOS_ISA

@@ -120,8 +120,8 @@ void bucket_sum(const BucketSumParams& p, int64_t begin, int64_t end);
 //   rel_attention_backward_reduce (only when split.chunks > 1): (b, h) of batch * heads;
 //   attn_mask_tiles: (mask slab, query tile) of t.slabs * t.q_tiles, filling t.cls.
 RELPOS_ATTENTION_KERNELS
-// 12 * iters independent 8-lane FMAs (fma_peak_avx2.cpp); returns a value of them so that none is
-// optimised away. For fma_peak_gflops (isa.h).
+// 12 * iters independent vector FMAs (fma_peak_avx2.cpp: 8 lanes here, 16 in avx512); returns a
+// value of them so that none is optimised away. For fma_peak_gflops (isa.h).
 float fma_spin(int64_t iters);
 }  // namespace avx2
 
@@ -131,7 +131,7 @@ namespace avx512 {
 void rel_logits(const RelLogitsParams& p, int64_t begin, int64_t end);
 void bucket_sum(const BucketSumParams& p, int64_t begin, int64_t end);
 RELPOS_ATTENTION_KERNELS
-// fma_spin with 16-lane FMAs (fma_peak_avx512.cpp): 12 * iters of them.
+// fma_spin with 16-lane FMAs (fma_peak_avx512.cpp: fma_peak_avx2.cpp compiled again).
 float fma_spin(int64_t iters);
 }  // namespace avx512
 

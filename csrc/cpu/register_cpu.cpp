@@ -166,8 +166,30 @@ struct CpuBackend {
   static constexpr int64_t kFwdTargetItems = 64;
   static constexpr int64_t kFwdMinChunkTiles = 16;
 
+  // The fused attention kernels of a vector path: avx2, or avx512 (the same code with 16-lane
+  // matmul blocks, kernels.h).
+  struct AttentionKernels {
+    decltype(&avx2::rel_attention) fwd;
+    decltype(&avx2::rel_attention_combine) combine;
+    decltype(&avx2::rel_attention_backward) bwd;
+    decltype(&avx2::rel_attention_backward_reduce) reduce;
+    decltype(&avx2::attn_mask_tiles) mask_tiles;
+  };
+  static AttentionKernels attention_kernels(Isa isa) {
+#if defined(RELPOS_HAVE_AVX512)
+    if (isa == Isa::Avx512) {
+      return {&avx512::rel_attention, &avx512::rel_attention_combine, &avx512::rel_attention_backward,
+              &avx512::rel_attention_backward_reduce, &avx512::attn_mask_tiles};
+    }
+#endif
+    (void)isa;
+    return {&avx2::rel_attention, &avx2::rel_attention_combine, &avx2::rel_attention_backward,
+            &avx2::rel_attention_backward_reduce, &avx2::attn_mask_tiles};
+  }
+
   // The attention mask's tile classes (kernels.h), in a tensor kept alive by the caller.
-  static AttnMaskTiles mask_tiles(const RelAttentionParams& p, at::Tensor& storage) {
+  static AttnMaskTiles mask_tiles(const RelAttentionParams& p, const AttentionKernels& kern,
+                                  at::Tensor& storage) {
     AttnMaskTiles t;
     if (p.attn_mask == nullptr) return t;
     t.slabs = (p.attn_mask_b_stride != 0 ? p.batch : 1) * (p.attn_mask_h_stride != 0 ? p.heads : 1);
@@ -176,29 +198,9 @@ struct CpuBackend {
     storage = at::empty({t.slabs * t.q_tiles * t.k_tiles}, at::TensorOptions().dtype(at::kByte));
     t.cls = storage.data_ptr<uint8_t>();
     at::parallel_for(0, t.slabs * t.q_tiles, 1, [&](int64_t b, int64_t e) {
-      avx2::attn_mask_tiles(p, t, b, e);
+      kern.mask_tiles(p, t, b, e);
     });
     return t;
-  }
-
-  // The fused attention kernels of a vector path: avx2, or avx512 (the same code with 16-lane
-  // matmul blocks, kernels.h).
-  struct AttentionKernels {
-    decltype(&avx2::rel_attention) fwd;
-    decltype(&avx2::rel_attention_combine) combine;
-    decltype(&avx2::rel_attention_backward) bwd;
-    decltype(&avx2::rel_attention_backward_reduce) reduce;
-  };
-  static AttentionKernels attention_kernels(Isa isa) {
-#if defined(RELPOS_HAVE_AVX512)
-    if (isa == Isa::Avx512) {
-      return {&avx512::rel_attention, &avx512::rel_attention_combine, &avx512::rel_attention_backward,
-              &avx512::rel_attention_backward_reduce};
-    }
-#endif
-    (void)isa;
-    return {&avx2::rel_attention, &avx2::rel_attention_combine, &avx2::rel_attention_backward,
-            &avx2::rel_attention_backward_reduce};
   }
 
   static void rel_attention_avx2(const RelAttentionParams& p, const AttentionKernels& kern) {
@@ -224,7 +226,7 @@ struct CpuBackend {
       split.acc = acc.data_ptr<float>();
     }
     at::Tensor tile_classes;
-    split.mask_tiles = mask_tiles(p, tile_classes);
+    split.mask_tiles = mask_tiles(p, kern, tile_classes);
     const int64_t items = tiles * split.chunks;
     // about 8 chunks per thread: small enough to balance, large enough that a thread seldom
     // moves to another kv head (whose keys it then transposes again)
@@ -281,7 +283,7 @@ struct CpuBackend {
       partial(p.drel_q_partial != nullptr, {rows, f.dim}, split.drel_q_partial);
     }
     at::Tensor tile_classes;
-    split.mask_tiles = mask_tiles(f, tile_classes);
+    split.mask_tiles = mask_tiles(f, kern, tile_classes);
     run_queue(units * split.chunks, 1, [&](WorkQueue& work) { kern.bwd(p, split, work); });
     if (split.chunks > 1) {
       at::parallel_for(0, f.batch * f.heads, 1, [&](int64_t b, int64_t e) {
