@@ -229,7 +229,8 @@ inline __m256i tail_mask(int64_t n) {  // lanes [0, n) of 8 enabled
 
 // The register type of the matmul blocks (gemm_block in rel_attention_avx2.cpp, tile_kernel in
 // rel_logits_avx2.cpp): 8-lane AVX2, or 16-lane AVX-512 where those files are compiled a second
-// time with AVX-512 flags (*_avx512.cpp). Every other loop there stays 8 lanes wide in both.
+// time with AVX-512 flags (*_avx512.cpp). The other loops there stay 8 lanes wide in both, but
+// for the one-pass softmax rows of rel_attention_avx2.cpp (16 lanes under __AVX512F__).
 struct Ymm {
   using reg = __m256;
   using mask = __m256i;
