@@ -125,40 +125,30 @@ void transpose(const float* src, int64_t lds, int64_t rows, int64_t cols, float*
 }
 
 // ------------------------------------------------------------------------------ math
-// exp2_256's polynomial for 2^f on [-1/2, 1/2]: its coefficients, highest degree first (Horner).
+// exp2v's polynomial for 2^f on [-1/2, 1/2]: its coefficients, highest degree first (Horner).
 constexpr float kExp2Poly[6] = {1.327647129073739e-3f, 9.675541892647743e-3f,
                                 5.550713092088699e-2f, 2.4022120237350464e-1f,
                                 6.931469440460205e-1f, 1.0000001192092896f};
-// 2^x for float32 lanes: x = n + f with n = round(x), |f| <= 1/2; 2^f by a degree-5 polynomial
-// (coefficients fitted for relative error on [-1/2, 1/2]: at most 2.4e-7, about 2 ulp, in float32
-// arithmetic), times 2^n built from its exponent bits. x is clamped to [-127, 128]: inputs at or
-// below -127 (including -inf, the masked logits) give exactly 0 (2^-127 is built as +0), those
-// near -126 may give a denormal, 128 and above +inf. NaN stays NaN (max/min return their second
-// operand when either is NaN).
-inline __m256 exp2_256(__m256 x) {
-  x = _mm256_min_ps(_mm256_set1_ps(128.f), _mm256_max_ps(_mm256_set1_ps(-127.f), x));
-  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(x, n);
-  __m256 y = _mm256_set1_ps(kExp2Poly[0]);
-  for (int c = 1; c < 6; ++c) y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(kExp2Poly[c]));
-  // 2^n as a float: biased exponent n + 127 in [0, 255] (0: +0, 255: +inf)
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+// 2^x for float32 lanes (V: Ymm or Zmm, vec_avx2.h): x = n + f with n = round(x), |f| <= 1/2;
+// 2^f by a degree-5 polynomial (coefficients fitted for relative error on [-1/2, 1/2]: at most
+// 2.4e-7, about 2 ulp, in float32 arithmetic), times 2^n built from its exponent bits (V::pow2).
+// x is clamped to [-127, 128]: inputs at or below -127 (including -inf, the masked logits) give
+// exactly 0 (2^-127 is built as +0), those near -126 may give a denormal, 128 and above +inf.
+// NaN stays NaN (max/min return their second operand when either is NaN).
+template <typename V>
+inline typename V::reg exp2v(typename V::reg x) {
+  x = V::min(V::set1(128.f), V::max(V::set1(-127.f), x));
+  const typename V::reg n = V::round(x);
+  const typename V::reg f = V::sub(x, n);
+  typename V::reg y = V::set1(kExp2Poly[0]);
+  for (int c = 1; c < 6; ++c) y = V::fma(y, f, V::set1(kExp2Poly[c]));
+  return V::mul(y, V::pow2(n));
 }
+inline __m256 exp2_256(__m256 x) { return exp2v<Ymm>(x); }
 
 #if defined(__AVX512F__)
-// exp2_256 on 16 lanes, for the AVX-512 build: the same operations lane by lane (vmaxps/vminps
-// keep the NaN rule, vrndscaleps with immediate 0 rounds to nearest even as vroundps does), so
-// each lane's result is bitwise exp2_256's.
-inline __m512 exp2_512(__m512 x) {
-  x = _mm512_min_ps(_mm512_set1_ps(128.f), _mm512_max_ps(_mm512_set1_ps(-127.f), x));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 y = _mm512_set1_ps(kExp2Poly[0]);
-  for (int c = 1; c < 6; ++c) y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2Poly[c]));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
+// exp2_256 on 16 lanes, for the AVX-512 build: bitwise exp2_256's result in each lane.
+inline __m512 exp2_512(__m512 x) { return exp2v<Zmm>(x); }
 
 // acc += the two 8-lane halves of v, low half first: a 16-lane loop's sums in the order of the
 // 8-lane loop it replaces.

@@ -228,9 +228,11 @@ inline __m256i tail_mask(int64_t n) {  // lanes [0, n) of 8 enabled
 }
 
 // The register type of the matmul blocks (gemm_block in rel_attention_avx2.cpp, tile_kernel in
-// rel_logits_avx2.cpp): 8-lane AVX2, or 16-lane AVX-512 where those files are compiled a second
-// time with AVX-512 flags (*_avx512.cpp). The other loops there stay 8 lanes wide in both, but
-// for the one-pass softmax rows of rel_attention_avx2.cpp (16 lanes under __AVX512F__).
+// rel_logits_avx2.cpp) and of exp2v: 8-lane AVX2, or 16-lane AVX-512 where those files are
+// compiled a second time with AVX-512 flags (*_avx512.cpp). Every operation is lane by lane
+// the same at both widths, so a lane's result does not depend on the width. The other loops
+// there stay 8 lanes wide in both, but for the one-pass softmax rows of rel_attention_avx2.cpp
+// (16 lanes under __AVX512F__).
 struct Ymm {
   using reg = __m256;
   using mask = __m256i;
@@ -243,6 +245,17 @@ struct Ymm {
   static void store(float* p, mask m, reg v) { _mm256_maskstore_ps(p, m, v); }
   static reg bcast(const float* p) { return _mm256_broadcast_ss(p); }
   static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static reg set1(float v) { return _mm256_set1_ps(v); }
+  static reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  static reg min(reg a, reg b) { return _mm256_min_ps(a, b); }
+  static reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
+  static reg round(reg x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // 2^n for integral n in [-127, 128]: biased exponent n + 127 in [0, 255] (0: +0, 255: +inf)
+  static reg pow2(reg n) {
+    const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+  }
 };
 #if defined(__AVX512F__)
 struct Zmm {
@@ -257,6 +270,17 @@ struct Zmm {
   static void store(float* p, mask m, reg v) { _mm512_mask_storeu_ps(p, m, v); }
   static reg bcast(const float* p) { return _mm512_set1_ps(*p); }
   static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static reg set1(float v) { return _mm512_set1_ps(v); }
+  static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static reg min(reg a, reg b) { return _mm512_min_ps(a, b); }  // NaN rule as vminps ymm
+  static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
+  // vrndscaleps with immediate 0: round to nearest even, as vroundps
+  static reg round(reg x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static reg pow2(reg n) {
+    const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+  }
 };
 using MatmulVec = Zmm;
 #else
