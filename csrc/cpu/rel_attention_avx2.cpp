@@ -917,15 +917,15 @@ inline void grad_rows8_uniform(float* s, float* dp, int64_t nk, const float* ck,
   for (int u = 0; u < 8; ++u) {
     float* sr = s + u * BK;
     float* dpr = dp + u * BK;
-    const __m256 vck = _mm256_set1_ps((ck != nullptr ? ck[u] : 0.f) - lse2[u]);
-    const __m256 vcv = _mm256_set1_ps(cv != nullptr ? cv[u] : 0.f), vdi = _mm256_set1_ps(di[u]);
-    const __m256 vcd = _mm256_set1_ps((cv != nullptr ? cv[u] : 0.f) - di[u]);
+    const float ck_l = (ck != nullptr ? ck[u] : 0.f) - lse2[u], cv_u = cv != nullptr ? cv[u] : 0.f;
+    const __m256 vck = _mm256_set1_ps(ck_l);
+    const __m256 vcv = _mm256_set1_ps(cv_u), vdi = _mm256_set1_ps(di[u]);
+    const __m256 vcd = _mm256_set1_ps(cv_u - di[u]);
     __m256 ps = _mm256_setzero_ps(), ds = _mm256_setzero_ps();
     int64_t j = 0;
 #if defined(__AVX512F__)
     if constexpr (!kDrop) {  // 16 keys at a time, the sums in the 8-lane loop's order
-      const __m512 vck16 = _mm512_set1_ps((ck != nullptr ? ck[u] : 0.f) - lse2[u]);
-      const __m512 vcd16 = _mm512_set1_ps((cv != nullptr ? cv[u] : 0.f) - di[u]);
+      const __m512 vck16 = _mm512_set1_ps(ck_l), vcd16 = _mm512_set1_ps(cv_u - di[u]);
       const __m512 vsc16 = _mm512_set1_ps(scale);
       for (; j + 16 <= nk; j += 16) {
         const __m512 pj = exp2_512(_mm512_add_ps(_mm512_loadu_ps(sr + j), vck16));
