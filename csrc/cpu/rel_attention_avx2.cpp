@@ -25,8 +25,8 @@
 // compiled a second time, with AVX-512 flags and into namespace avx512, by
 // rel_attention_avx512.cpp: there the matmul blocks (gemm_block) are 16 lanes wide, with the same
 // FMA chains, and the one-pass softmax rows (exp_sum_rows8_stale, grad_rows8_uniform) take 16
-// keys at a time with their sums added in the 8-lane order, so both builds give bitwise the same
-// results.
+// keys at a time; their 8-lane loops sum the even and the odd 8-key chunks apart, which are the
+// two halves of the 16-lane sums, so both builds give bitwise the same results.
 #include <immintrin.h>
 
 #include <cmath>
@@ -129,33 +129,32 @@ void transpose(const float* src, int64_t lds, int64_t rows, int64_t cols, float*
 constexpr float kExp2Poly[6] = {1.327647129073739e-3f, 9.675541892647743e-3f,
                                 5.550713092088699e-2f, 2.4022120237350464e-1f,
                                 6.931469440460205e-1f, 1.0000001192092896f};
-// 2^x for float32 lanes (V: Ymm or Zmm, vec_avx2.h): x = n + f with n = round(x), |f| <= 1/2;
+// 2^x for float32 lanes (V: Ymm or Zmm, vec_avx2.h): x = n + f with n an integer, |f| <= 1/2;
 // 2^f by a degree-5 polynomial (coefficients fitted for relative error on [-1/2, 1/2]: at most
-// 2.4e-7, about 2 ulp, in float32 arithmetic), times 2^n built from its exponent bits (V::pow2).
+// 2.4e-7, about 2 ulp, in float32 arithmetic), times 2^n built from its exponent bits.
+// The range reduction is one add: t = x + kExp2Shift (1.5 * 2^23 + 127) rounds x to an integer
+// (the spacing of floats there is 1; ties go to an odd n) and leaves n + 127 in t's low mantissa
+// bits, so t - kExp2Shift is n (exact) and t's bits shifted left by 23 are 2^n (V::shl23): no
+// round and no float -> int conversion (see exp_sum_rows8_stale for what it saves).
 // x is clamped to [-127, 128]: inputs at or below -127 (including -inf, the masked logits) give
 // exactly 0 (2^-127 is built as +0), those near -126 may give a denormal, 128 and above +inf.
-// NaN stays NaN (max/min return their second operand when either is NaN).
+// NaN stays NaN (max/min return their second operand when either is NaN; NaN's shifted bits
+// are 0, and NaN * 0 is NaN).
+constexpr float kExp2Shift = 12583039.f;  // 0x1.8p23 + 127
 template <typename V>
 inline typename V::reg exp2v(typename V::reg x) {
   x = V::min(V::set1(128.f), V::max(V::set1(-127.f), x));
-  const typename V::reg n = V::round(x);
-  const typename V::reg f = V::sub(x, n);
+  const typename V::reg t = V::add(x, V::set1(kExp2Shift));
+  const typename V::reg f = V::sub(x, V::sub(t, V::set1(kExp2Shift)));
   typename V::reg y = V::set1(kExp2Poly[0]);
   for (int c = 1; c < 6; ++c) y = V::fma(y, f, V::set1(kExp2Poly[c]));
-  return V::mul(y, V::pow2(n));
+  return V::mul(y, V::shl23(t));
 }
 inline __m256 exp2_256(__m256 x) { return exp2v<Ymm>(x); }
 
 #if defined(__AVX512F__)
 // exp2_256 on 16 lanes, for the AVX-512 build: bitwise exp2_256's result in each lane.
 inline __m512 exp2_512(__m512 x) { return exp2v<Zmm>(x); }
-
-// acc += the two 8-lane halves of v, low half first: a 16-lane loop's sums in the order of the
-// 8-lane loop it replaces.
-inline __m256 add_halves(__m256 acc, __m512 v) {
-  acc = _mm256_add_ps(acc, _mm512_castps512_ps256(v));
-  return _mm256_add_ps(acc, _mm512_extractf32x8_ps(v, 1));
-}
 #endif
 
 // Decoding streams the whole key/value cache once per call, from memory when it is larger than
@@ -797,6 +796,19 @@ inline bool exp_sum_row_stale_(float* sr, int64_t nk, int64_t vis, float c_minus
   return true;
 }
 
+// The 8-key chunks of a row from key j (the first of them an even chunk) to nk, a multiple of 8:
+// chunk(j, odd) for each, odd telling the odd chunks from the even. The one-pass rows below sum
+// the two apart, the halves of the AVX-512 build's 16-lane sums, so both builds add the same
+// numbers in the same order.
+template <typename F>
+inline void for_chunk_pairs(int64_t j, int64_t nk, F&& chunk) {
+  for (; j + 16 <= nk; j += 16) {
+    chunk(j, false);
+    chunk(j + 8, true);
+  }
+  if (j < nk) chunk(j, false);
+}
+
 // Whole rows of 8-lane chunks with every key visible (the common case) need no lane mask.
 inline bool unmasked(int64_t nk, int64_t vis) { return vis >= nk && nk % 8 == 0; }
 
@@ -809,50 +821,62 @@ inline bool unmasked(int64_t nk, int64_t vis) { return vis >= nk && nk % 8 == 0;
 // reduction (L = 2048, H = 8, D = 64, K = 64, one core: forward 100.9 -> 98.2 ms).
 // Under dropout (drop: the 8 rows' RowDropout, keys from j0) the rows keep the dropped
 // probabilities and w takes their sums, while l takes the sums without dropout.
-// The AVX-512 build takes 16 keys at a time without dropout (exp2_512, add_halves): L = 2048,
-// H = 8, D = 64, K = 64, 2 threads, 8 alternating runs: forward 44.8 -> 41.7 ms (medians).
+// The AVX-512 build takes 16 keys at a time without dropout (exp2_512): L = 2048, H = 8,
+// D = 64, K = 64, 2 threads, 8 alternating runs: forward 44.8 -> 41.7 ms (medians). Its sums go
+// into one 16-lane accumulator, whose halves the 8-lane loop (AVX2, dropout, a last 8 keys) keeps
+// as two accumulators, the even and the odd chunks: the same sums in the same order, with two
+// add chains instead of one per row (and one add per 16 keys instead of two and an extract).
+// A row goes over when its largest logit does (one max per chunk, not a compare and an or).
+// Both, with exp2v's one-add range reduction, on a 64 x 64 tile of these rows in L1: AVX-512
+// 0.264 -> 0.217 ns a key, AVX2 0.333 -> 0.289 (best of 5 x 20000 tiles, one core).
 template <bool kDrop = false>
 inline int exp_sum_rows8_stale(float* s, int64_t nk, const float* c, const float* m, float* l,
                                float* w, const RowDropout* drop = nullptr, int64_t j0 = 0) {
-  const __m256 lim = _mm256_set1_ps(kStaleMax);
+  const __m256 lim = _mm256_set1_ps(kStaleMax), ninf = _mm256_set1_ps(kNegInf);
   __m256 acc[8], dacc[8];
   int over = 0;
   for (int u = 0; u < 8; ++u) {
     float* sr = s + u * BK;
     const float cm = (c != nullptr ? c[u] : 0.f) - m[u];
     const __m256 vc = _mm256_set1_ps(cm);
-    __m256 a = _mm256_setzero_ps(), ad = _mm256_setzero_ps(), ov = _mm256_setzero_ps();
+    // the sums of the even and of the odd 8-key chunks (for_chunk_pairs), and the largest logit
+    // (max(x, mx) keeps mx where x is NaN, which never counts as over, as in a compare)
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, d0 = a0, d1 = a0, mx = ninf;
     int64_t j = 0;
 #if defined(__AVX512F__)
-    if constexpr (!kDrop) {  // 16 keys at a time, the sums in the 8-lane loop's order
-      const __m512 vc16 = _mm512_set1_ps(cm), lim16 = _mm512_set1_ps(kStaleMax);
-      __mmask16 ov16 = 0;
+    if constexpr (!kDrop) {  // 16 keys at a time: the halves of a16 are a0 and a1
+      const __m512 vc16 = _mm512_set1_ps(cm);
+      __m512 a16 = _mm512_setzero_ps(), mx16 = _mm512_set1_ps(kNegInf);
       for (; j + 16 <= nk; j += 16) {
         const __m512 x = _mm512_add_ps(_mm512_loadu_ps(sr + j), vc16);
-        ov16 |= _mm512_cmp_ps_mask(x, lim16, _CMP_GT_OQ);
+        mx16 = _mm512_max_ps(x, mx16);
         const __m512 e = exp2_512(x);
         _mm512_storeu_ps(sr + j, e);
-        a = add_halves(a, e);
+        a16 = _mm512_add_ps(a16, e);
       }
-      if (ov16 != 0) ov = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+      a0 = _mm512_castps512_ps256(a16);
+      a1 = _mm512_extractf32x8_ps(a16, 1);
+      mx = _mm256_max_ps(_mm512_castps512_ps256(mx16), _mm512_extractf32x8_ps(mx16, 1));
     }
 #endif
-    for (; j < nk; j += 8) {
-      const __m256 x = _mm256_add_ps(_mm256_loadu_ps(sr + j), vc);
-      ov = _mm256_or_ps(ov, _mm256_cmp_ps(x, lim, _CMP_GT_OQ));
+    for_chunk_pairs(j, nk, [&](int64_t jj, bool odd) {
+      __m256& a = odd ? a1 : a0;
+      __m256& d = odd ? d1 : d0;
+      const __m256 x = _mm256_add_ps(_mm256_loadu_ps(sr + jj), vc);
+      mx = _mm256_max_ps(x, mx);
       const __m256 e = exp2_256(x);
       a = _mm256_add_ps(a, e);
       if constexpr (kDrop) {
-        const __m256 ed = _mm256_mul_ps(e, drop[u].factors(j0 + j));
-        _mm256_storeu_ps(sr + j, ed);
-        ad = _mm256_add_ps(ad, ed);
+        const __m256 ed = _mm256_mul_ps(e, drop[u].factors(j0 + jj));
+        _mm256_storeu_ps(sr + jj, ed);
+        d = _mm256_add_ps(d, ed);
       } else {
-        _mm256_storeu_ps(sr + j, e);
+        _mm256_storeu_ps(sr + jj, e);
       }
-    }
-    acc[u] = a;
-    dacc[u] = ad;
-    over |= (_mm256_movemask_ps(ov) != 0) << u;
+    });
+    acc[u] = _mm256_add_ps(a0, a1);
+    dacc[u] = _mm256_add_ps(d0, d1);
+    over |= (_mm256_movemask_ps(_mm256_cmp_ps(mx, lim, _CMP_GT_OQ)) != 0) << u;
   }
   // lanes of the rows that went over: 0
   const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
@@ -907,7 +931,9 @@ inline void grad_row_uniform_(float* sr, float* dpr, int64_t nk, int64_t vis, fl
 // within the noise, 117.6-119.8 -> 117.2-118.5 ms).
 // Under dropout (drop: the 8 rows' RowDropout, keys from j0, factors f): dS = scale P (f (dP +
 // cv) - d_i) and P *= f, as softmax_grad_row_dropout. The AVX-512 build takes 16 keys at a time
-// without dropout, as exp_sum_rows8_stale (forward+backward 138.3 -> 134.5 ms, medians).
+// without dropout, with its sums split as in exp_sum_rows8_stale (forward+backward 138.3 -> 134.5
+// ms, medians; with the split sums and exp2v's one-add reduction, 8 alternating runs, medians:
+// AVX-512 130.3 -> 126.9 ms, the AVX2 path 275 -> 244 ms).
 template <bool kDrop = false>
 inline void grad_rows8_uniform(float* s, float* dp, int64_t nk, const float* ck, const float* cv,
                                float scale, const float* lse2, const float* di, float* psum,
@@ -921,40 +947,48 @@ inline void grad_rows8_uniform(float* s, float* dp, int64_t nk, const float* ck,
     const __m256 vck = _mm256_set1_ps(ck_l);
     const __m256 vcv = _mm256_set1_ps(cv_u), vdi = _mm256_set1_ps(di[u]);
     const __m256 vcd = _mm256_set1_ps(cv_u - di[u]);
-    __m256 ps = _mm256_setzero_ps(), ds = _mm256_setzero_ps();
+    // the sums of P and dS over the even and over the odd 8-key chunks (for_chunk_pairs)
+    __m256 p0 = _mm256_setzero_ps(), p1 = p0, g0 = p0, g1 = p0;
     int64_t j = 0;
 #if defined(__AVX512F__)
-    if constexpr (!kDrop) {  // 16 keys at a time, the sums in the 8-lane loop's order
+    if constexpr (!kDrop) {  // 16 keys at a time: the halves of the sums are p0 / p1, g0 / g1
       const __m512 vck16 = _mm512_set1_ps(ck_l), vcd16 = _mm512_set1_ps(cv_u - di[u]);
       const __m512 vsc16 = _mm512_set1_ps(scale);
+      __m512 ps = _mm512_setzero_ps(), ds = _mm512_setzero_ps();
       for (; j + 16 <= nk; j += 16) {
         const __m512 pj = exp2_512(_mm512_add_ps(_mm512_loadu_ps(sr + j), vck16));
         const __m512 g = _mm512_mul_ps(vsc16, _mm512_mul_ps(pj, _mm512_add_ps(_mm512_loadu_ps(dpr + j), vcd16)));
         _mm512_storeu_ps(sr + j, pj);
         _mm512_storeu_ps(dpr + j, g);
-        ps = add_halves(ps, pj);
-        ds = add_halves(ds, g);
+        ps = _mm512_add_ps(ps, pj);
+        ds = _mm512_add_ps(ds, g);
       }
+      p0 = _mm512_castps512_ps256(ps);
+      p1 = _mm512_extractf32x8_ps(ps, 1);
+      g0 = _mm512_castps512_ps256(ds);
+      g1 = _mm512_extractf32x8_ps(ds, 1);
     }
 #endif
-    for (; j < nk; j += 8) {
-      __m256 pj = exp2_256(_mm256_add_ps(_mm256_loadu_ps(sr + j), vck));
+    for_chunk_pairs(j, nk, [&](int64_t jj, bool odd) {
+      __m256& ps = odd ? p1 : p0;
+      __m256& ds = odd ? g1 : g0;
+      __m256 pj = exp2_256(_mm256_add_ps(_mm256_loadu_ps(sr + jj), vck));
       __m256 g;
       if constexpr (kDrop) {
-        const __m256 f = drop[u].factors(j0 + j);
-        const __m256 dpf = _mm256_mul_ps(f, _mm256_add_ps(_mm256_loadu_ps(dpr + j), vcv));
+        const __m256 f = drop[u].factors(j0 + jj);
+        const __m256 dpf = _mm256_mul_ps(f, _mm256_add_ps(_mm256_loadu_ps(dpr + jj), vcv));
         g = _mm256_mul_ps(vsc, _mm256_mul_ps(pj, _mm256_sub_ps(dpf, vdi)));
         pj = _mm256_mul_ps(pj, f);
       } else {
-        g = _mm256_mul_ps(vsc, _mm256_mul_ps(pj, _mm256_add_ps(_mm256_loadu_ps(dpr + j), vcd)));
+        g = _mm256_mul_ps(vsc, _mm256_mul_ps(pj, _mm256_add_ps(_mm256_loadu_ps(dpr + jj), vcd)));
       }
-      _mm256_storeu_ps(sr + j, pj);
-      _mm256_storeu_ps(dpr + j, g);
+      _mm256_storeu_ps(sr + jj, pj);
+      _mm256_storeu_ps(dpr + jj, g);
       ps = _mm256_add_ps(ps, pj);
       ds = _mm256_add_ps(ds, g);
-    }
-    pacc[u] = ps;
-    dacc[u] = ds;
+    });
+    pacc[u] = _mm256_add_ps(p0, p1);
+    dacc[u] = _mm256_add_ps(g0, g1);
   }
   if (psum != nullptr) _mm256_storeu_ps(psum, _mm256_add_ps(_mm256_loadu_ps(psum), hsum8(pacc)));
   if (dssum != nullptr) _mm256_storeu_ps(dssum, _mm256_add_ps(_mm256_loadu_ps(dssum), hsum8(dacc)));

@@ -3,7 +3,8 @@
 // matmul blocks become 16 lanes wide (gemm_block with Zmm), which doubles their FMA rate on CPUs
 // with two 512-bit FMA units, and the one-pass softmax rows of clamped tiles (exp_sum_rows8_stale,
 // grad_rows8_uniform) take 16 keys at a time; the rest of the file is the AVX2 code as it is.
-// Same FMA chains and exponentials, with sums added in the 8-lane order, so the results are
-// bitwise those of the AVX2 build (tests/test_attention.py checks it).
+// Same FMA chains and exponentials, and the same sums in the same order (the AVX2 rows keep the
+// halves of a 16-lane sum as two accumulators), so the results are bitwise those of the AVX2
+// build (tests/test_attention.py checks it).
 #define RELPOS_ISA avx512
 #include "cpu/rel_attention_avx2.cpp"

@@ -250,12 +250,9 @@ struct Ymm {
   static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
   static reg min(reg a, reg b) { return _mm256_min_ps(a, b); }
   static reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
-  static reg round(reg x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  // 2^n for integral n in [-127, 128]: biased exponent n + 127 in [0, 255] (0: +0, 255: +inf)
-  static reg pow2(reg n) {
-    const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
-  }
+  static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
+  // the bits of x shifted left by 23: a float whose exponent field is x's low 9 bits (exp2v)
+  static reg shl23(reg x) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(x), 23)); }
 };
 #if defined(__AVX512F__)
 struct Zmm {
@@ -275,12 +272,8 @@ struct Zmm {
   static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
   static reg min(reg a, reg b) { return _mm512_min_ps(a, b); }  // NaN rule as vminps ymm
   static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
-  // vrndscaleps with immediate 0: round to nearest even, as vroundps
-  static reg round(reg x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static reg pow2(reg n) {
-    const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
-  }
+  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+  static reg shl23(reg x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(x), 23)); }
 };
 using MatmulVec = Zmm;
 #else
