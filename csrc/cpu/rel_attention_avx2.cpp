@@ -895,6 +895,48 @@ inline bool exp_sum_row_stale(float* sr, int64_t nk, int64_t vis, float c_minus_
                            : exp_sum_row_stale_<true>(sr, nk, vis, c_minus_m, sum);
 }
 
+// Forward, exp_sum_row_stale for a row of a clear tile whose keys span several buckets (a band
+// tile, near the diagonal): sr = 2^(sr + rel - m) in place, rel being lo for the bucket-0 keys
+// [j0, sp.a), qe_row's column of the bucket for the inside keys [sp.a, sp.e) and hi for the
+// bucket-2K keys (the key term; qe_row null: none, and lo = hi = 0), keys from vis on masked
+// (0). One pass, where add_rel_logits, mask_logits, max_row, exp_row and sum_row take five;
+// returns false, as exp_sum_row_stale, when a visible logit exceeds m by more than kStaleMax.
+inline bool band_row_stale(float* sr, int64_t j0, int64_t nk, int64_t vis, const RowSplit& sp,
+                           float lo, float hi, const float* qe_row, float m, float& sum) {
+  const __m256 vlo = _mm256_set1_ps(lo - m), vhi = _mm256_set1_ps(hi - m);
+  const __m256 vm = _mm256_set1_ps(m), ninf = _mm256_set1_ps(kNegInf);
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  // key positions in the tile (j - j0) as int32: inside from ia, bucket 2K from ie, masked from vis
+  const __m256i ia = _mm256_set1_epi32(static_cast<int>(sp.a - j0));
+  const __m256i ie = _mm256_set1_epi32(static_cast<int>(sp.e - j0));
+  const __m256i iv = _mm256_set1_epi32(static_cast<int>(vis));
+  __m256 acc = _mm256_setzero_ps(), mx = ninf;
+  for (int64_t j = 0; j < nk; j += 8) {  // lanes past nk are past vis too (vis <= nk)
+    const __m256i pos = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(j)), idx);
+    const __m256i left = _mm256_cmpgt_epi32(ia, pos), keep = _mm256_cmpgt_epi32(iv, pos);
+    const __m256i right = _mm256_cmpgt_epi32(_mm256_add_epi32(pos, _mm256_set1_epi32(1)), ie);
+    __m256 rel = _mm256_blendv_ps(vlo, vhi, _mm256_castsi256_ps(right));
+    const int64_t k = j0 + j;  // the chunk's first key
+    if (k + 8 > sp.a && k < sp.e) {  // some inside keys: their columns of qe_row (masked load)
+      const __m256i in = _mm256_xor_si256(_mm256_or_si256(left, right), _mm256_set1_epi32(-1));
+      const __m256 q = qe_row != nullptr ? _mm256_maskload_ps(qe_row + sp.col0 + k, in)
+                                         : _mm256_setzero_ps();
+      rel = _mm256_blendv_ps(rel, _mm256_sub_ps(q, vm), _mm256_castsi256_ps(in));
+    }
+    const __m256 x = _mm256_blendv_ps(ninf, _mm256_add_ps(_mm256_loadu_ps(sr + j), rel),
+                                      _mm256_castsi256_ps(keep));
+    mx = _mm256_max_ps(x, mx);
+    const __m256 e = exp2_256(x);
+    _mm256_storeu_ps(sr + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  if (_mm256_movemask_ps(_mm256_cmp_ps(mx, _mm256_set1_ps(kStaleMax), _CMP_GT_OQ)) != 0) {
+    return false;
+  }
+  sum = hsum(acc);
+  return true;
+}
+
 // Backward (base-2 logits s, ck and lse2): P = 2^(s + ck - lse2), dS = scale P (dp + cv - di) in
 // one pass, masked lanes 0; adds the row sums of P and dS to psum / dssum.
 template <bool kMasked>
@@ -1387,9 +1429,21 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
             return;
           }
           scores(r, 1);  // the row was overwritten: its logits again
+        } else if (!uni && clear && !drop_on && m[r] != kNegInf) {  // a band row, in one pass
+          const float lo = key_term ? qe_lo[r] : 0.f, hi = key_term ? qe_hi[r] : 0.f;
+          if (band_row_stale(sr, j0, nk, visible_keys(p, i, j0, nk), sp, lo, hi,
+                             key_term ? qe + r * ld_qe : nullptr, m[r], rs)) {
+            l[r] += rs;
+            if (hd.rel_v) {
+              add_bucket_mass(sr, j0, nk, sp, w_lo[r], w_hi[r], w + r * band.n);
+              mref[r * n_ktiles + t] = m[r];
+            }
+            return;
+          }
+          scores(r, 1);
         }
-        // else (first visible tile of the row, keys near the diagonal, or a maximum that grew
-        // by more than kStaleMax): the maximum of this tile first, then the exponentials
+        // else (first visible tile of the row, a masked tile or dropout, or a maximum that
+        // grew by more than kStaleMax): the maximum of this tile first, then the exponentials
         float mt;
         if (uni) {
           mt = fmax_(m[r], logits_row_uniform(sr, nk, visible_keys(p, i, j0, nk), c));
