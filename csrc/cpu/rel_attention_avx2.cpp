@@ -1418,29 +1418,28 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
         float rs;
         if (overwritten) {
           scores(r, 1);
-        } else if (uni && m[r] != kNegInf) {
-          // the common case in one pass, against the row's running maximum as it stands
-          if (exp_sum_row_stale(sr, nk, visible_keys(p, i, j0, nk), c - m[r], rs)) {
+        } else if (clear && !drop_on && m[r] != kNegInf) {
+          // the common cases in one pass, against the row's running maximum as it stands: a
+          // uniform row, or a band row (keys in several buckets)
+          const int64_t vis = visible_keys(p, i, j0, nk);
+          const bool done =
+              uni ? exp_sum_row_stale(sr, nk, vis, c - m[r], rs)
+                  : band_row_stale(sr, j0, nk, vis, sp, key_term ? qe_lo[r] : 0.f,
+                                   key_term ? qe_hi[r] : 0.f, key_term ? qe + r * ld_qe : nullptr,
+                                   m[r], rs);
+          if (done) {
             l[r] += rs;
             if (hd.rel_v) {
-              (lo_side ? w_lo[r] : w_hi[r]) += rs;
+              if (uni) {
+                (lo_side ? w_lo[r] : w_hi[r]) += rs;
+              } else {
+                add_bucket_mass(sr, j0, nk, sp, w_lo[r], w_hi[r], w + r * band.n);
+              }
               mref[r * n_ktiles + t] = m[r];
             }
             return;
           }
           scores(r, 1);  // the row was overwritten: its logits again
-        } else if (!uni && clear && !drop_on && m[r] != kNegInf) {  // a band row, in one pass
-          const float lo = key_term ? qe_lo[r] : 0.f, hi = key_term ? qe_hi[r] : 0.f;
-          if (band_row_stale(sr, j0, nk, visible_keys(p, i, j0, nk), sp, lo, hi,
-                             key_term ? qe + r * ld_qe : nullptr, m[r], rs)) {
-            l[r] += rs;
-            if (hd.rel_v) {
-              add_bucket_mass(sr, j0, nk, sp, w_lo[r], w_hi[r], w + r * band.n);
-              mref[r * n_ktiles + t] = m[r];
-            }
-            return;
-          }
-          scores(r, 1);
         }
         // else (first visible tile of the row, a masked tile or dropout, or a maximum that
         // grew by more than kStaleMax): the maximum of this tile first, then the exponentials
