@@ -1976,6 +1976,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
                               lse[r], di[r], pm, dm);
                 continue;
               }
+              // else (a masked tile, or dropout): the terms, the mask, P, dS and the sums apart
               if (key_term) add_rel_logits(sr, j0, nk, sp, qe_lo[r], qe_hi[r], qe + r * ld_qe);
               if (hd.rel_v) add_rel_logits(dpr, j0, nk, sp, de_lo[r], de_hi[r], de + r * band.n);
               mask_logits(p, hd, i, j0, nk, clear, sr);  // P = 2^(S - lse), all in base 2
