@@ -895,36 +895,91 @@ inline bool exp_sum_row_stale(float* sr, int64_t nk, int64_t vis, float c_minus_
                            : exp_sum_row_stale_<true>(sr, nk, vis, c_minus_m, sum);
 }
 
-// Forward, exp_sum_row_stale for a row of a clear tile whose keys span several buckets (a band
-// tile, near the diagonal): sr = 2^(sr + rel - m) in place, rel being lo for the bucket-0 keys
-// [j0, sp.a), qe_row's column of the bucket for the inside keys [sp.a, sp.e) and hi for the
-// bucket-2K keys (the key term; qe_row null: none, and lo = hi = 0), keys from vis on masked
-// (0). One pass, where add_rel_logits, mask_logits, max_row, exp_row and sum_row take five;
-// returns false, as exp_sum_row_stale, when a visible logit exceeds m by more than kStaleMax.
-inline bool band_row_stale(float* sr, int64_t j0, int64_t nk, int64_t vis, const RowSplit& sp,
-                           float lo, float hi, const float* qe_row, float m, float& sum) {
-  const __m256 vlo = _mm256_set1_ps(lo - m), vhi = _mm256_set1_ps(hi - m);
-  const __m256 vm = _mm256_set1_ps(m), ninf = _mm256_set1_ps(kNegInf);
-  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  // key positions in the tile (j - j0) as int32: inside from ia, bucket 2K from ie, masked from vis
-  const __m256i ia = _mm256_set1_epi32(static_cast<int>(sp.a - j0));
-  const __m256i ie = _mm256_set1_epi32(static_cast<int>(sp.e - j0));
-  const __m256i iv = _mm256_set1_epi32(static_cast<int>(vis));
-  __m256 acc = _mm256_setzero_ps(), mx = ninf;
-  for (int64_t j = 0; j < nk; j += 8) {  // lanes past nk are past vis too (vis <= nk)
+// A row's relative term over a key tile, by bucket: lo for bucket 0, hi for bucket 2K, and
+// inside the band row[sp.col0 + j] for key j (row null: no term, 0).
+struct BandTerm {
+  float lo = 0.f, hi = 0.f;
+  const float* row = nullptr;
+};
+// Where a row's per-bucket sums go, as add_bucket_mass: lo, hi and the band row (row null: not
+// summed).
+struct BandMass {
+  float* lo = nullptr;
+  float* hi = nullptr;
+  float* row = nullptr;
+};
+
+// The one-pass band rows below walk a row of a clear tile whose keys span several buckets (a
+// band tile, near the diagonal) 8 keys at a time; per chunk of keys j0 + j .. j0 + j + 7, which
+// lanes sit in bucket 0 (left), inside the band (in), in bucket 2K (right) and before the
+// causal limit vis (keep); inside: whether any lane is in, col: the band column of the chunk's
+// first key. Lanes past nk are past vis too (vis <= nk).
+struct BandChunk {
+  __m256i left, right, in;
+  __m256 keep;
+  bool inside;
+  int64_t col;
+};
+class BandLanes {
+ public:
+  BandLanes(int64_t j0, int64_t vis, const RowSplit& sp)
+      : j0_(j0), sp_(sp), ia_(_mm256_set1_epi32(static_cast<int>(sp.a - j0))),
+        ie_(_mm256_set1_epi32(static_cast<int>(sp.e - j0))),
+        iv_(_mm256_set1_epi32(static_cast<int>(vis))) {}
+  BandChunk at(int64_t j) const {
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i pos = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(j)), idx);
-    const __m256i left = _mm256_cmpgt_epi32(ia, pos), keep = _mm256_cmpgt_epi32(iv, pos);
-    const __m256i right = _mm256_cmpgt_epi32(_mm256_add_epi32(pos, _mm256_set1_epi32(1)), ie);
-    __m256 rel = _mm256_blendv_ps(vlo, vhi, _mm256_castsi256_ps(right));
-    const int64_t k = j0 + j;  // the chunk's first key
-    if (k + 8 > sp.a && k < sp.e) {  // some inside keys: their columns of qe_row (masked load)
-      const __m256i in = _mm256_xor_si256(_mm256_or_si256(left, right), _mm256_set1_epi32(-1));
-      const __m256 q = qe_row != nullptr ? _mm256_maskload_ps(qe_row + sp.col0 + k, in)
-                                         : _mm256_setzero_ps();
-      rel = _mm256_blendv_ps(rel, _mm256_sub_ps(q, vm), _mm256_castsi256_ps(in));
-    }
-    const __m256 x = _mm256_blendv_ps(ninf, _mm256_add_ps(_mm256_loadu_ps(sr + j), rel),
-                                      _mm256_castsi256_ps(keep));
+    BandChunk c;
+    c.left = _mm256_cmpgt_epi32(ia_, pos);
+    c.right = _mm256_cmpgt_epi32(_mm256_add_epi32(pos, _mm256_set1_epi32(1)), ie_);
+    c.in = _mm256_xor_si256(_mm256_or_si256(c.left, c.right), _mm256_set1_epi32(-1));
+    c.keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(iv_, pos));
+    const int64_t k = j0_ + j;  // the chunk's first key
+    c.inside = k + 8 > sp_.a && k < sp_.e;
+    c.col = sp_.col0 + k;
+    return c;
+  }
+
+ private:
+  int64_t j0_;
+  RowSplit sp_;
+  __m256i ia_, ie_, iv_;
+};
+
+// A BandTerm minus a shift per row, lane by lane over a chunk: lo - shift, hi - shift or the
+// band row's column - shift, by each key's bucket (the inside columns by a masked load).
+class ShiftedTerm {
+ public:
+  ShiftedTerm(const BandTerm& t, float shift)
+      : lo_(_mm256_set1_ps(t.lo - shift)), hi_(_mm256_set1_ps(t.hi - shift)),
+        shift_(_mm256_set1_ps(shift)), row_(t.row) {}
+  __m256 at(const BandChunk& c) const {
+    const __m256 x = _mm256_blendv_ps(lo_, hi_, _mm256_castsi256_ps(c.right));
+    if (!c.inside) return x;
+    const __m256 q =
+        row_ != nullptr ? _mm256_maskload_ps(row_ + c.col, c.in) : _mm256_setzero_ps();
+    return _mm256_blendv_ps(x, _mm256_sub_ps(q, shift_), _mm256_castsi256_ps(c.in));
+  }
+
+ private:
+  __m256 lo_, hi_, shift_;
+  const float* row_;
+};
+
+// Forward, exp_sum_row_stale for a band row: sr = 2^(sr + rel - m) in place, rel being tk's value
+// of each key's bucket (the key term), keys from vis on masked (0). One pass, where
+// add_rel_logits, mask_logits, max_row, exp_row and sum_row take five; returns false, as
+// exp_sum_row_stale, when a visible logit exceeds m by more than kStaleMax.
+inline bool band_row_stale(float* sr, int64_t j0, int64_t nk, int64_t vis, const RowSplit& sp,
+                           const BandTerm& tk, float m, float& sum) {
+  const BandLanes lanes(j0, vis, sp);
+  const ShiftedTerm rel(tk, m);
+  const __m256 ninf = _mm256_set1_ps(kNegInf);
+  __m256 acc = _mm256_setzero_ps(), mx = ninf;
+  for (int64_t j = 0; j < nk; j += 8) {
+    const BandChunk c = lanes.at(j);
+    const __m256 x =
+        _mm256_blendv_ps(ninf, _mm256_add_ps(_mm256_loadu_ps(sr + j), rel.at(c)), c.keep);
     mx = _mm256_max_ps(x, mx);
     const __m256 e = exp2_256(x);
     _mm256_storeu_ps(sr + j, e);
@@ -1045,78 +1100,43 @@ inline void grad_row_uniform(float* sr, float* dpr, int64_t nk, int64_t vis, flo
   }
 }
 
-// A row's relative term over a key tile, by bucket (backward, grad_band_row): lo for bucket 0,
-// hi for bucket 2K, and inside the band row[sp.col0 + j] for key j (row null: no term, 0).
-struct BandTerm {
-  float lo = 0.f, hi = 0.f;
-  const float* row = nullptr;
-};
-// Where a row's per-bucket sums go, as add_bucket_mass: lo, hi and the band row (row null: not
-// summed).
-struct BandMass {
-  float* lo = nullptr;
-  float* hi = nullptr;
-  float* row = nullptr;
-};
-
-// Backward, a row of a clear tile whose keys span several buckets (a band tile, near the
-// diagonal), without dropout, in one pass: P = 2^(s + tk - lse2) and dS = scale P (dP + tv -
-// d_i) in place (keys from vis masked: 0), tk / tv being the key / value term of each key's
-// bucket; P summed per bucket into pm, dS into dm. The general path takes add_rel_logits twice,
-// mask_logits, exp_row, softmax_grad_row and add_bucket_mass twice (B = 1, H = 8, D = 64,
-// K = 64, 2 threads, alternating runs, medians of forward+backward: L = 512 11.8 -> 11.5 ms,
-// L = 2048 126.6 -> 125.2 ms). Only 8-lane arithmetic, so the AVX-512 build gives bitwise the
-// same.
+// Backward, a band row (see BandLanes) of a clear tile without dropout in one pass: P = 2^(s +
+// tk - lse2) and dS = scale P (dP + tv - d_i) in place (keys from vis masked: 0), tk / tv being
+// the key / value term of each key's bucket; P summed per bucket into pm, dS into dm. The
+// general path takes add_rel_logits twice, mask_logits, exp_row, softmax_grad_row and
+// add_bucket_mass twice (B = 1, H = 8, D = 64, K = 64, 2 threads, alternating runs, medians of
+// forward+backward: L = 512 11.8 -> 11.5 ms, L = 2048 126.6 -> 125.2 ms). Only 8-lane
+// arithmetic, so the AVX-512 build gives bitwise the same.
 inline void grad_band_row(float* sr, float* dpr, int64_t j0, int64_t nk, int64_t vis,
                           const RowSplit& sp, const BandTerm& tk, const BandTerm& tv, float scale,
                           float lse2, float di, const BandMass& pm, const BandMass& dm) {
-  const __m256 vklo = _mm256_set1_ps(tk.lo - lse2), vkhi = _mm256_set1_ps(tk.hi - lse2);
-  const __m256 vvlo = _mm256_set1_ps(tv.lo - di), vvhi = _mm256_set1_ps(tv.hi - di);
-  const __m256 vlse = _mm256_set1_ps(lse2), vdi = _mm256_set1_ps(di), vsc = _mm256_set1_ps(scale);
-  const __m256 ninf = _mm256_set1_ps(kNegInf), zero = _mm256_setzero_ps();
-  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  // key positions in the tile (j - j0) as int32: inside from ia, bucket 2K from ie, masked from vis
-  const __m256i ia = _mm256_set1_epi32(static_cast<int>(sp.a - j0));
-  const __m256i ie = _mm256_set1_epi32(static_cast<int>(sp.e - j0));
-  const __m256i iv = _mm256_set1_epi32(static_cast<int>(vis));
-  __m256 p_lo = zero, p_hi = zero, d_lo = zero, d_hi = zero;
+  const BandLanes lanes(j0, vis, sp);
+  const ShiftedTerm rk(tk, lse2), rv(tv, di);
+  const __m256 vsc = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(kNegInf);
+  __m256 p_lo = _mm256_setzero_ps(), p_hi = p_lo, d_lo = p_lo, d_hi = p_lo;
   // the band row's columns of the chunk's keys: a masked load, add and store (inside lanes only)
   auto add_band = [](float* row, __m256i in, __m256 x) {
     _mm256_maskstore_ps(row, in, _mm256_add_ps(_mm256_maskload_ps(row, in), x));
   };
-  for (int64_t j = 0; j < nk; j += 8) {  // lanes past nk are past vis too (vis <= nk)
-    const __m256i pos = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(j)), idx);
-    const __m256i left = _mm256_cmpgt_epi32(ia, pos);
-    const __m256i right = _mm256_cmpgt_epi32(_mm256_add_epi32(pos, _mm256_set1_epi32(1)), ie);
-    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(iv, pos));
-    __m256 rk = _mm256_blendv_ps(vklo, vkhi, _mm256_castsi256_ps(right));
-    __m256 rv = _mm256_blendv_ps(vvlo, vvhi, _mm256_castsi256_ps(right));
-    const int64_t k = j0 + j;                      // the chunk's first key
-    const bool inside = k + 8 > sp.a && k < sp.e;  // some inside keys: their band columns
-    const int64_t col = sp.col0 + k;
-    const __m256i in = _mm256_xor_si256(_mm256_or_si256(left, right), _mm256_set1_epi32(-1));
-    if (inside) {
-      const __m256 inf = _mm256_castsi256_ps(in);
-      const __m256 qk = tk.row != nullptr ? _mm256_maskload_ps(tk.row + col, in) : zero;
-      const __m256 qv = tv.row != nullptr ? _mm256_maskload_ps(tv.row + col, in) : zero;
-      rk = _mm256_blendv_ps(rk, _mm256_sub_ps(qk, vlse), inf);
-      rv = _mm256_blendv_ps(rv, _mm256_sub_ps(qv, vdi), inf);
-    }
-    const __m256 pj = exp2_256(_mm256_blendv_ps(ninf, _mm256_add_ps(_mm256_loadu_ps(sr + j), rk), keep));
+  for (int64_t j = 0; j < nk; j += 8) {
+    const BandChunk c = lanes.at(j);
+    const __m256 x = _mm256_add_ps(_mm256_loadu_ps(sr + j), rk.at(c));
+    const __m256 pj = exp2_256(_mm256_blendv_ps(ninf, x, c.keep));
+    const __m256 dpv = _mm256_add_ps(_mm256_loadu_ps(dpr + j), rv.at(c));
     // masked lanes: 0, whatever the lanes past nk hold
-    const __m256 g = _mm256_and_ps(keep, _mm256_mul_ps(vsc, _mm256_mul_ps(pj, _mm256_add_ps(_mm256_loadu_ps(dpr + j), rv))));
+    const __m256 g = _mm256_and_ps(c.keep, _mm256_mul_ps(vsc, _mm256_mul_ps(pj, dpv)));
     _mm256_storeu_ps(sr + j, pj);
     _mm256_storeu_ps(dpr + j, g);
-    const __m256 lf = _mm256_castsi256_ps(left), rf = _mm256_castsi256_ps(right);
+    const __m256 lf = _mm256_castsi256_ps(c.left), rf = _mm256_castsi256_ps(c.right);
     if (pm.row != nullptr) {
       p_lo = _mm256_add_ps(p_lo, _mm256_and_ps(lf, pj));
       p_hi = _mm256_add_ps(p_hi, _mm256_and_ps(rf, pj));
-      if (inside) add_band(pm.row + col, in, pj);
+      if (c.inside) add_band(pm.row + c.col, c.in, pj);
     }
     if (dm.row != nullptr) {
       d_lo = _mm256_add_ps(d_lo, _mm256_and_ps(lf, g));
       d_hi = _mm256_add_ps(d_hi, _mm256_and_ps(rf, g));
-      if (inside) add_band(dm.row + col, in, g);
+      if (c.inside) add_band(dm.row + c.col, c.in, g);
     }
   }
   if (pm.row != nullptr) {
@@ -1508,8 +1528,8 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
           const int64_t vis = visible_keys(p, i, j0, nk);
           const bool done =
               uni ? exp_sum_row_stale(sr, nk, vis, c - m[r], rs)
-                  : band_row_stale(sr, j0, nk, vis, sp, key_term ? qe_lo[r] : 0.f,
-                                   key_term ? qe_hi[r] : 0.f, key_term ? qe + r * ld_qe : nullptr,
+                  : band_row_stale(sr, j0, nk, vis, sp,
+                                   key_term ? BandTerm{qe_lo[r], qe_hi[r], qe + r * ld_qe} : BandTerm{},
                                    m[r], rs);
           if (done) {
             l[r] += rs;
