@@ -93,13 +93,13 @@ CASES = {
 }
 
 
-def make_inputs(case, dtype, requires_grad=False):
+def make_inputs(case, dtype, requires_grad=False, q_scale=1.0):
     b, h, hk, lq, lk, d, k, qo, ko, per_head, causal, padding, has_k, has_v = case
 
-    def t(*shape):
-        return torch.randn(*shape, dtype=torch.float64).to(dtype).requires_grad_(requires_grad)
+    def t(*shape, s=1.0):
+        return (torch.randn(*shape, dtype=torch.float64) * s).to(dtype).requires_grad_(requires_grad)
 
-    q, kk, v = t(b, h, lq, d), t(b, hk, lk, d), t(b, hk, lk, d)
+    q, kk, v = t(b, h, lq, d, s=q_scale), t(b, hk, lk, d), t(b, hk, lk, d)
     table_shape = ((h,) if per_head else ()) + (2 * k + 1, d)
     rel_k = t(*table_shape) if has_k else None
     rel_v = t(*table_shape) if has_v else None
@@ -172,9 +172,10 @@ def _call_backward(backend, grad, tensors, out, lse, kw):
     )
 
 
-def _check_forward(backend, dtype, case, extra=None):
-    """extra: more keyword arguments of the op and the reference (dropout_p, dropout_seed)."""
-    tensors, kw = make_inputs(case, dtype)
+def _check_forward(backend, dtype, case, extra=None, q_scale=1.0):
+    """extra: more keyword arguments of the op and the reference (dropout_p, dropout_seed);
+    q_scale: the queries' scale (make_inputs)."""
+    tensors, kw = make_inputs(case, dtype, q_scale=q_scale)
     kw.update(extra or {})
     out, lse = _call(backend, tensors, kw)
     exp_out, exp_lse = ref.shaw_attention(*(_f64(x) for x in tensors), **_kw64(kw), return_lse=True)
@@ -190,8 +191,8 @@ def _kw64(kw):
     return {**kw, "rel_bias": _f64(kw.get("rel_bias")), "rel_q": _f64(kw.get("rel_q"))}
 
 
-def _check_backward(backend, dtype, case, extra=None):
-    tensors, kw = make_inputs(case, dtype)
+def _check_backward(backend, dtype, case, extra=None, q_scale=1.0):
+    tensors, kw = make_inputs(case, dtype, q_scale=q_scale)
     kw.update(extra or {})
     t64 = [_f64(x) for x in tensors]
     kw64 = _kw64(kw)
@@ -225,6 +226,19 @@ def test_rel_attention_forward(backend, dtype, name):
 def test_rel_attention_backward(backend, dtype, name):
     _attention_backend(backend)
     _check_backward(backend, dtype, CASES[name])
+
+
+def test_rel_attention_wide_logits(backend):
+    """Queries scaled by 20 spread a row's logits over hundreds of units, so that many
+    probabilities and dS entries fall below float32's normal range. The AVX2 kernels flush those
+    to 0 on the threads they run on (FlushDenormals): the results still match the reference, and
+    the calling thread gets its own floating-point mode back (denormals kept)."""
+    _attention_backend(backend)
+    tiny = torch.tensor([1e-39])  # a float32 denormal
+    assert (tiny * 1.5).item() != 0
+    _check_forward(backend, torch.float32, CASES["tiles_two_sided"], q_scale=20.0)
+    _check_backward(backend, torch.float32, CASES["tiles_two_sided"], q_scale=20.0)
+    assert (tiny * 1.5).item() != 0, "the op left flush-to-zero on in the calling thread"
 
 
 def random_case(seed: int) -> tuple:

@@ -1355,6 +1355,7 @@ int64_t last_key_tile(const RelAttentionParams& p, int64_t i_last) {
 // the thread visits. With one chunk an item writes its rows of out and lse; with several, the
 // chunk's running maximum, sum and unnormalised output, for rel_attention_combine.
 void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, WorkQueue& work) {
+  const FlushDenormals ftz;  // small P and dS (vec_avx2.h)
   const int64_t D = p.dim, K = p.max_distance, rows_tab = num_buckets(K);
   const int64_t q_tiles = (p.q_len + BQ - 1) / BQ, es = elem_bytes(p.dtype);
   const int64_t max_band = imin(imax(2 * K - 1, 0), BQ + p.k_len);
@@ -1734,6 +1735,7 @@ void rel_attention_combine(const RelAttentionParams& p, const AttentionFwdSplit&
 constexpr int64_t kBwdRunBytes = int64_t(640) << 10;
 void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdSplit& split,
                             WorkQueue& work) {
+  const FlushDenormals ftz;  // small P and dS (vec_avx2.h)
   const RelAttentionParams& p = bp.fwd;
   const int64_t D = p.dim, K = p.max_distance, rows_tab = num_buckets(K), es = elem_bytes(p.dtype);
   const int64_t group = p.heads / p.kv_heads, chunks = split.chunks;
