@@ -190,7 +190,6 @@ inline void fill(bf16_t* dst, bf16_t v, int64_t n) {
   fill_u16(reinterpret_cast<uint16_t*>(dst), v.x, n);
 }
 
-// A per-thread, 64-byte aligned, growable float buffer (contents are not preserved on growth).
 // Flush-to-zero and denormals-are-zero (MXCSR bits 15 and 6) on this thread for a scope, the
 // caller's MXCSR restored on exit. A denormal operand or result of an FMA takes a microcode
 // assist: with 1% of a 64 x 64 x 64 block's A operand denormal, gemm's AVX-512 block fell from
@@ -211,6 +210,7 @@ class FlushDenormals {
   unsigned saved_;
 };
 
+// A per-thread, 64-byte aligned, growable float buffer (contents are not preserved on growth).
 class Scratch {
  public:
   ~Scratch() { std::free(p_); }
