@@ -751,17 +751,19 @@ def test_rel_attention_rising_logits(backend, step):
     assert_close(lse, exp_lse.float(), torch.float32, scale=4 * step)
 
 
-@pytest.mark.parametrize("where", ["q", "k", "rel_k"])
+@pytest.mark.parametrize("where", ["q", "q_first_rows", "k", "rel_k"])
 def test_rel_attention_nan_propagates(backend, where):
     """A NaN input gives NaN where the reference has NaN, and finite values elsewhere: never
     silently dropped (a NaN query row poisons that row; a NaN key or table row, every row that
-    sees it)."""
+    sees it). q_first_rows: a NaN in query row 3, whose visible logits (causal: keys 0-3) are
+    then all NaN, once taken by the AVX2 forward for a row that sees no key (zeros)."""
     _attention_backend(backend)
     tensors, kw = make_inputs(CASES["tiles_causal_padding"], torch.float32)
     tensors = [None if x is None else x.clone() for x in tensors]
     kw["key_padding_mask"] = None
-    target = {"q": (0, 0, 0, 65, 3), "k": (0, 0, 0, 30, 1), "rel_k": (1, 0, 7)}[where]
-    i = {"q": 0, "k": 1, "rel_k": 3}[where]
+    target = {"q": (0, 0, 0, 65, 3), "q_first_rows": (0, 0, 1, 3, 5), "k": (0, 0, 0, 30, 1),
+              "rel_k": (1, 0, 7)}[where]
+    i = {"q": 0, "q_first_rows": 0, "k": 1, "rel_k": 3}[where]
     tensors[i][target[1:]] = float("nan")
     out, _ = _call(backend, tensors, kw)
     exp_out = ref.shaw_attention(*(_f64(x) for x in tensors), **kw)

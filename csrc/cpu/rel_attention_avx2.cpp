@@ -609,16 +609,35 @@ TileMask tile_mask(const RelAttentionParams& p, const Head& hd, int64_t i0, int6
   return mixed ? TileMask::kMixed : TileMask::kClear;
 }
 
-float max_row(const float* x, int64_t n) {
-  __m256 mx = _mm256_set1_ps(kNegInf);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(x + i));
+// The largest lane of mx; NaN when a lane of nan is set (max_row, logits_row_uniform).
+inline float max_or_nan(__m256 mx, __m256 nan) {
+  if (_mm256_movemask_ps(nan) != 0) return std::numeric_limits<float>::quiet_NaN();
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   h = _mm_max_ss(h, _mm_movehdup_ps(h));
-  float m = _mm_cvtss_f32(h);
-  for (; i < n; ++i) m = fmax_(m, x[i]);
-  return m;
+  return _mm_cvtss_f32(h);
+}
+
+// The largest of x[0, n), or NaN when any entry is NaN, so that a row with a NaN logit comes
+// out NaN (as in torch and the scalar kernel). A max instruction alone keeps or drops a NaN
+// depending on its place: a row whose visible logits were all NaN (a NaN query) came out as a
+// row with no visible key, zeros.
+float max_row(const float* x, int64_t n) {
+  __m256 mx = _mm256_set1_ps(kNegInf), nan = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    mx = _mm256_max_ps(mx, v);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  if (i < n) {  // the last n - i entries, the other lanes -inf
+    const __m256i mk = tail_mask(n - i);
+    const __m256 v = _mm256_blendv_ps(_mm256_set1_ps(kNegInf), _mm256_maskload_ps(x + i, mk),
+                                      _mm256_castsi256_ps(mk));
+    mx = _mm256_max_ps(mx, v);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  return max_or_nan(mx, nan);
 }
 
 // x[j] = 2^(x[j] - shift) over a row (masked -inf entries give 0).
@@ -734,21 +753,19 @@ inline int uniform_tile(const RelAttentionParams& p, bool clear, int64_t i0, int
   return 0;
 }
 
-// Forward: sr = sr + c (masked lanes -inf); returns the row maximum.
+// Forward: sr = sr + c (masked lanes -inf); returns the row maximum (NaN when any is NaN).
 inline float logits_row_uniform(float* sr, int64_t nk, int64_t vis, float c) {
   const __m256 vc = _mm256_set1_ps(c), ninf = _mm256_set1_ps(kNegInf);
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  __m256 mx = ninf;
+  __m256 mx = ninf, nan = _mm256_setzero_ps();
   for (int64_t j = 0; j < nk; j += 8) {
     const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(vis - j)), idx));
     const __m256 x = _mm256_blendv_ps(ninf, _mm256_add_ps(_mm256_loadu_ps(sr + j), vc), keep);
     _mm256_storeu_ps(sr + j, x);
     mx = _mm256_max_ps(mx, x);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
   }
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_max_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
+  return max_or_nan(mx, nan);  // NaN when a visible logit is (see max_row)
 }
 
 // Forward: sr = 2^(sr - shift) over whole 8-lane chunks (masked lanes hold -inf: 0); returns
