@@ -84,6 +84,11 @@ CASES = {
     "tiles_uniform": (1, 2, 1, 130, 300, 16, 3, 0, 0, False, False, False, True, True),
     # ... with padding in the first and last key tiles: the tiles between keep those paths
     "tiles_uniform_padding": (2, 2, 1, 130, 300, 16, 3, 0, 0, False, False, True, True, True),
+    # no padding and more than 32 rows: the AVX2 forward's wide tiles (128 x 128, kernels.h), with
+    # rows and keys just past one and two of them, the band across their edges, uniform tiles
+    "wide_tiles": (1, 2, 1, 129, 257, 16, 40, 0, 0, False, False, False, True, True),
+    # ... causal, offsets, GQA, per-head tables, 8-row groups of a partial last tile
+    "wide_tiles_causal": (2, 4, 2, 200, 260, 24, 3, 60, 0, True, True, False, True, True),
     "all_keys_padded": (2, 2, 2, 5, 6, 16, 2, 0, 0, False, False, "all", True, True),
     "no_keys": (1, 2, 2, 3, 0, 16, 2, 0, 0, False, False, False, True, True),
     "no_queries": (1, 2, 2, 0, 5, 16, 2, 0, 0, False, True, False, True, True),
@@ -307,7 +312,8 @@ BIAS_CASES = ["basic", "causal", "cross_lq_ne_lk", "decode_offset", "padding", "
               "tiles_two_sided", "tiles_decode_gqa", "D200_gqa4", "odd_D_offsets",
               "D1_negative_offset", "transformer_xl", "decode_one_row_D45", "decode_split_keys",
               "decode_split_hidden_chunk", "decode_five_rows", "bwd_key_runs", "tiles_uniform",
-              "tiles_uniform_padding", "all_keys_padded", "no_keys", "no_queries", "no_heads"]
+              "tiles_uniform_padding", "all_keys_padded", "no_keys", "no_queries", "no_heads",
+              "wide_tiles", "wide_tiles_causal"]
 
 
 def random_bias(case, per_head: bool, seed: int = 0) -> torch.Tensor:
@@ -342,7 +348,8 @@ def test_rel_attention_bias_is_a_logit_offset():
 DROPOUT_CASES = ["basic", "gqa", "fully_masked_rows", "tiles_causal_padding", "tiles_two_sided",
                  "tiles_unclipped", "unclipped_offsets_gqa", "D200_gqa4", "odd_D_offsets",
                  "decode_one_row_D45", "decode_split_keys", "bwd_key_runs", "tiles_uniform",
-                 "tiles_uniform_padding", "only_rel_v", "no_rel", "L1", "no_keys"]
+                 "tiles_uniform_padding", "only_rel_v", "no_rel", "L1", "no_keys",
+                 "wide_tiles_causal"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -676,7 +683,7 @@ def test_rel_attention_reads_kv_cache_views_in_place(backend, dtype, shape):
 
 LOW_PRECISION_CASES = ["padding", "gqa", "D200_gqa4", "tiles_causal_padding", "tiles_two_sided",
                        "decode_gqa_odd_D", "decode_one_row_D45", "decode_five_rows",
-                       "decode_split_keys"]
+                       "decode_split_keys", "wide_tiles"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

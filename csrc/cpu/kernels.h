@@ -26,6 +26,15 @@ inline int64_t gather_bwd_items(const RelGatherBwdParams& p) {
 
 constexpr int64_t kAttentionTileQ = 64;
 constexpr int64_t kAttentionTileK = 64;
+// The AVX2 forward's query rows and keys per tile when nothing in the call hides keys tile by
+// tile (no attention mask, segment ids, window or padding) and it is not decoding: a 128 x 128
+// tile halves the passes over each key and value tile and the per-tile work of each row. B = 1,
+// H = 8, D = 64, K = 64, 2 threads, 3 alternating runs: L = 2048 AVX-512 forward 37.0-37.9 ->
+// 35.9-36.1 ms (and one noisy run at 40.0), AVX2 65.3-66.7 -> 63.7-65.2 ms; L = 4096
+// 144-146 -> 135-137 and 252-257 -> 244-249 ms; causal, L <= 1024: within the noise. Masks and
+// windows skip whole tiles and are better off with the small ones (a window of 128 on either
+// side ran 3-15% slower with wide tiles); the backward keeps BQ x BK (no gain with 128).
+constexpr int64_t kAttentionWideTile = 128;
 // The AVX2 forward scores up to this many query rows (decoding) from the key rows in place
 // instead of transposed key tiles (at L = 4096 it was faster up to 32 rows and even at 64).
 constexpr int64_t kAttentionFewQueries = 32;
@@ -47,6 +56,9 @@ struct AttnMaskTiles {
 // buffers below, which rel_attention_combine merges in chunk order. Chosen from the shapes only,
 // like AttentionBwdSplit, so results do not depend on the number of threads.
 struct AttentionFwdSplit {
+  // query rows and keys per tile: kAttentionTileQ (= kAttentionTileK), or kAttentionWideTile
+  // (then chunks is 1 and there is no attention mask)
+  int64_t tile = kAttentionTileQ;
   int64_t chunks = 1;
   int64_t chunk_keys = 0;  // keys per chunk, a multiple of kAttentionTileK
   float* m = nullptr;      // [chunks, batch, heads, q_len]
@@ -113,8 +125,8 @@ void rel_logits(const RelLogitsParams& p, int64_t begin, int64_t end);
 void bucket_sum(const BucketSumParams& p, int64_t begin, int64_t end);
 // Fused attention; work items differ from the scalar kernels (rel_attention_avx2.cpp), and the
 // first two take them from a WorkQueue until it is empty:
-//   rel_attention: (b, h, tile of kAttentionTileQ query rows, key chunk) of
-//     batch * heads * ceil(q_len / kAttentionTileQ) * split.chunks;
+//   rel_attention: (b, h, tile of split.tile query rows, key chunk) of
+//     batch * heads * ceil(q_len / split.tile) * split.chunks;
 //   rel_attention_combine (only when split.chunks > 1): (b, h) of batch * heads;
 //   rel_attention_backward: (b, kv head, key chunk) of batch * kv_heads * split.chunks;
 //   rel_attention_backward_reduce (only when split.chunks > 1): (b, h) of batch * heads;

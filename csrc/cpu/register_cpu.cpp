@@ -204,9 +204,14 @@ struct CpuBackend {
   }
 
   static void rel_attention_avx2(const RelAttentionParams& p, const AttentionKernels& kern) {
-    const int64_t tiles = p.batch * p.heads * ((p.q_len + kAttentionTileQ - 1) / kAttentionTileQ);
-    const int64_t k_tiles = (p.k_len + kAttentionTileK - 1) / kAttentionTileK;
     AttentionFwdSplit split;
+    // wide tiles (kernels.h) where nothing hides keys tile by tile; decoding keeps the small ones
+    const bool wide = p.q_len > kAttentionFewQueries && p.attn_mask == nullptr &&
+                      p.q_segment_ids == nullptr && p.key_padding_mask == nullptr &&
+                      p.window_left < 0 && p.window_right < 0;
+    split.tile = wide ? kAttentionWideTile : kAttentionTileQ;
+    const int64_t tiles = p.batch * p.heads * ((p.q_len + split.tile - 1) / split.tile);
+    const int64_t k_tiles = (p.k_len + kAttentionTileK - 1) / kAttentionTileK;
     at::Tensor m, l, acc;
     if (p.q_len <= kAttentionFewQueries && tiles > 0 && tiles < kFwdTargetItems) {
       const int64_t chunks = std::min((kFwdTargetItems + tiles - 1) / tiles, k_tiles / kFwdMinChunkTiles);

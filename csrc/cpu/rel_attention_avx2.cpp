@@ -3,9 +3,11 @@
 //
 // Tiling (flash-attention style): a work item is BQ query rows of one (b, h) in the forward and
 // one (b, kv head) in the backward; keys are visited in tiles of BK with an online softmax, so no
-// [Lq, Lk] matrix exists. The relative terms split each query row's keys into three parts
-// (common/relpos_index.h inner_keys): keys left of the clipping window share bucket 0, keys right
-// of it share bucket 2K, and inside it the bucket grows by one per key (the skew). The clamped
+// [Lq, Lk] matrix exists. The forward takes tiles of kAttentionWideTile rows and keys instead
+// when no mask hides keys tile by tile (AttentionFwdSplit::tile). The relative terms split each
+// query row's keys into three parts (common/relpos_index.h inner_keys): keys left of the
+// clipping window share bucket 0, keys right of it share bucket 2K, and inside it the bucket
+// grows by one per key (the skew). The clamped
 // parts are running sums per row; the inside is a band of at most BQ + Lk - 1 buckets per query
 // tile, handled with small matmuls: QE = Q @ rel_k[band]^T (key term, added along the skew) and
 // W = the probability mass per bucket (value term, W @ rel_v[band] at the end).
@@ -587,6 +589,7 @@ TileMask tile_mask(const RelAttentionParams& p, const Head& hd, int64_t i0, int6
     mixed = (kinds & 2) != 0;
   }
   if (hd.amask != nullptr) {  // the tile's class, computed once per call by attn_mask_tiles
+    // (for tiles of BQ x BK: the forward takes wide tiles only when there is no mask)
     const uint8_t cls = hd.amask_tiles[(i0 / BQ) * hd.k_tiles + j0 / BK];
     if (cls == kTileHidden) return TileMask::kHidden;
     mixed = mixed || cls == kTileMixed;
@@ -829,7 +832,7 @@ inline void for_chunk_pairs(int64_t j, int64_t nk, F&& chunk) {
 // Whole rows of 8-lane chunks with every key visible (the common case) need no lane mask.
 inline bool unmasked(int64_t nk, int64_t vis) { return vis >= nk && nk % 8 == 0; }
 
-// Forward, exp_sum_row_stale for 8 rows at once (row stride BK): rows whose keys in this tile all
+// Forward, exp_sum_row_stale for 8 rows at once (row stride ld): rows whose keys in this tile all
 // sit in one clamped bucket and are all visible, nk a multiple of 8, every row with a running
 // maximum m[u]; c: the rows' key-term constants (null: none). Row u becomes 2^(s + c[u] - m[u])
 // and its sum is added to l[u] (and w[u] when w is not null), as one vector. Returns a bit per
@@ -847,13 +850,14 @@ inline bool unmasked(int64_t nk, int64_t vis) { return vis >= nk && nk % 8 == 0;
 // Both, with exp2v's one-add range reduction, on a 64 x 64 tile of these rows in L1: AVX-512
 // 0.264 -> 0.217 ns a key, AVX2 0.333 -> 0.289 (best of 5 x 20000 tiles, one core).
 template <bool kDrop = false>
-inline int exp_sum_rows8_stale(float* s, int64_t nk, const float* c, const float* m, float* l,
-                               float* w, const RowDropout* drop = nullptr, int64_t j0 = 0) {
+inline int exp_sum_rows8_stale(float* s, int64_t ld, int64_t nk, const float* c, const float* m,
+                               float* l, float* w, const RowDropout* drop = nullptr,
+                               int64_t j0 = 0) {
   const __m256 lim = _mm256_set1_ps(kStaleMax), ninf = _mm256_set1_ps(kNegInf);
   __m256 acc[8], dacc[8];
   int over = 0;
   for (int u = 0; u < 8; ++u) {
-    float* sr = s + u * BK;
+    float* sr = s + u * ld;
     const float cm = (c != nullptr ? c[u] : 0.f) - m[u];
     const __m256 vc = _mm256_set1_ps(cm);
     // the sums of the even and of the odd 8-key chunks (for_chunk_pairs), and the largest logit
@@ -1271,17 +1275,18 @@ void bias_grad_band(const float* wds, int64_t rows, const Band& band, float inv_
 // The key-side table rel_q, k_j . rel_q[b(i, j)]: the key term with queries and keys swapped.
 // Per key, the clamped buckets' values k_j . rel_q[0] and k_j . rel_q[2K] (the "ends", lo and
 // hi); inside the band of a (query tile, key tile), KE^T[c, j - j0] = rel_q[band.lo + c] . k_j,
-// [band.n, BK] (from the transposed key tile, the B operand S = Q K^T uses). Bucket and key both
-// move by one along a query row, so the row reads KE^T along a diagonal (stride BK + 1): an
+// [band.n, ld] (ld: the tile's width; from the transposed key tile, the B operand S = Q K^T uses).
+// Bucket and key both move by one along a query row, so the row reads KE^T along a diagonal
+// (stride ld + 1): an
 // element-wise gather, where QE's row is a contiguous slice. The values are kept unscaled (dK
 // takes the table as it is) and scaled by scale * log2(e) as they join the logits.
 //
 // s[j - j0] += alpha * k_j . rel_q[b(i, j)] over the key tile [j0, j0 + nk) for the row split
 // sp against KE^T's band; lo / hi: the ends of key j0 onwards.
 void add_key_side(float* sr, int64_t j0, int64_t nk, const RowSplit& sp, float alpha,
-                  const float* lo, const float* hi, const float* ke) {
+                  const float* lo, const float* hi, const float* ke, int64_t ld) {
   axpy(alpha, lo, sr, sp.a - j0);
-  for (int64_t j = sp.a; j < sp.e; ++j) sr[j - j0] += alpha * ke[(sp.col0 + j) * BK + (j - j0)];
+  for (int64_t j = sp.a; j < sp.e; ++j) sr[j - j0] += alpha * ke[(sp.col0 + j) * ld + (j - j0)];
   axpy(alpha, hi + (sp.e - j0), sr + (sp.e - j0), j0 + nk - sp.e);
 }
 
@@ -1315,23 +1320,24 @@ void for_key_strips(const RelAttentionParams& p, int64_t i0, int64_t mq, int64_t
 }
 
 // Keys [j_begin, j_end) of a kv head (dtype d, rows of D) as float for the matmuls: tiles
-// [t_from, t_to) of BK keys, each transposed into kt + t * D * BK as [D, BK] (the B operand of
-// S = Q K^T), and for float16/bfloat16 also row-major into rows + t * BK * D when rows is not
-// null (float32 rows are read in place). tmp: BK * D floats.
-void build_key_tiles(DType d, const char* base, int64_t D, int64_t j_begin, int64_t j_end,
-                     int64_t t_from, int64_t t_to, float* kt, float* rows, float* tmp) {
+// [t_from, t_to) of bk keys, each transposed into kt + t * D * bk as [D, bk] (the B operand of
+// S = Q K^T), and for float16/bfloat16 also row-major into rows + t * bk * D when rows is not
+// null (float32 rows are read in place). tmp: bk * D floats.
+void build_key_tiles(DType d, const char* base, int64_t D, int64_t bk, int64_t j_begin,
+                     int64_t j_end, int64_t t_from, int64_t t_to, float* kt, float* rows,
+                     float* tmp) {
   const int64_t es = elem_bytes(d);
   for (int64_t t = t_from; t < t_to; ++t) {
-    const int64_t j0 = j_begin + t * BK, nk = imin(BK, j_end - j0);
+    const int64_t j0 = j_begin + t * bk, nk = imin(bk, j_end - j0);
     const float* src;
     if (d == DType::Float32) {
       src = reinterpret_cast<const float*>(base + j0 * D * es);
     } else {
-      float* dst = rows != nullptr ? rows + t * BK * D : tmp;
+      float* dst = rows != nullptr ? rows + t * bk * D : tmp;
       load_block(d, base + j0 * D * es, D, nk, D, dst, D);
       src = dst;
     }
-    if (kt != nullptr) transpose(src, D, nk, D, kt + t * D * BK, BK);
+    if (kt != nullptr) transpose(src, D, nk, D, kt + t * D * bk, bk);
   }
 }
 
@@ -1357,26 +1363,30 @@ class ItemCursor {
   int64_t i_ = 0, e_ = 0;
 };
 
-int64_t last_key_tile(const RelAttentionParams& p, int64_t i_last) {
+// One past the last key tile (of bk keys) that query row i_last may see.
+int64_t last_key_tile(const RelAttentionParams& p, int64_t i_last, int64_t bk) {
   int64_t k_end = p.k_len;
   if (p.causal) k_end = iclamp(p.q_offset + i_last - p.k_offset + 1, 0, p.k_len);
-  return (k_end + BK - 1) / BK;
+  return (k_end + bk - 1) / bk;
 }
 
 }  // namespace
 
 // ------------------------------------------------------------------------------ forward
-// Work items: (b, h, query tile of BQ rows, key chunk) of batch * heads * ceil(q_len / BQ) *
-// split.chunks. The keys of the current kv head are transposed (and converted) once per call and
-// thread, tile by tile as needed, and reused by every query tile and query head of that kv head
-// the thread visits. With one chunk an item writes its rows of out and lse; with several, the
-// chunk's running maximum, sum and unnormalised output, for rel_attention_combine.
-void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, WorkQueue& work) {
-  const FlushDenormals ftz;  // small P and dS (vec_avx2.h)
+// Work items: (b, h, query tile of TQ rows, key chunk) of batch * heads * ceil(q_len / TQ) *
+// split.chunks, with tiles of TQ x TK: BQ x BK, or kAttentionWideTile squared (split.tile).
+// The keys of the current kv head are transposed (and converted) once per call and thread, tile
+// by tile as needed, and reused by every query tile and query head of that kv head the thread
+// visits. With one chunk an item writes its rows of out and lse; with several, the chunk's
+// running maximum, sum and unnormalised output, for rel_attention_combine.
+namespace {
+
+template <int64_t TQ, int64_t TK>
+void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, WorkQueue& work) {
   const int64_t D = p.dim, K = p.max_distance, rows_tab = num_buckets(K);
-  const int64_t q_tiles = (p.q_len + BQ - 1) / BQ, es = elem_bytes(p.dtype);
-  const int64_t max_band = imin(imax(2 * K - 1, 0), BQ + p.k_len);
-  const int64_t n_ktiles = (p.k_len + BK - 1) / BK;
+  const int64_t q_tiles = (p.q_len + TQ - 1) / TQ, es = elem_bytes(p.dtype);
+  const int64_t max_band = imin(imax(2 * K - 1, 0), TQ + p.k_len);
+  const int64_t n_ktiles = (p.k_len + TK - 1) / TK;
   const bool f32 = p.dtype == DType::Float32;
   const float scale2 = static_cast<float>(p.scale) * kLog2e;  // logits in base 2
   // Few query rows (decoding): scores from the key rows (scores_rows) instead of transposed key
@@ -1385,39 +1395,39 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
   const bool stream = few_q && p.k_len * D * es >= kStreamBytes;  // prefetch K and V rows
   const bool drop_on = p.dropout.on;
   Buffers buf;
-  float* qf = buf.take(BQ * D);
-  float* qs = buf.take(BQ * D);
+  float* qf = buf.take(TQ * D);
+  float* qs = buf.take(TQ * D);
   // Decoding reads K and V in place, in their dtype; else the transposed key tiles, and for
   // float16/bfloat16 the value rows as float, are built once per kv head and reused.
-  float* kt_all = few_q ? nullptr : buf.take(n_ktiles * D * BK);
-  float* v_all = f32 || few_q ? nullptr : buf.take(n_ktiles * BK * D);
-  float* tmp = buf.take(BK * D);
-  float* kf = few_q && !f32 ? buf.take(BK * D) : nullptr;
-  float* s = buf.take(BQ * BK);  // logits, then (in place) probabilities
-  float* acc = buf.take(BQ * D);
-  float* m = buf.take(BQ);
-  float* l = buf.take(BQ);
-  float* qe_lo = buf.take(BQ);
-  float* qe_hi = buf.take(BQ);
-  float* w_lo = buf.take(BQ);
-  float* w_hi = buf.take(BQ);
+  float* kt_all = few_q ? nullptr : buf.take(n_ktiles * D * TK);
+  float* v_all = f32 || few_q ? nullptr : buf.take(n_ktiles * TK * D);
+  float* tmp = buf.take(TK * D);
+  float* kf = few_q && !f32 ? buf.take(TK * D) : nullptr;
+  float* s = buf.take(TQ * TK);  // logits, then (in place) probabilities
+  float* acc = buf.take(TQ * D);
+  float* m = buf.take(TQ);
+  float* l = buf.take(TQ);
+  float* qe_lo = buf.take(TQ);
+  float* qe_hi = buf.take(TQ);
+  float* w_lo = buf.take(TQ);
+  float* w_hi = buf.take(TQ);
   float* row = buf.take(D);
   float* band_k = buf.take(max_band * D);
   float* band_kt = buf.take(D * max_band);
-  float* qe = buf.take(BQ * max_band);
+  float* qe = buf.take(TQ * max_band);
   float* band_v = buf.take(max_band * D);
-  float* w = buf.take(BQ * max_band);
-  float* mref = buf.take(BQ * n_ktiles);
+  float* w = buf.take(TQ * max_band);
+  float* mref = buf.take(TQ * n_ktiles);
   float* ek0 = buf.take(D);
   float* ek1 = buf.take(D);
   float* band_row = p.rel_bias ? buf.take(max_band) : nullptr;  // the bias over a band (bias_band)
-  // the key-side table: its rows 0 and 2K, a key tile's ends [2, BK] (lo, then hi) and, over the
-  // tile's band (at most BQ + BK - 1 buckets), the table rows as float and KE^T
-  const int64_t tile_band = imin(imax(2 * K - 1, 0), BQ + BK - 1);
+  // the key-side table: its rows 0 and 2K, a key tile's ends [2, TK] (lo, then hi) and, over the
+  // tile's band (at most TQ + TK - 1 buckets), the table rows as float and KE^T
+  const int64_t tile_band = imin(imax(2 * K - 1, 0), TQ + TK - 1);
   float* eq_ends = p.rel_q ? buf.take(2 * D) : nullptr;
-  float* kq = p.rel_q ? buf.take(2 * BK) : nullptr;
+  float* kq = p.rel_q ? buf.take(2 * TK) : nullptr;
   float* band_q = p.rel_q && !f32 ? buf.take(tile_band * D) : nullptr;
-  float* ket = p.rel_q ? buf.take(tile_band * BK) : nullptr;
+  float* ket = p.rel_q ? buf.take(tile_band * TK) : nullptr;
   const char* cached = nullptr;  // kv head whose tiles [0, built) are in kt_all / v_all
   int64_t built = 0;
   ItemCursor cursor(work);
@@ -1425,7 +1435,7 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
   for (int64_t item; cursor.next(item);) {
     const int64_t c = item % chunks, qt = (item / chunks) % q_tiles;
     const int64_t h = (item / (chunks * q_tiles)) % p.heads, b = item / (chunks * q_tiles * p.heads);
-    const int64_t i0 = qt * BQ, mq = imin(BQ, p.q_len - i0);
+    const int64_t i0 = qt * TQ, mq = imin(TQ, p.q_len - i0);
     const int64_t kb = c * chunk_keys, ke = imin(p.k_len, kb + chunk_keys);  // this item's keys
     const Head hd = head_of(p, b, h, split.mask_tiles);
     // qs = Q * scale * log2(e): S, QE and so the logits come out scaled, in base 2
@@ -1446,27 +1456,27 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       load_row(p.dtype, hd.rel_q, eq_ends, D);
       load_row(p.dtype, hd.rel_q + (rows_tab - 1) * D * es, eq_ends + D, D);
     }
-    fill_f32(m, kNegInf, BQ);
-    fill_f32(l, 0.f, BQ);
-    fill_f32(w_lo, 0.f, BQ);
-    fill_f32(w_hi, 0.f, BQ);
+    fill_f32(m, kNegInf, TQ);
+    fill_f32(l, 0.f, TQ);
+    fill_f32(w_lo, 0.f, TQ);
+    fill_f32(w_hi, 0.f, TQ);
     fill_f32(acc, 0.f, mq * D);
     if (hd.rel_v) {
       fill_f32(w, 0.f, mq * band.n);
       fill_f32(mref, kNegInf, mq * n_ktiles);
     }
-    const int64_t kt_end = imin(last_key_tile(p, i0 + mq - 1), (ke + BK - 1) / BK);
+    const int64_t kt_end = imin(last_key_tile(p, i0 + mq - 1, TK), (ke + TK - 1) / TK);
     if (hd.k != cached) {
       cached = hd.k;
       built = 0;
     }
     if (built < kt_end && !few_q) {
-      build_key_tiles(p.dtype, hd.k, D, 0, p.k_len, built, kt_end, kt_all, nullptr, tmp);
-      if (!f32) build_key_tiles(p.dtype, hd.v, D, 0, p.k_len, built, kt_end, nullptr, v_all, tmp);
+      build_key_tiles(p.dtype, hd.k, D, TK, 0, p.k_len, built, kt_end, kt_all, nullptr, tmp);
+      if (!f32) build_key_tiles(p.dtype, hd.v, D, TK, 0, p.k_len, built, kt_end, nullptr, v_all, tmp);
       built = kt_end;
     }
-    for (int64_t t = kb / BK; t < kt_end; ++t) {
-      const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0);
+    for (int64_t t = kb / TK; t < kt_end; ++t) {
+      const int64_t j0 = t * TK, nk = imin(TK, p.k_len - j0);
       const TileMask tm = tile_mask(p, hd, i0, mq, j0, nk);
       if (tm == TileMask::kHidden) continue;  // as if every logit were -inf
       const bool clear = tm == TileMask::kClear;
@@ -1487,18 +1497,18 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
             scores_rows(rows, nk, D, x, kp, y, ldy, stream);
           });
         } else {
-          gemm0(rows, nk, D, x, D, kt_all + t * D * BK, BK, y, ldy);
+          gemm0(rows, nk, D, x, D, kt_all + t * D * TK, TK, y, ldy);
         }
       };
       // the key-side table over this tile: the keys' ends, and KE^T over the tile's band
       Band kband;
       if (hd.rel_q) {
-        times_keys(eq_ends, 2, kq, BK);
+        times_keys(eq_ends, 2, kq, TK);
         kband = band_of(p, i0, mq, j0, j0 + nk);
         const float* bq = kband.n > 0 ? float_rows(p.dtype, hd.rel_q + kband.lo * D * es, kband.n, D, band_q) : nullptr;
         if (kband.n > 0 && !few_q) {
           for_key_strips(p, i0, mq, j0, nk, kband, [&](int64_t s0, int64_t w, int64_t c0, int64_t n) {
-            gemm0(n, w, D, bq + c0 * D, D, kt_all + t * D * BK + s0, BK, ket + c0 * BK + s0, BK);
+            gemm0(n, w, D, bq + c0 * D, D, kt_all + t * D * TK + s0, TK, ket + c0 * TK + s0, TK);
           });
         } else if (kband.n > 0) {  // a few rows read few of KE^T's entries: those alone, by dots
           dispatch(p.dtype, [&](auto tag) {
@@ -1507,7 +1517,7 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
               const RowSplit sp = split_row(p, i0 + r, j0, nk, kband);
               for (int64_t j = sp.a; j < sp.e; ++j) {
                 const float* e = bq + (sp.col0 + j) * D;
-                ket[(sp.col0 + j) * BK + (j - j0)] =
+                ket[(sp.col0 + j) * TK + (j - j0)] =
                     k_tile != nullptr ? dot(e, k_tile + (j - j0) * D, D) : dot(e, kp + j * D, D);
               }
             }
@@ -1518,11 +1528,11 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       // term; a row computed alone comes out bitwise the same (the same products summed in the
       // same order)
       auto scores = [&](int64_t r0, int64_t rows) {
-        times_keys(qs + r0 * D, rows, s + r0 * BK, BK);
+        times_keys(qs + r0 * D, rows, s + r0 * TK, TK);
         if (hd.rel_q == nullptr) return;
         for (int64_t r = r0; r < r0 + rows; ++r) {
-          add_key_side(s + r * BK, j0, nk, split_row(p, i0 + r, j0, nk, kband), scale2, kq,
-                       kq + BK, ket);
+          add_key_side(s + r * TK, j0, nk, split_row(p, i0 + r, j0, nk, kband), scale2, kq,
+                       kq + TK, ket, TK);
         }
       };
       scores(0, mq);
@@ -1530,7 +1540,7 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       // its logits to compute again.
       auto row = [&](int64_t r, bool overwritten) {
         const int64_t i = i0 + r;
-        float* sr = s + r * BK;
+        float* sr = s + r * TK;
         const RowSplit sp = split_row(p, i, j0, nk, band);
         // single rows under dropout take the general path (the bucket sums need the dropped
         // probabilities); whole uniform tiles apply the mask in exp_sum_rows8_stale
@@ -1614,10 +1624,10 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
                 RowDropout(p, b, h, i0 + r + 2), RowDropout(p, b, h, i0 + r + 3),
                 RowDropout(p, b, h, i0 + r + 4), RowDropout(p, b, h, i0 + r + 5),
                 RowDropout(p, b, h, i0 + r + 6), RowDropout(p, b, h, i0 + r + 7)};
-            over = exp_sum_rows8_stale<true>(s + r * BK, nk, c ? c + r : nullptr, m + r, l + r,
+            over = exp_sum_rows8_stale<true>(s + r * TK, TK, nk, c ? c + r : nullptr, m + r, l + r,
                                              ws ? ws + r : nullptr, drops, j0);
           } else if (started) {
-            over = exp_sum_rows8_stale(s + r * BK, nk, c ? c + r : nullptr, m + r, l + r,
+            over = exp_sum_rows8_stale(s + r * TK, TK, nk, c ? c + r : nullptr, m + r, l + r,
                                        ws ? ws + r : nullptr);
           }
           for (int u = 0; u < 8; ++u) {
@@ -1637,12 +1647,12 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
           gemv_acc(D, nk, s, 1, vp, D, acc, stream);
         });
       } else if (f32) {
-        gemm(mq, D, nk, s, BK, reinterpret_cast<const float*>(hd.v) + j0 * D, D, acc, D);
+        gemm(mq, D, nk, s, TK, reinterpret_cast<const float*>(hd.v) + j0 * D, D, acc, D);
       } else if (few_q) {  // this tile's value rows as float
         load_block(p.dtype, hd.v + j0 * D * es, D, nk, D, tmp, D);
-        gemm(mq, D, nk, s, BK, tmp, D, acc, D);
+        gemm(mq, D, nk, s, TK, tmp, D, acc, D);
       } else {
-        gemm(mq, D, nk, s, BK, v_all + j0 * D, D, acc, D);
+        gemm(mq, D, nk, s, TK, v_all + j0 * D, D, acc, D);
       }
     }
     if (hd.rel_v) {  // value term: acc += W @ rel_v[band] + the clamped buckets
@@ -1652,11 +1662,11 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
         // band column c holds key j = c + base of row i; its weight was taken relative to the
         // running max after that key's tile, so rescale each tile's columns to the final max
         const int64_t base = band.lo - K - p.k_offset + p.q_offset + (i0 + r);
-        const int64_t t_lo = imax(base, 0) / BK;
-        const int64_t t_hi = imin(base + band.n - 1, p.k_len - 1) / BK;
+        const int64_t t_lo = imax(base, 0) / TK;
+        const int64_t t_hi = imin(base + band.n - 1, p.k_len - 1) / TK;
         for (int64_t t = t_lo; t <= t_hi; ++t) {
-          const int64_t c0 = imax(t * BK - base, 0);
-          const int64_t c1 = imin((t + 1) * BK - base, band.n);
+          const int64_t c0 = imax(t * TK - base, 0);
+          const int64_t c1 = imin((t + 1) * TK - base, band.n);
           const float mt = mref[r * n_ktiles + t];
           scale_row(mt == kNegInf ? 0.f : std::exp2(mt - m[r]), wr + c0, c1 - c0);
         }
@@ -1693,6 +1703,17 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       }
       store_row(p.dtype, row, out + r * D * es, D);
     }
+  }
+}
+
+}  // namespace
+
+void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, WorkQueue& work) {
+  const FlushDenormals ftz;  // small P and dS (vec_avx2.h)
+  if (split.tile == kAttentionWideTile) {
+    forward_tiles<kAttentionWideTile, kAttentionWideTile>(p, split, work);
+  } else {
+    forward_tiles<BQ, BK>(p, split, work);
   }
 }
 
@@ -1882,8 +1903,8 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
     for (int64_t r0 = tile0; r0 < tile_end; r0 += run_tiles) {
       const int64_t r1 = imin(r0 + run_tiles, tile_end);
       const int64_t rb = r0 * BK, re = imin(r1 * BK, ke), nrun = re - rb;  // the run's keys
-      build_key_tiles(p.dtype, hd0.k, D, rb, re, 0, r1 - r0, kt_run, k_rows, tmp);
-      build_key_tiles(p.dtype, hd0.v, D, rb, re, 0, r1 - r0, vt_run, nullptr, tmp);
+      build_key_tiles(p.dtype, hd0.k, D, BK, rb, re, 0, r1 - r0, kt_run, k_rows, tmp);
+      build_key_tiles(p.dtype, hd0.v, D, BK, rb, re, 0, r1 - r0, vt_run, nullptr, tmp);
       const float* kp = f32 ? reinterpret_cast<const float*>(hd0.k) + rb * D : k_rows;
       fill_f32(dk_run, 0.f, nrun * D);
       fill_f32(dv_run, 0.f, nrun * D);
@@ -1909,7 +1930,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
           const int64_t mq = imin(BQ, p.q_len - i0);
           const int64_t row0 = bh * p.q_len + i0;
           // key tiles of this run visible from the query tile: [r0, t_end)
-          const int64_t t_end = imin(last_key_tile(p, i0 + mq - 1), r1);
+          const int64_t t_end = imin(last_key_tile(p, i0 + mq - 1, BK), r1);
           if (t_end <= r0) continue;
           const float* qp = float_rows(p.dtype, hd.q + i0 * D * es, mq, D, qf);
           const float* dop = float_rows(p.dtype, static_cast<const char*>(bp.grad_out) + row0 * D * es, mq, D, dof);
@@ -1958,7 +1979,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
               }
               for (int64_t r = 0; r < mq; ++r) {
                 add_key_side(s + r * BK, j0, nk, split_row(p, i0 + r, j0, nk, kband), scale2,
-                             kq + (j0 - rb), kq + run_keys + (j0 - rb), ket);
+                             kq + (j0 - rb), kq + run_keys + (j0 - rb), ket, BK);
               }
             }
             // every row of the tile on one clamped side: 8 rows at a time, as in the forward
