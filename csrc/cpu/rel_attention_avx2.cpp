@@ -7,10 +7,10 @@
 // when no mask hides keys tile by tile (AttentionFwdSplit::tile). The relative terms split each
 // query row's keys into three parts (common/relpos_index.h inner_keys): keys left of the
 // clipping window share bucket 0, keys right of it share bucket 2K, and inside it the bucket
-// grows by one per key (the skew). The clamped
-// parts are running sums per row; the inside is a band of at most BQ + Lk - 1 buckets per query
-// tile, handled with small matmuls: QE = Q @ rel_k[band]^T (key term, added along the skew) and
-// W = the probability mass per bucket (value term, W @ rel_v[band] at the end).
+// grows by one per key (the skew). The clamped parts are running sums per row; the inside is a
+// band of at most BQ + Lk - 1 buckets per query tile, handled with small matmuls:
+// QE = Q @ rel_k[band]^T (key term, added along the skew) and W = the probability mass per
+// bucket (value term, W @ rel_v[band] at the end).
 // Logits are kept in base 2: the query tile is multiplied by scale * log2(e) before S = Q K^T and
 // QE = Q rel_k^T, so the softmax needs no per-logit scaling and its exponential is exp2, whose
 // range reduction is one rounding (exp2_256). The log-sum-exp the op returns is in base e.
@@ -1277,8 +1277,7 @@ void bias_grad_band(const float* wds, int64_t rows, const Band& band, float inv_
 // hi); inside the band of a (query tile, key tile), KE^T[c, j - j0] = rel_q[band.lo + c] . k_j,
 // [band.n, ld] (ld: the tile's width; from the transposed key tile, the B operand S = Q K^T uses).
 // Bucket and key both move by one along a query row, so the row reads KE^T along a diagonal
-// (stride ld + 1): an
-// element-wise gather, where QE's row is a contiguous slice. The values are kept unscaled (dK
+// (stride ld + 1): an element-wise gather, where QE's row is a contiguous slice. The values are kept unscaled (dK
 // takes the table as it is) and scaled by scale * log2(e) as they join the logits.
 //
 // s[j - j0] += alpha * k_j . rel_q[b(i, j)] over the key tile [j0, j0 + nk) for the row split
@@ -1370,8 +1369,6 @@ int64_t last_key_tile(const RelAttentionParams& p, int64_t i_last, int64_t bk) {
   return (k_end + bk - 1) / bk;
 }
 
-}  // namespace
-
 // ------------------------------------------------------------------------------ forward
 // Work items: (b, h, query tile of TQ rows, key chunk) of batch * heads * ceil(q_len / TQ) *
 // split.chunks, with tiles of TQ x TK: BQ x BK, or kAttentionWideTile squared (split.tile).
@@ -1379,8 +1376,6 @@ int64_t last_key_tile(const RelAttentionParams& p, int64_t i_last, int64_t bk) {
 // by tile as needed, and reused by every query tile and query head of that kv head the thread
 // visits. With one chunk an item writes its rows of out and lse; with several, the chunk's
 // running maximum, sum and unnormalised output, for rel_attention_combine.
-namespace {
-
 template <int64_t TQ, int64_t TK>
 void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, WorkQueue& work) {
   const int64_t D = p.dim, K = p.max_distance, rows_tab = num_buckets(K);
