@@ -49,6 +49,13 @@ inline KeySpan reachable_keys(const RelAttentionParams& p, int64_t i_first, int6
   return KeySpan{begin, std::max(begin, end)};
 }
 
+// Whether only the causal limit and the window hide keys (no attention mask, segment ids or
+// padding): then a row's reachable keys are exactly its visible ones, and the per-key loops need
+// no visibility test.
+inline bool spans_exact(const RelAttentionParams& p) {
+  return p.attn_mask == nullptr && p.q_segment_ids == nullptr && p.key_padding_mask == nullptr;
+}
+
 // Attention dropout of row (b, h, i) (common/dropout.h): factor(j) is keep_scale for a kept key,
 // 0 for a dropped one, 1 when dropout is off.
 template <typename acc_t>
@@ -234,9 +241,7 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
   T* out = static_cast<T*>(p.out);
   acc_t* lse = static_cast<acc_t*>(p.lse);
   const int64_t rows = num_buckets(p.max_distance), group = p.heads / p.kv_heads, D = p.dim;
-  // With only the causal limit and the window hiding keys, a row's reachable keys are exactly its
-  // visible ones, and its loops need no test per key.
-  const bool spans_exact = p.attn_mask == nullptr && p.q_segment_ids == nullptr && p.key_padding_mask == nullptr;
+  const bool exact = spans_exact(p);
   // A block's rows reach at most k_len + kFwdRows - 1 buckets (max_distance may be huge when
   // there are no tables). Per block: the rows interleaved; the scores row by row; the
   // probabilities and the probability mass per bucket, interleaved; q . rel_k row by row; the
@@ -283,12 +288,12 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
       const int64_t i = i0 + r;
       acc_t* s = sblk.data() + r * p.k_len;
       const acc_t* qe = qeblk.data() + r * nu;  // qe[bucket - u_lo]
-      const KeySpan vis = spans_exact ? reachable_keys(p, i, i) : KeySpan{jb, je};
+      const KeySpan vis = exact ? reachable_keys(p, i, i) : KeySpan{jb, je};
       std::fill(s + jb, s + vis.begin, kNegInf);
       std::fill(s + vis.end, s + je, kNegInf);
       acc_t mr = kNegInf;
       for (int64_t j = vis.begin; j < vis.end; ++j) {
-        if (!spans_exact && !key_visible(p, b, h, i, j)) {
+        if (!exact && !key_visible(p, b, h, i, j)) {
           s[j] = kNegInf;
           continue;
         }
@@ -375,7 +380,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
   const T* rel_bias = static_cast<const T*>(p.rel_bias);
   const int64_t rows = num_buckets(p.max_distance), group = p.heads / p.kv_heads, D = p.dim;
   const acc_t scale = static_cast<acc_t>(p.scale);
-  const bool spans_exact = p.attn_mask == nullptr && p.q_segment_ids == nullptr && p.key_padding_mask == nullptr;
+  const bool exact = spans_exact(p);
   const int64_t L = p.k_len, reach = std::min(rows, L + kBwdRows - 1);  // buckets of a block, at most
   std::vector<acc_t> dk_acc(L * D), dv_acc(L * D), kt, vt, ekt, evt;
   // the key-side table: k_j . rel_q at the clamped buckets, and the dS mass each key sends there
@@ -435,7 +440,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
           acc_t* dsr = dsblk.data() + r * L;
           const acc_t li = lse[row];
           // no visible key (every p_ij is 0), or keys the causal limit or the window hide
-          const KeySpan vis = std::isinf(li) ? KeySpan{jb, jb} : spans_exact ? reachable_keys(p, i, i) : KeySpan{jb, je};
+          const KeySpan vis = std::isinf(li) ? KeySpan{jb, jb} : exact ? reachable_keys(p, i, i) : KeySpan{jb, je};
           for (const KeySpan hidden : {KeySpan{jb, vis.begin}, KeySpan{vis.end, je}}) {
             std::fill(pr + hidden.begin, pr + hidden.end, acc_t(0));
             std::fill(dsr + hidden.begin, dsr + hidden.end, acc_t(0));
@@ -450,7 +455,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
           const acc_t* dprow = dpblk.data() + r * L;
           const RowDropout<acc_t> drop(p, b, h, i);
           for (int64_t j = vis.begin; j < vis.end; ++j) {
-            if (!spans_exact && !key_visible(p, b, h, i, j)) {
+            if (!exact && !key_visible(p, b, h, i, j)) {
               pr[j] = dsr[j] = acc_t(0);
               continue;
             }
