@@ -39,7 +39,9 @@ pybind11::dict build_info() {
   info["version"] = RELPOS_VERSION;
   info["torch_version"] = RELPOS_TORCH_VERSION;
   info["cpu_kernels"] = split_csv(RELPOS_CPU_ISAS);
-  info["cpu_kernel_in_use"] = relpos::cpu::isa_name(relpos::cpu::selected_isa());
+  const relpos::cpu::Isa isa = relpos::cpu::selected_isa();
+  info["cpu_kernel_in_use"] = relpos::cpu::isa_name(isa);
+  info["cpu_float64_attention"] = relpos::cpu::float64_attention_kernel(isa);
 #if defined(RELPOS_WITH_CUDA)
   info["cuda_archs"] = split_csv(RELPOS_CUDA_ARCHS);
 #else
@@ -54,7 +56,8 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "relpos_ext compiled core: registers torch.ops.relpos.* on import";
   m.def("build_info", &build_info,
         "Version, torch version built against, CPU kernel paths compiled in, the CPU path the "
-        "dispatcher would pick now, and CUDA architectures (None when CUDA was not built).");
+        "dispatcher would pick now (and the one float64 attention would take), and CUDA "
+        "architectures (None when CUDA was not built).");
   m.def("_fma_peak_gflops", &relpos::cpu::fma_peak_gflops, pybind11::arg("threads"),
         pybind11::arg("seconds") = 0.5,
         pybind11::call_guard<pybind11::gil_scoped_release>(),

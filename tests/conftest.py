@@ -82,6 +82,10 @@ def backend(request, monkeypatch) -> Backend:
         if not _avx2_available():
             pytest.skip("AVX2 kernels not built (non-x86 build)")
         monkeypatch.setenv("RELPOS_CPU_ISA", "avx2")
+        params = getattr(request.node, "callspec", None)
+        if (params is not None and params.params.get("dtype") == torch.float64
+                and relpos_ext.build_info()["cpu_float64_attention"] != "avx2"):
+            pytest.skip("no AVX2 build of the float64 attention kernels (GCC builds only)")
         return Backend(name, "cpu", "relpos")
     if name == "cpu-avx512":
         skip_unless_avx512(monkeypatch)
@@ -101,16 +105,20 @@ def backend(request, monkeypatch) -> Backend:
 def pytest_collection_modifyitems(config, items):
     # Everything parametrised with the cuda-emu backend runs the emulator: mark it so that
     # `pytest -m emu` (the AddressSanitizer step) selects exactly those tests. float64 on the
-    # cpu-avx2 backend would run the scalar kernel again (AVX2 has no float64 path): deselect;
-    # so is cpu-avx512 outside the tests of the ops it has kernels for (the attention tests and
-    # the rel_logits ones), where it would run the AVX2 kernels again.
+    # vector backends would run the scalar kernels again (the vector kernels have no float64
+    # path): deselect, except on cpu-avx2 in the attention tests, where float64 runs the AVX2/FMA
+    # build of the scalar attention kernels (rel_attention_f64.cpp); cpu-avx512 runs that build
+    # too. cpu-avx512 is deselected as well outside the tests of the ops it has kernels for (the
+    # attention tests and the rel_logits ones), where it would run the AVX2 kernels again.
     keep, dropped = [], []
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        vector = params.get("backend") in ("cpu-avx2", "cpu-avx512")
-        avx512_op = item.path.name == "test_attention.py" or "rel_logits" in item.name
-        if (vector and params.get("dtype") == torch.float64) or (
-                params.get("backend") == "cpu-avx512" and not avx512_op):
+        backend = params.get("backend")
+        attention = item.path.name == "test_attention.py"
+        avx512_op = attention or "rel_logits" in item.name
+        f64 = params.get("dtype") == torch.float64
+        if (f64 and backend == "cpu-avx512") or (f64 and backend == "cpu-avx2" and not attention) or (
+                backend == "cpu-avx512" and not avx512_op):
             dropped.append(item)
             continue
         if params.get("backend") == "cuda-emu":

@@ -997,11 +997,16 @@ def test_rel_attention_backward_under_deterministic_algorithms(backend, tables):
         torch.testing.assert_close(g.cpu(), w.cpu(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("isa", ["scalar", "auto"])
 @pytest.mark.parametrize("bias", [False, True, "rel_q"])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.4])
-def test_gradcheck_rel_attention(dropout_p, bias):
+def test_gradcheck_rel_attention(dropout_p, bias, isa, monkeypatch):
     """gradcheck through the autograd wrapper; with dropout a fixed seed, so every call of the
-    function draws the same mask. bias="rel_q": a bias and a key-side table."""
+    function draws the same mask. bias="rel_q": a bias and a key-side table. isa="auto": the
+    default path, where float64 runs the AVX2/FMA build of the scalar kernels if there is one."""
+    monkeypatch.setenv("RELPOS_CPU_ISA", isa)
+    if isa == "auto" and relpos_ext.build_info()["cpu_float64_attention"] == "scalar":
+        pytest.skip("float64 attention runs the scalar kernels on every path of this build")
     seed = torch.tensor([77], dtype=torch.int64)
     for name in ("basic", "causal", "padding", "gqa", "fully_masked_rows", "only_rel_v"):
         tensors, kw = make_inputs(CASES[name], torch.float64, requires_grad=True)

@@ -68,6 +68,17 @@ def test_build_info():
     assert info["cuda_archs"] is None or all(a.isdigit() for a in info["cuda_archs"])
 
 
+def test_build_info_float64_attention(monkeypatch):
+    """float64 attention runs the scalar kernels on the scalar path, and on a vector path either
+    their AVX2/FMA build (GCC builds for x86) or the scalar ones again."""
+    info = relpos_ext.build_info()
+    assert info["cpu_float64_attention"] in ("scalar", "avx2")
+    if info["cpu_float64_attention"] == "avx2":
+        assert "avx2" in info["cpu_kernels"] and info["cpu_kernel_in_use"] != "scalar"
+    monkeypatch.setenv("RELPOS_CPU_ISA", "scalar")
+    assert relpos_ext.build_info()["cpu_float64_attention"] == "scalar"
+
+
 def test_fma_peak(monkeypatch):
     """The benchmarks' roofline peak: a plausible rate where the AVX2 (or AVX-512) kernels run,
     None where they cannot (forced scalar path)."""

@@ -1,5 +1,7 @@
 #include "cpu/isa.h"
 
+#include "cpu/kernels.h"
+
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
@@ -56,6 +58,14 @@ const char* isa_name(Isa isa) {
     case Isa::Avx2: return "avx2";
     case Isa::Scalar: break;
   }
+  return "scalar";
+}
+
+const char* float64_attention_kernel(Isa isa) {
+#if defined(RELPOS_HAVE_F64_AVX2)
+  if (isa != Isa::Scalar) return "avx2";
+#endif
+  (void)isa;
   return "scalar";
 }
 

@@ -16,6 +16,10 @@ enum class Isa { Scalar, Avx2, Avx512 };
 Isa selected_isa();
 const char* isa_name(Isa isa);
 
+// The kernel float64 rel_attention runs on for `isa`: "avx2" where the scalar kernels were also
+// compiled with AVX2/FMA (rel_attention_f64.cpp) and `isa` is a vector path, else "scalar".
+const char* float64_attention_kernel(Isa isa);
+
 // The float32 FMA rate of `threads` cores each running independent FMAs of the selected path's
 // width (8 lanes, or 16 on the AVX-512 path) for about `seconds`, in GFLOP/s (2 FLOP per FMA
 // lane): this machine's ceiling for the selected kernels, the benchmarks' roofline

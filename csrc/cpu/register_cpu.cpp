@@ -38,6 +38,11 @@ at::ScalarType scalar_type_of(DType d) {
 #else
 #define RELPOS_AVX512_FN(name) nullptr
 #endif
+#if defined(RELPOS_HAVE_F64_AVX2)
+#define RELPOS_F64_AVX2_FN(name) &f64_avx2::name
+#else
+#define RELPOS_F64_AVX2_FN(name) nullptr
+#endif
 
 template <typename Params>
 DType params_dtype(const Params& p) { return p.dtype; }
@@ -47,17 +52,23 @@ template <typename Params>
 using VectorFn = void (*)(const Params&, int64_t, int64_t);
 
 // Runs `avx2_fn` (float32/float16/bfloat16 on the AVX2 path; on the AVX-512 path `avx512_fn`
-// where the op has one, else `avx2_fn`) or the scalar template over [0, items) in parallel.
-// `grain` is the number of items worth a task.
+// where the op has one, else `avx2_fn`), `f64_fn` (float64 on either path, where the op has
+// one) or the scalar template over [0, items) in parallel. `grain` is the number of items worth
+// a task.
 template <typename Params, typename ScalarFn>
 void run(const Params& p, int64_t items, int64_t grain,
          std::type_identity_t<VectorFn<Params>> avx2_fn, ScalarFn scalar_fn,
-         std::type_identity_t<VectorFn<Params>> avx512_fn = nullptr) {
+         std::type_identity_t<VectorFn<Params>> avx512_fn = nullptr,
+         std::type_identity_t<VectorFn<Params>> f64_fn = nullptr) {
   if (items <= 0) return;
   const Isa isa = selected_isa();  // validates RELPOS_CPU_ISA on every call
-  if (avx2_fn != nullptr && params_dtype(p) != DType::Float64 && isa != Isa::Scalar) {
-    const VectorFn<Params> fn = isa == Isa::Avx512 && avx512_fn != nullptr ? avx512_fn : avx2_fn;
-    at::parallel_for(0, items, grain, [&](int64_t b, int64_t e) { fn(p, b, e); });
+  const bool f64 = params_dtype(p) == DType::Float64;
+  const VectorFn<Params> vector_fn = isa == Isa::Scalar ? nullptr
+                                     : f64                ? f64_fn
+                                     : isa == Isa::Avx512 && avx512_fn != nullptr ? avx512_fn
+                                                                                   : avx2_fn;
+  if (vector_fn != nullptr) {
+    at::parallel_for(0, items, grain, [&](int64_t b, int64_t e) { vector_fn(p, b, e); });
     return;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scalar_type_of(params_dtype(p)), "relpos_cpu",
@@ -139,7 +150,8 @@ struct CpuBackend {
     run(p, p.batch * p.heads * p.q_len, grain_for(p.k_len * p.dim * 4), nullptr,
         []<typename T>(const RelAttentionParams& pp, int64_t b, int64_t e) {
           scalar::rel_attention<T>(pp, b, e);
-        });
+        },
+        nullptr, RELPOS_F64_AVX2_FN(rel_attention));
   }
   static void rel_attention_backward(const RelAttentionBwdParams& p) {
 #if defined(RELPOS_HAVE_AVX2)
@@ -152,7 +164,8 @@ struct CpuBackend {
     run(p, p.fwd.batch * p.fwd.kv_heads, 1, nullptr,
         []<typename T>(const RelAttentionBwdParams& pp, int64_t b, int64_t e) {
           scalar::rel_attention_backward<T>(pp, b, e);
-        });
+        },
+        nullptr, RELPOS_F64_AVX2_FN(rel_attention_backward));
   }
 
 #if defined(RELPOS_HAVE_AVX2)

@@ -27,7 +27,13 @@
 #include "common/params.h"
 #include "common/relpos_index.h"
 
-namespace relpos::cpu::scalar {
+// The namespace of these kernels: scalar, or (rel_attention_f64.cpp) the namespace of a copy
+// compiled for AVX2/FMA.
+#ifndef RELPOS_SCALAR_ATTENTION_NS
+#define RELPOS_SCALAR_ATTENTION_NS scalar
+#endif
+
+namespace relpos::cpu::RELPOS_SCALAR_ATTENTION_NS {
 
 // Keys visible from query row i of head h: causal positions, the padding and attention masks,
 // the segments, the window.
@@ -542,4 +548,4 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, int64_t begin, int6
   }
 }
 
-}  // namespace relpos::cpu::scalar
+}  // namespace relpos::cpu::RELPOS_SCALAR_ATTENTION_NS

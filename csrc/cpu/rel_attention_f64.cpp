@@ -1,0 +1,49 @@
+// The scalar fused attention kernels (rel_attention_scalar.h) compiled a second time for float64
+// with AVX2 and FMA, for x86 CPUs that have them: float64 has no kernel in *_avx2.cpp, and with
+// the baseline x86-64 flags its matmul loops get 2-lane SSE2 vectors and no fused multiply-add.
+// Here they get 4-lane vectors and FMA. The same loops, so the same sums in the same order,
+// except that a multiply and an add may now be one FMA (one rounding instead of two).
+//
+// Not an *_avx2.cpp file: those are compiled with -mavx2 and must not include torch headers or
+// instantiate std templates, as an inline function or template instance compiled with AVX2 is a
+// weak symbol the linker may pick for the scalar path too (cmake/check_no_weak_symbols.cmake).
+// This file is compiled with the baseline flags, and only the functions defined between the
+// target pragmas below - the attention kernels, in their own namespace f64_avx2 - get AVX2 code.
+// Everything they call from other headers (std::, at::, relpos_index.h) is defined before the
+// pragmas and so keeps its baseline code; GCC may inline it into the AVX2 functions. GCC only
+// (RELPOS_HAVE_F64_AVX2, kernels.h); other compilers run float64 on the scalar kernels.
+#include "cpu/kernels.h"
+
+#if defined(RELPOS_HAVE_F64_AVX2)
+
+#include <ATen/OpMathType.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "common/dropout.h"
+#include "common/params.h"
+#include "common/relpos_index.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#define RELPOS_SCALAR_ATTENTION_NS f64_avx2_kernels
+#include "cpu/rel_attention_scalar.h"
+#undef RELPOS_SCALAR_ATTENTION_NS
+
+namespace relpos::cpu::f64_avx2 {
+
+void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
+  f64_avx2_kernels::rel_attention<double>(p, begin, end);
+}
+
+void rel_attention_backward(const RelAttentionBwdParams& p, int64_t begin, int64_t end) {
+  f64_avx2_kernels::rel_attention_backward<double>(p, begin, end);
+}
+
+}  // namespace relpos::cpu::f64_avx2
+#pragma GCC pop_options
+
+#endif  // RELPOS_HAVE_F64_AVX2
