@@ -7,13 +7,26 @@
 #include <cstdlib>
 #include <string>
 
+#if defined(RELPOS_HAVE_AVX2) && (defined(__x86_64__) || defined(_M_X64))
+#include <cpuid.h>
+#endif
+
 namespace relpos::cpu {
 namespace {
+
+#if defined(RELPOS_HAVE_AVX2) && (defined(__x86_64__) || defined(_M_X64))
+// F16C from CPUID leaf 1 (ECX bit 29): clang before 16 rejects __builtin_cpu_supports("f16c").
+// It uses the AVX register state, which __builtin_cpu_supports("avx2") has checked the OS saves.
+bool cpu_has_f16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+#endif
 
 bool cpu_has_avx2() {
 #if defined(RELPOS_HAVE_AVX2) && (defined(__x86_64__) || defined(_M_X64))
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c");
+                          cpu_has_f16c();
   return has;
 #else
   return false;
