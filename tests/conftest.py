@@ -85,7 +85,7 @@ def backend(request, monkeypatch) -> Backend:
         params = getattr(request.node, "callspec", None)
         if (params is not None and params.params.get("dtype") == torch.float64
                 and relpos_ext.build_info()["cpu_float64_attention"] != "avx2"):
-            pytest.skip("no AVX2 build of the float64 attention kernels (GCC builds only)")
+            pytest.skip("no AVX2 build of the float64 attention kernels (GCC and clang builds for x86 only)")
         return Backend(name, "cpu", "relpos")
     if name == "cpu-avx512":
         skip_unless_avx512(monkeypatch)

@@ -70,7 +70,7 @@ def test_build_info():
 
 def test_build_info_float64_attention(monkeypatch):
     """float64 attention runs the scalar kernels on the scalar path, and on a vector path either
-    their AVX2/FMA build (GCC builds for x86) or the scalar ones again."""
+    their AVX2/FMA build (GCC and clang builds for x86) or the scalar ones again."""
     info = relpos_ext.build_info()
     assert info["cpu_float64_attention"] in ("scalar", "avx2")
     if info["cpu_float64_attention"] == "avx2":

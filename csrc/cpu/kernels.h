@@ -150,8 +150,8 @@ float fma_spin(int64_t iters);
 #undef RELPOS_ATTENTION_KERNELS
 
 // The scalar fused attention kernels for float64 compiled with AVX2 and FMA (rel_attention_f64.cpp;
-// GCC's target pragmas), run on CPUs that have the AVX2 path; work items as in scalar::.
-#if defined(RELPOS_HAVE_AVX2) && defined(__GNUC__) && !defined(__clang__)
+// GCC's or clang's target pragmas), run on CPUs that have the AVX2 path; work items as in scalar::.
+#if defined(RELPOS_HAVE_AVX2) && defined(__GNUC__)
 #define RELPOS_HAVE_F64_AVX2 1
 namespace f64_avx2 {
 void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end);

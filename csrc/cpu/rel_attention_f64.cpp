@@ -8,10 +8,13 @@
 // instantiate std templates, as an inline function or template instance compiled with AVX2 is a
 // weak symbol the linker may pick for the scalar path too (cmake/check_no_weak_symbols.cmake).
 // This file is compiled with the baseline flags, and only the functions defined between the
-// target pragmas below - the attention kernels, in their own namespace f64_avx2 - get AVX2 code.
-// Everything they call from other headers (std::, at::, relpos_index.h) is defined before the
-// pragmas and so keeps its baseline code; GCC may inline it into the AVX2 functions. GCC only
-// (RELPOS_HAVE_F64_AVX2, kernels.h); other compilers run float64 on the scalar kernels.
+// target pragmas below - the attention kernels, in their own namespace - get AVX2 code.
+// Everything they call from other headers (std::, at::, relpos_index.h) is included before the
+// pragmas and so keeps its baseline code; the compiler may inline it into the AVX2 functions.
+// So every header rel_attention_scalar.h includes must be included here first. The build checks
+// it: this file is an object of its own, built without LTO, and cmake/check_isa_confined.py fails
+// the build if its machine code has AVX instructions outside the f64_avx2 namespaces.
+// GCC and clang (RELPOS_HAVE_F64_AVX2, kernels.h).
 #include "cpu/kernels.h"
 
 #if defined(RELPOS_HAVE_F64_AVX2)
@@ -27,8 +30,12 @@
 #include "common/params.h"
 #include "common/relpos_index.h"
 
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+#endif
 #define RELPOS_SCALAR_ATTENTION_NS f64_avx2_kernels
 #include "cpu/rel_attention_scalar.h"
 #undef RELPOS_SCALAR_ATTENTION_NS
@@ -44,6 +51,10 @@ void rel_attention_backward(const RelAttentionBwdParams& p, int64_t begin, int64
 }
 
 }  // namespace relpos::cpu::f64_avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
 #endif  // RELPOS_HAVE_F64_AVX2

@@ -28,7 +28,8 @@
 #include "common/relpos_index.h"
 
 // The namespace of these kernels: scalar, or (rel_attention_f64.cpp) the namespace of a copy
-// compiled for AVX2/FMA.
+// compiled for AVX2/FMA by target pragmas. That file must include every header included above
+// before its pragmas (cmake/check_isa_confined.py fails the build otherwise).
 #ifndef RELPOS_SCALAR_ATTENTION_NS
 #define RELPOS_SCALAR_ATTENTION_NS scalar
 #endif

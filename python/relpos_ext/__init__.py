@@ -49,7 +49,7 @@ def build_info() -> dict[str, Any]:
     ``cpu_kernels`` (paths compiled in, e.g. ``["scalar", "avx2"]``), ``cpu_kernel_in_use`` (the
     path the dispatcher picks now, honouring ``RELPOS_CPU_ISA``), ``cpu_float64_attention`` (the
     kernel float64 ``rel_attention`` runs on now: ``"avx2"``, the scalar kernels compiled with
-    AVX2 and FMA, on the vector paths of GCC builds for x86; else ``"scalar"``) and
+    AVX2 and FMA, on the vector paths of GCC and clang builds for x86; else ``"scalar"``) and
     ``cuda_archs`` (e.g. ``["80", "90"]``, or ``None`` when the CUDA kernels were not built).
     """
     return dict(_C.build_info())
