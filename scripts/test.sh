@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite from a clean clone: set up (scripts/setup.sh), build the CUDA emulator
-# library, run pytest on every backend, then rerun the emulator tests under AddressSanitizer.
+# library, run pytest on every backend, rerun the CPU tests on a build without OpenMP
+# (scripts/test_no_openmp.sh), then rerun the emulator tests under AddressSanitizer.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -18,6 +19,9 @@ echo "== pytest (cpu-scalar, cpu-avx2, cuda-emu; cuda where a GPU exists)"
 export RELPOS_REQUIRE_CUDA_EMU=1
 export RELPOS_REQUIRE_TRANSFORMERS=1  # installed above: its tests must not skip
 python -m pytest tests -q -p no:cacheprovider -ra
+
+echo "== CPU tests on a build without OpenMP (scripts/test_no_openmp.sh)"
+bash scripts/test_no_openmp.sh
 
 echo "== emulator tests under AddressSanitizer"
 bash scripts/test_asan.sh

@@ -912,10 +912,14 @@ THREAD_SHAPES = [(2, 4, 2, 300, 260, 32, 40), (1, 8, 2, 5, 8200, 64, 8195),
 
 @pytest.mark.parametrize("bias", [False, True, "rel_q"])
 @pytest.mark.parametrize("shape", THREAD_SHAPES, ids=["tiles", "decode_split", "bwd_runs"])
-def test_rel_attention_cpu_results_do_not_depend_on_threads(shape, bias):
+def test_rel_attention_cpu_results_do_not_depend_on_threads(monkeypatch, shape, bias):
     """The CPU kernels hand work chunks to whichever thread is free: the outputs and gradients
     must still be bitwise the same for any thread count (each item writes its own rows, and
-    any split of the keys is chosen from the shapes alone), a bias's gradient included."""
+    any split of the keys is chosen from the shapes alone), a bias's gradient included, and on
+    each source of threads (csrc/cpu/parallel.h, test_threads.py)."""
+    from relpos_ext import _C
+
+    sources = ["aten", "std"] + (["gomp"] if _C._gomp_available() else [])
     b, h, hk, lq, lk, d, qo = shape
     g = torch.Generator().manual_seed(3)
     q = torch.randn(b, h, lq, d, generator=g)
@@ -930,11 +934,13 @@ def test_rel_attention_cpu_results_do_not_depend_on_threads(shape, bias):
     results = []
     before = torch.get_num_threads()
     try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            out, lse = torch.ops.relpos.rel_attention(*args)
-            grads = torch.ops.relpos.rel_attention_backward(go, *args[:5], out, lse, *args[5:])
-            results.append((out, lse, *grads))
+        for source in sources:
+            monkeypatch.setenv("RELPOS_CPU_THREADS", source)
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                out, lse = torch.ops.relpos.rel_attention(*args)
+                grads = torch.ops.relpos.rel_attention_backward(go, *args[:5], out, lse, *args[5:])
+                results.append((out, lse, *grads))
     finally:
         torch.set_num_threads(before)
     for other in results[1:]:

@@ -1,6 +1,6 @@
 // CPU kernels: one function per op and ISA, each computing a range [begin, end) of independent
-// work items so the caller can split them with at::parallel_for (the AVX2 attention kernels take
-// theirs from a WorkQueue). The work items:
+// work items so the caller can split them with parallel_for (parallel.h; the AVX2 attention
+// kernels take theirs from a WorkQueue). The work items:
 //   rel_gather            rows (h, i)            of heads * q_len
 //   rel_gather_backward   (h, 16-wide d block)   of heads * ceil(dim / 16)   (deterministic)
 //   skew, skew_backward   rows (n, i)            of batch * q_len

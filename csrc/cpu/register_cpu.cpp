@@ -1,5 +1,6 @@
 // CPU backend of the relpos ops: picks the kernel path (cpu/isa.h) and splits the work items
-// over threads with at::parallel_for; the op bodies are shared with CUDA (common/ops_impl.h).
+// over threads with parallel_for (cpu/parallel.h: at::parallel_for, or std::threads in builds
+// without OpenMP); the op bodies are shared with CUDA (common/ops_impl.h).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -13,6 +14,7 @@
 #include "cpu/isa.h"
 #include "cpu/kernels.h"
 #include "cpu/kernels_scalar.h"
+#include "cpu/parallel.h"
 #include "cpu/rel_attention_scalar.h"
 
 namespace relpos::cpu {
@@ -68,12 +70,12 @@ void run(const Params& p, int64_t items, int64_t grain,
                                      : isa == Isa::Avx512 && avx512_fn != nullptr ? avx512_fn
                                                                                    : avx2_fn;
   if (vector_fn != nullptr) {
-    at::parallel_for(0, items, grain, [&](int64_t b, int64_t e) { vector_fn(p, b, e); });
+    parallel_for(0, items, grain, [&](int64_t b, int64_t e) { vector_fn(p, b, e); });
     return;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scalar_type_of(params_dtype(p)), "relpos_cpu",
                                   [&] {
-                                    at::parallel_for(0, items, grain, [&](int64_t b, int64_t e) {
+                                    parallel_for(0, items, grain, [&](int64_t b, int64_t e) {
                                       scalar_fn.template operator()<scalar_t>(p, b, e);
                                     });
                                   });
@@ -87,11 +89,11 @@ void run_queue(int64_t items, int64_t chunk, const Fn& fn) {
   if (items <= 0) return;
   WorkQueue work(items, chunk);
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), work.chunks());
-  if (workers <= 1 || at::in_parallel_region()) {
+  if (workers <= 1 || in_parallel_region()) {
     fn(work);
     return;
   }
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { fn(work); });  // each drains the queue
+  parallel_for(0, workers, 1, [&](int64_t, int64_t) { fn(work); });  // each drains the queue
 }
 
 // Roughly 32k elements of output per task, at least one item.
@@ -210,7 +212,7 @@ struct CpuBackend {
     t.k_tiles = (p.k_len + kAttentionTileK - 1) / kAttentionTileK;
     storage = at::empty({t.slabs * t.q_tiles * t.k_tiles}, at::TensorOptions().dtype(at::kByte));
     t.cls = storage.data_ptr<uint8_t>();
-    at::parallel_for(0, t.slabs * t.q_tiles, 1, [&](int64_t b, int64_t e) {
+    parallel_for(0, t.slabs * t.q_tiles, 1, [&](int64_t b, int64_t e) {
       kern.mask_tiles(p, t, b, e);
     });
     return t;
@@ -251,7 +253,7 @@ struct CpuBackend {
     const int64_t chunk = std::max<int64_t>(1, items / (8 * at::get_num_threads()));
     run_queue(items, chunk, [&](WorkQueue& work) { kern.fwd(p, split, work); });
     if (split.chunks > 1) {
-      at::parallel_for(0, p.batch * p.heads, 1, [&](int64_t b, int64_t e) {
+      parallel_for(0, p.batch * p.heads, 1, [&](int64_t b, int64_t e) {
         kern.combine(p, split, b, e);
       });
     }
@@ -304,7 +306,7 @@ struct CpuBackend {
     split.mask_tiles = mask_tiles(f, kern, tile_classes);
     run_queue(units * split.chunks, 1, [&](WorkQueue& work) { kern.bwd(p, split, work); });
     if (split.chunks > 1) {
-      at::parallel_for(0, f.batch * f.heads, 1, [&](int64_t b, int64_t e) {
+      parallel_for(0, f.batch * f.heads, 1, [&](int64_t b, int64_t e) {
         kern.reduce(p, split, b, e);
       });
     }

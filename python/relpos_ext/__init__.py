@@ -49,8 +49,12 @@ def build_info() -> dict[str, Any]:
     ``cpu_kernels`` (paths compiled in, e.g. ``["scalar", "avx2"]``), ``cpu_kernel_in_use`` (the
     path the dispatcher picks now, honouring ``RELPOS_CPU_ISA``), ``cpu_float64_attention`` (the
     kernel float64 ``rel_attention`` runs on now: ``"avx2"``, the scalar kernels compiled with
-    AVX2 and FMA, on the vector paths of GCC and clang builds for x86; else ``"scalar"``) and
-    ``cuda_archs`` (e.g. ``["80", "90"]``, or ``None`` when the CUDA kernels were not built).
+    AVX2 and FMA, on the vector paths of GCC and clang builds for x86; else ``"scalar"``),
+    ``cpu_threads`` (where the CPU kernels' threads come from now, honouring
+    ``RELPOS_CPU_THREADS``: ``"aten"``, at::parallel_for on torch's OpenMP threads in builds
+    compiled with OpenMP; ``"gomp"``, the same threads reached at run time in builds without it;
+    ``"std"``, a std::thread per chunk) and ``cuda_archs`` (e.g. ``["80", "90"]``, or ``None``
+    when the CUDA kernels were not built).
     """
     return dict(_C.build_info())
 
