@@ -1,6 +1,7 @@
 // CPU backend of the relpos ops: picks the kernel path (cpu/isa.h) and splits the work items
-// over threads with parallel_for (cpu/parallel.h: at::parallel_for, or std::threads in builds
-// without OpenMP); the op bodies are shared with CUDA (common/ops_impl.h).
+// over threads with parallel_for (cpu/parallel.h: at::parallel_for, or in builds without OpenMP
+// torch's OpenMP runtime reached at run time, or std::threads); the op bodies are shared with
+// CUDA (common/ops_impl.h).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
