@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite from a clean clone: set up (scripts/setup.sh), build the CUDA emulator
 # library, run pytest on every backend, rerun the CPU tests on a build without OpenMP
-# (scripts/test_no_openmp.sh), then rerun the emulator tests under AddressSanitizer.
+# (scripts/test_no_openmp.sh) and against a CPU-only torch (scripts/test_cpu_torch.sh), then
+# rerun the emulator tests under AddressSanitizer.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -22,6 +23,9 @@ python -m pytest tests -q -p no:cacheprovider -ra
 
 echo "== CPU tests on a build without OpenMP (scripts/test_no_openmp.sh)"
 bash scripts/test_no_openmp.sh
+
+echo "== the tests against a CPU-only torch, in a venv of their own (scripts/test_cpu_torch.sh)"
+bash scripts/test_cpu_torch.sh
 
 echo "== emulator tests under AddressSanitizer"
 bash scripts/test_asan.sh
