@@ -10,6 +10,9 @@
 #
 # RELPOS_REQUIRE_CUDA=1 makes the build fail unless the CUDA kernels compile (CI sets it when
 # nvcc is present); RELPOS_REQUIRE_CUDA=0 never requires them. Default: required iff nvcc exists.
+# RELPOS_TORCH installs another torch version, and RELPOS_BUILD_NAME=NAME builds in
+# build/NAME-<wheel tag> with the log in build/pip-install-NAME.log, so that a second venv
+# (scripts/test_cpu_torch.sh) leaves the main build as it is.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -25,7 +28,7 @@ fi
 
 echo "== installing torch and build/test tools"
 pip install -q --upgrade pip
-pip install -q "torch==2.14.1"
+pip install -q "torch==${RELPOS_TORCH:-2.14.1}"
 pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "ninja>=1.10" "cmake>=4.0" \
   "pytest>=8" numpy expecttest hypothesis matplotlib
 
@@ -40,13 +43,17 @@ fi
 cuda_flag=OFF
 [ "$require" = 1 ] && cuda_flag=ON
 
+name=${RELPOS_BUILD_NAME:-}
+log=build/pip-install${name:+-$name}.log
+build_dir=()
+[ -n "$name" ] && build_dir=("-Cbuild-dir=build/$name-{wheel_tag}")
 echo "== building relpos_ext (pip install --no-build-isolation .; RELPOS_REQUIRE_CUDA=$cuda_flag)"
 mkdir -p build
 if ! pip install --no-build-isolation -v . -Ccmake.define.RELPOS_REQUIRE_CUDA=$cuda_flag \
-    > build/pip-install.log 2>&1; then
-  tail -n 80 build/pip-install.log
-  echo "== build failed; full log: build/pip-install.log" >&2
+    "${build_dir[@]}" > "$log" 2>&1; then
+  tail -n 80 "$log"
+  echo "== build failed; full log: $log" >&2
   exit 1
 fi
-grep -E "relpos_ext:" build/pip-install.log | sed 's/^ *//'
+grep -E "relpos_ext:" "$log" | sed 's/^ *//'
 python -c "import relpos_ext; print('== installed relpos_ext', relpos_ext.build_info())"
