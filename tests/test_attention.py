@@ -688,13 +688,15 @@ LOW_PRECISION_CASES = ["padding", "gqa", "D200_gqa4", "tiles_causal_padding", "t
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("name", LOW_PRECISION_CASES + ["long0", "long1", "long2"])
-def test_rel_attention_low_precision_rounds_float32_once(backend, dtype, name):
+def test_rel_attention_low_precision_rounds_float32_once(backend, dtype, name, monkeypatch):
     """float16/bfloat16 run the float32 arithmetic: the outputs, the log-sum-exp and all five
     gradients equal, bitwise, those of the float32 kernel on the same (rounded) inputs, rounded
     once to the dtype. The backward is handed the rounded `out` in both runs, as it reads D_i =
     dO_i . O_i from it (FlashAttention does the same; against a float64 reference this rounding
-    dominates gradients that cancel, such as a K = 0 table's)."""
+    dominates gradients that cancel, such as a K = 0 table's). The AVX-512 forward's bfloat16
+    dot products (test_rel_attention_bf16_dot) are switched off here."""
     _attention_backend(backend)
+    monkeypatch.setenv("RELPOS_CPU_BF16_DOT", "0")
     case = CASES[name] if name in CASES else random_long_case(100 + int(name[4:]), 4_000_000)
     tensors, kw = make_inputs(case, dtype)
     out, lse = _call(backend, tensors, kw)
@@ -948,6 +950,55 @@ def test_rel_attention_cpu_results_do_not_depend_on_threads(monkeypatch, shape, 
             assert torch.equal(a, b)
 
 
+BF16_DOT_CASES = ["tiles_causal_padding", "tiles_two_sided", "wide_tiles", "wide_tiles_causal",
+                  "transformer_xl", "tiles_uniform_padding", "bwd_key_runs", "prefill_odd_D"]
+
+
+@pytest.mark.parametrize("name", BF16_DOT_CASES)
+def test_rel_attention_bf16_dot(monkeypatch, name):
+    """On a CPU with AVX512-BF16 the AVX-512 kernels take bfloat16 inputs' big matmuls (forward
+    S = Q K^T and P V; backward S, dP, dV, dK, dQ) by dot products of bfloat16 pairs, P and dS
+    rounded to bfloat16 (cpu/isa.h bf16_dot_enabled). The forward: within the bfloat16 tolerance
+    of the float64 reference (test_rel_attention_forward / _backward check both passes on the
+    cpu-avx512 backend), a log-sum-exp within float32 rounding of the float32 matmuls'
+    (RELPOS_CPU_BF16_DOT=0), outputs that differ from theirs; the backward, handed the same out
+    and lse: gradients that differ too, so the dots ran. An odd head dim keeps the float32
+    matmuls: bitwise their results."""
+    skip_unless_avx512(monkeypatch)
+    if not relpos_ext.build_info()["cpu_bf16_dot"]:
+        pytest.skip("no AVX512-BF16 on this CPU")
+    case = CASES[name]
+    tensors, kw = make_inputs(case, torch.bfloat16)
+    cpu = Backend("cpu", "cpu", "relpos")
+    grad = torch.randn(tensors[0].shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    monkeypatch.setenv("RELPOS_CPU_BF16_DOT", "0")
+    out_f, lse_f = _call(cpu, tensors, kw)
+    grads_f = _call_backward(cpu, grad, tensors, out_f, lse_f, kw)
+    monkeypatch.setenv("RELPOS_CPU_BF16_DOT", "1")
+    out, lse = _call(cpu, tensors, kw)
+    grads = _call_backward(cpu, grad, tensors, out_f, lse_f, kw)
+    if case[5] % 2 == 1:
+        assert torch.equal(out, out_f) and torch.equal(lse, lse_f)
+        assert all(torch.equal(g, w) for g, w in zip(grads, grads_f))
+        return
+    exp_out, _ = ref.shaw_attention(*(_f64(x) for x in tensors), **_kw64(kw), return_lse=True)
+    assert_close(out, exp_out, torch.bfloat16, scale=4)
+    torch.testing.assert_close(lse, lse_f, atol=1e-4, rtol=1e-5)
+    assert not torch.equal(out, out_f)
+    for i in range(3):  # dq, dk, dv
+        assert not torch.equal(grads[i], grads_f[i])
+
+
+def test_rel_attention_bf16_dot_env(monkeypatch):
+    """RELPOS_CPU_BF16_DOT takes 0 or 1 (read at every call, where the AVX-512 path runs)."""
+    skip_unless_avx512(monkeypatch)
+    monkeypatch.setenv("RELPOS_CPU_BF16_DOT", "0")
+    assert relpos_ext.build_info()["cpu_bf16_dot"] is False
+    monkeypatch.setenv("RELPOS_CPU_BF16_DOT", "yes")
+    with pytest.raises(RuntimeError, match="RELPOS_CPU_BF16_DOT must be 0 or 1"):
+        relpos_ext.build_info()
+
+
 # The cases whose tables fit, and one whose last key tile has 24 keys that every row sees in one
 # clamped bucket: the AVX-512 build's one-pass rows take 16 keys at a time, then 8.
 BITWISE_CASES = {**{n: c for n, c in CASES.items() if c[6] < 2**20},
@@ -962,8 +1013,10 @@ def test_rel_attention_avx512_is_bitwise_avx2(monkeypatch, dtype, name):
     FMA chains, and of its one-pass softmax rows (16 keys at a time, the same exponentials, the
     same sums: the AVX2 rows sum even and odd 8-key chunks apart, the halves of a 16-lane sum,
     which ``uniform_tail_24`` ends with an even chunk alone): outputs and all seven gradients must be bitwise those of the
-    AVX2 kernels, here with per-head tables, a bias and a key-side table on every case."""
+    AVX2 kernels, here with per-head tables, a bias and a key-side table on every case. (The
+    bfloat16 dot products of test_rel_attention_bf16_dot are switched off.)"""
     skip_unless_avx512(monkeypatch)
+    monkeypatch.setenv("RELPOS_CPU_BF16_DOT", "0")
     case = BITWISE_CASES[name]
     tensors, kw = make_inputs(case, dtype)
     kw.update(rel_q=random_rel_q(case, True, 4).to(dtype), rel_bias=random_bias(case, True, 4).to(dtype))

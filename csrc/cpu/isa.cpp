@@ -74,6 +74,20 @@ const char* isa_name(Isa isa) {
   return "scalar";
 }
 
+bool bf16_dot_enabled(Isa isa) {
+  if (isa != Isa::Avx512) return false;
+#if defined(RELPOS_HAVE_AVX512) && (defined(__x86_64__) || defined(_M_X64))
+  static const bool has = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+  const char* env = std::getenv("RELPOS_CPU_BF16_DOT");
+  const std::string want = env ? env : "";
+  TORCH_CHECK(want.empty() || want == "0" || want == "1",
+              "RELPOS_CPU_BF16_DOT must be 0 or 1; got '", want, "'");
+  return has && want != "0";
+#else
+  return false;
+#endif
+}
+
 const char* float64_attention_kernel(Isa isa) {
 #if defined(RELPOS_HAVE_F64_AVX2)
   if (isa != Isa::Scalar) return "avx2";

@@ -20,6 +20,13 @@ const char* isa_name(Isa isa);
 // compiled with AVX2/FMA (rel_attention_f64.cpp) and `isa` is a vector path, else "scalar".
 const char* float64_attention_kernel(Isa isa);
 
+// Whether the AVX-512 attention kernels take bfloat16 inputs' big matmuls (forward S = Q K^T and
+// P V, the backward's five) by AVX512-BF16 dot products (AttentionFwdSplit / AttentionBwdSplit
+// ::bf16_dot) on `isa`: the AVX-512 path on a CPU with AVX512-BF16, unless RELPOS_CPU_BF16_DOT=0
+// (read at every call, as RELPOS_CPU_ISA) asks for the float32 matmuls, whose results are bitwise
+// those of the AVX2 path.
+bool bf16_dot_enabled(Isa isa);
+
 // The float32 FMA rate of `threads` cores each running independent FMAs of the selected path's
 // width (8 lanes, or 16 on the AVX-512 path) for about `seconds`, in GFLOP/s (2 FLOP per FMA
 // lane): this machine's ceiling for the selected kernels, the benchmarks' roofline

@@ -65,6 +65,9 @@ struct AttentionFwdSplit {
   float* l = nullptr;      // [chunks, batch, heads, q_len]
   float* acc = nullptr;    // [chunks, batch, heads, q_len, dim]
   AttnMaskTiles mask_tiles;
+  // bfloat16 inputs: S = Q K^T and P V by AVX512-BF16 dot products (the avx512 build only; not
+  // when decoding, with rel_q, or an odd head dim), cpu/isa.h bf16_dot_enabled
+  bool bf16_dot = false;
 };
 
 // How the AVX2 attention backward splits the keys of a (b, kv head) into chunks, so that a batch
@@ -81,6 +84,9 @@ struct AttentionBwdSplit {
   float* drel_bias_partial = nullptr;  // [chunks, batch, heads, 2K+1], or null
   float* drel_q_partial = nullptr;    // [chunks, batch, heads, 2K+1, dim], or null
   AttnMaskTiles mask_tiles;
+  // bfloat16 inputs: the five big matmuls (S, dP, dV, dK, dQ) by AVX512-BF16 dot products, P
+  // and dS rounded to bfloat16 (the avx512 build only; not with rel_q or an odd head dim)
+  bool bf16_dot = false;
 };
 
 // Chunks of `chunk` work items of [0, items), handed out one at a time to whichever thread asks

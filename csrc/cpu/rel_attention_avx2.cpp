@@ -1,5 +1,6 @@
 // AVX2/FMA fused Shaw attention (forward and backward), float32 arithmetic for float32, float16
-// and bfloat16 inputs. Maths: RelAttentionParams in common/params.h.
+// and bfloat16 inputs (but for the AVX-512 build's bfloat16 dot products, "bfloat16 dots"
+// below). Maths: RelAttentionParams in common/params.h.
 //
 // Tiling (flash-attention style): a work item is BQ query rows of one (b, h) in the forward and
 // one (b, kv head) in the backward; keys are visited in tiles of BK with an online softmax, so no
@@ -402,6 +403,143 @@ void gemm_at(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const
              int64_t ldb, float* C, int64_t ldc) {
   gemm_t<true>(M, N, K, A, 1, lda, B, ldb, C, ldc);
 }
+
+// ------------------------------------------------------------------------------ bfloat16 dots
+// bfloat16 inputs on CPUs with AVX512-BF16 (the avx512 build only; AttentionFwdSplit and
+// AttentionBwdSplit::bf16_dot): the big matmuls (forward S = Q K^T and P V; backward S, dP, dV,
+// dK, dQ) take vdpbf16ps, which multiplies pairs of bfloat16 along k exactly and adds them into
+// float32 accumulators, 32 products per instruction where the float32 FMA does 16: twice the
+// float32 rate on Zen 4. Q, K, V and dO are read as they are (bfloat16 already); P and dS are
+// rounded to bfloat16 for the matmuls that take them, as flash-attention does on GPUs (relative
+// error 2^-9 per entry, averaged over the sums). Operands: A row-major with k pairs adjacent (a
+// 32-bit word per pair, broadcast); B packed as [k / 2][N][2], one 32-bit word per (pair,
+// column), so a zmm load is 16 columns x 2 k. An odd k count is padded with a zero. Everything
+// else (bands, softmax, the relative terms' matmuls, the sums per bucket) stays float32.
+#if defined(__AVX512F__)
+constexpr bool kBf16Dot = true;
+#define RELPOS_BF16_TARGET __attribute__((target("avx512bf16")))
+
+// C[:MR, :n] (+)= A[:MR, :2 k2] B: MR rows x 32 columns, as gemm_block (each C entry one chain
+// over the pairs in order, so a row computed alone gives the same bits). ACC = false writes alpha
+// times the products (alpha: the logits' scale).
+template <int MR, bool ACC>
+RELPOS_BF16_TARGET inline void dot_block(int64_t k2, const uint16_t* A, int64_t lda,
+                                         const uint32_t* B, int64_t ldb, float* C, int64_t ldc,
+                                         int64_t n, float alpha) {
+  const __mmask16 m0 = Zmm::tail(n), m1 = Zmm::tail(n - 16);
+  __m512 c0[MR], c1[MR];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    c0[r] = ACC ? _mm512_maskz_loadu_ps(m0, C + r * ldc) : _mm512_setzero_ps();
+    c1[r] = ACC ? _mm512_maskz_loadu_ps(m1, C + r * ldc + 16) : _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < k2; ++k, B += ldb) {
+    const __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(m0, B);
+    const __m512bh b1 = (__m512bh)_mm512_maskz_loadu_epi32(m1, B + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, A + r * lda + 2 * k, sizeof(pair));
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+      c0[r] = _mm512_dpbf16_ps(c0[r], x, b0);
+      c1[r] = _mm512_dpbf16_ps(c1[r], x, b1);
+    }
+  }
+  const __m512 a = _mm512_set1_ps(alpha);
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    _mm512_mask_storeu_ps(C + r * ldc, m0, ACC ? c0[r] : _mm512_mul_ps(a, c0[r]));
+    _mm512_mask_storeu_ps(C + r * ldc + 16, m1, ACC ? c1[r] : _mm512_mul_ps(a, c1[r]));
+  }
+}
+
+template <int MR, bool ACC>
+RELPOS_BF16_TARGET inline void dot_rows(int64_t N, int64_t k2, const uint16_t* A, int64_t lda,
+                                        const uint32_t* B, int64_t ldb, float* C, int64_t ldc,
+                                        float alpha) {
+  for (int64_t j = 0; j < N; j += 32) {
+    dot_block<MR, ACC>(k2, A, lda, B + j, ldb, C + j, ldc, N - j, alpha);
+  }
+}
+
+// C[M, N] (+)= A[M, 2 k2] B with B packed [k2][ldb words] (see above); ACC = false: C = alpha A B.
+template <bool ACC>
+RELPOS_BF16_TARGET void gemm_bf16(int64_t M, int64_t N, int64_t k2, const uint16_t* A,
+                                  int64_t lda, const uint32_t* B, int64_t ldb, float* C,
+                                  int64_t ldc, float alpha = 1.f) {
+  if (M <= 0 || N <= 0) return;
+  int64_t i = 0;
+  for (; i + 6 <= M; i += 6) dot_rows<6, ACC>(N, k2, A + i * lda, lda, B, ldb, C + i * ldc, ldc, alpha);
+  const uint16_t* a = A + i * lda;
+  float* c = C + i * ldc;
+  switch (M - i) {
+    case 5: dot_rows<5, ACC>(N, k2, a, lda, B, ldb, c, ldc, alpha); break;
+    case 4: dot_rows<4, ACC>(N, k2, a, lda, B, ldb, c, ldc, alpha); break;
+    case 3: dot_rows<3, ACC>(N, k2, a, lda, B, ldb, c, ldc, alpha); break;
+    case 2: dot_rows<2, ACC>(N, k2, a, lda, B, ldb, c, ldc, alpha); break;
+    case 1: dot_rows<1, ACC>(N, k2, a, lda, B, ldb, c, ldc, alpha); break;
+    default: break;
+  }
+}
+
+// dst[c][r] = the pair word (src[r][2c], src[r][2c + 1]) for r < rows, c < D / 2 (D even):
+// K^T packed for S = Q K^T, a transpose of 32-bit words (moves only, no arithmetic on them).
+void pack_pairs_t(const uint16_t* src, int64_t rows, int64_t D, uint32_t* dst, int64_t ldd) {
+  transpose(reinterpret_cast<const float*>(src), D / 2, rows, D / 2, reinterpret_cast<float*>(dst), ldd);
+}
+
+// dst[r2][d] = the pair (src[2 r2][d], src[2 r2 + 1][d]), a missing last row as zeros: V packed
+// for P V ([ceil(rows / 2)][D] words).
+RELPOS_BF16_TARGET void pack_row_pairs(const uint16_t* src, int64_t rows, int64_t D, uint32_t* dst) {
+  // word d of the output: the halves src0[d], src1[d]; vpermt2w picks them from the two rows
+  alignas(64) uint16_t lo_idx[32], hi_idx[32];
+  for (int e = 0; e < 16; ++e) {
+    lo_idx[2 * e] = static_cast<uint16_t>(e);
+    lo_idx[2 * e + 1] = static_cast<uint16_t>(32 + e);
+    hi_idx[2 * e] = static_cast<uint16_t>(16 + e);
+    hi_idx[2 * e + 1] = static_cast<uint16_t>(48 + e);
+  }
+  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+  for (int64_t r = 0; r < rows; r += 2) {
+    const uint16_t* s0 = src + r * D;
+    const uint16_t* s1 = r + 1 < rows ? s0 + D : nullptr;
+    uint32_t* d = dst + (r / 2) * D;
+    for (int64_t c = 0; c < D; c += 32) {
+      const int64_t n = imin(D - c, 32);
+      const __mmask32 mk = n >= 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1;
+      const __m512i a = _mm512_maskz_loadu_epi16(mk, s0 + c);
+      const __m512i b = s1 != nullptr ? _mm512_maskz_loadu_epi16(mk, s1 + c) : _mm512_setzero_si512();
+      _mm512_mask_storeu_epi32(d + c, Zmm::tail(n), _mm512_permutex2var_epi16(a, lo, b));
+      if (n > 16) _mm512_mask_storeu_epi32(d + c + 16, Zmm::tail(n - 16), _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+}
+
+// dst[r][:cols] = src[r][:cols] rounded to bfloat16 (to nearest even), and dst[r][cols] = 0 when
+// cols is odd (the pad of the last pair).
+RELPOS_BF16_TARGET void round_rows_bf16(const float* src, int64_t lds, int64_t rows, int64_t cols,
+                                        uint16_t* dst, int64_t ldd) {
+  const int64_t padded = cols + (cols & 1);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < padded; c += 32) {
+      const int64_t n = imin(cols - c, 32), np = imin(padded - c, 32);
+      const __m512 a = _mm512_maskz_loadu_ps(Zmm::tail(n), src + r * lds + c);
+      const __m512 b = _mm512_maskz_loadu_ps(Zmm::tail(n - 16), src + r * lds + c + 16);
+      const __mmask32 mk = np >= 32 ? ~__mmask32(0) : (__mmask32(1) << np) - 1;
+      _mm512_mask_storeu_epi16(dst + r * ldd + c, mk, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+  }
+}
+#else
+constexpr bool kBf16Dot = false;
+template <bool ACC>
+void gemm_bf16(int64_t M, int64_t N, int64_t k2, const uint16_t* A, int64_t lda, const uint32_t* B,
+               int64_t ldb, float* C, int64_t ldc, float alpha = 1.f);
+void pack_pairs_t(const uint16_t* src, int64_t rows, int64_t D, uint32_t* dst, int64_t ldd);
+void pack_row_pairs(const uint16_t* src, int64_t rows, int64_t D, uint32_t* dst);
+void round_rows_bf16(const float* src, int64_t lds, int64_t rows, int64_t cols, uint16_t* dst,
+                     int64_t ldd);
+#endif
 
 // s[r * lds + j] = q_r . k_j for r < mq, j < nk, with K row-major [nk, D]: the scores of a few
 // query rows (decoding) without the transposed key tiles, whose building would cost as much as
@@ -1394,8 +1532,15 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
   float* qs = buf.take(TQ * D);
   // Decoding reads K and V in place, in their dtype; else the transposed key tiles, and for
   // float16/bfloat16 the value rows as float, are built once per kv head and reused.
-  float* kt_all = few_q ? nullptr : buf.take(n_ktiles * D * TK);
-  float* v_all = f32 || few_q ? nullptr : buf.take(n_ktiles * TK * D);
+  // With bfloat16 dots (AttentionFwdSplit::bf16_dot: bfloat16, not decoding, no rel_q, D even)
+  // the packed K^T and V tiles instead (the pairs of the dots), and P rounded per tile.
+  const bool bdot = kBf16Dot && split.bf16_dot;
+  const int64_t D2 = D / 2, TK2 = (TK + 1) / 2;
+  float* kt_all = few_q || bdot ? nullptr : buf.take(n_ktiles * D * TK);
+  float* v_all = f32 || few_q || bdot ? nullptr : buf.take(n_ktiles * TK * D);
+  auto* kt_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(n_ktiles * D2 * TK)) : nullptr;
+  auto* v_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(n_ktiles * TK2 * D)) : nullptr;
+  auto* p_bf = bdot ? reinterpret_cast<uint16_t*>(buf.take(TQ * TK2)) : nullptr;
   float* tmp = buf.take(TK * D);
   float* kf = few_q && !f32 ? buf.take(TK * D) : nullptr;
   float* s = buf.take(TQ * TK);  // logits, then (in place) probabilities
@@ -1465,7 +1610,18 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       cached = hd.k;
       built = 0;
     }
-    if (built < kt_end && !few_q) {
+    if (built < kt_end && bdot) {
+      if constexpr (kBf16Dot) {  // (the AVX2 build only declares the bfloat16 functions)
+        const auto* kb16 = reinterpret_cast<const uint16_t*>(hd.k);
+        const auto* vb16 = reinterpret_cast<const uint16_t*>(hd.v);
+        for (int64_t t = built; t < kt_end; ++t) {
+          const int64_t j0 = t * TK, nk = imin(TK, p.k_len - j0);
+          pack_pairs_t(kb16 + j0 * D, nk, D, kt_pk + t * D2 * TK, TK);
+          pack_row_pairs(vb16 + j0 * D, nk, D, v_pk + t * TK2 * D);
+        }
+      }
+      built = kt_end;
+    } else if (built < kt_end && !few_q) {
       build_key_tiles(p.dtype, hd.k, D, TK, 0, p.k_len, built, kt_end, kt_all, nullptr, tmp);
       if (!f32) build_key_tiles(p.dtype, hd.v, D, TK, 0, p.k_len, built, kt_end, nullptr, v_all, tmp);
       built = kt_end;
@@ -1523,7 +1679,14 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       // term; a row computed alone comes out bitwise the same (the same products summed in the
       // same order)
       auto scores = [&](int64_t r0, int64_t rows) {
-        times_keys(qs + r0 * D, rows, s + r0 * TK, TK);
+        if (bdot) {  // S = scale2 (Q K^T), Q in its bfloat16
+          if constexpr (kBf16Dot) {
+            gemm_bf16<false>(rows, nk, D2, reinterpret_cast<const uint16_t*>(hd.q) + (i0 + r0) * D,
+                             D, kt_pk + t * D2 * TK, TK, s + r0 * TK, TK, scale2);
+          }
+        } else {
+          times_keys(qs + r0 * D, rows, s + r0 * TK, TK);
+        }
         if (hd.rel_q == nullptr) return;
         for (int64_t r = r0; r < r0 + rows; ++r) {
           add_key_side(s + r * TK, j0, nk, split_row(p, i0 + r, j0, nk, kband), scale2, kq,
@@ -1641,6 +1804,11 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
           const auto* vp = reinterpret_cast<const decltype(tag)*>(hd.v) + j0 * D;
           gemv_acc(D, nk, s, 1, vp, D, acc, stream);
         });
+      } else if (bdot) {  // P rounded to bfloat16, its pairs against the packed V
+        if constexpr (kBf16Dot) {
+          round_rows_bf16(s, TK, mq, nk, p_bf, 2 * TK2);
+          gemm_bf16<true>(mq, D, (nk + 1) / 2, p_bf, 2 * TK2, v_pk + t * TK2 * D, D, acc, D);
+        }
       } else if (f32) {
         gemm(mq, D, nk, s, TK, reinterpret_cast<const float*>(hd.v) + j0 * D, D, acc, D);
       } else if (few_q) {  // this tile's value rows as float
@@ -1798,6 +1966,18 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
   float* dq_buf = dq_own ? buf.take(gq * D) : nullptr;
   float* s = buf.take(BQ * BK);
   float* dp = buf.take(BQ * BK);
+  // bfloat16 dots (AttentionBwdSplit::bf16_dot, as the forward's): the run's K^T, V^T (pairs
+  // along D) and K (pairs of rows) packed, the query tile's Q and dO (pairs of rows), and the
+  // left operands P^T, dS^T (through a float transpose) and dS rounded to bfloat16
+  const bool bdot = kBf16Dot && split.bf16_dot;
+  const int64_t D2 = D / 2, BQ2 = (BQ + 1) / 2, BK2 = (BK + 1) / 2;
+  auto* kt_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(run_tiles * D2 * BK)) : nullptr;
+  auto* vt_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(run_tiles * D2 * BK)) : nullptr;
+  auto* k_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(run_tiles * BK2 * D)) : nullptr;
+  auto* q_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(BQ2 * D)) : nullptr;
+  auto* do_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(BQ2 * D)) : nullptr;
+  float* ts = bdot ? buf.take(BK * BQ) : nullptr;
+  auto* a_bf = bdot ? reinterpret_cast<uint16_t*>(buf.take(imax(BK * BQ2, BQ * BK2))) : nullptr;
   // per query row of each head of the group ([group, q_len]): the log-sum-exp (base 2),
   // D_i = dO_i . O_i, the clamped buckets' key terms (qe) and value terms (de), and the row sums
   // of dS and P in those buckets over all the runs
@@ -1898,8 +2078,21 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
     for (int64_t r0 = tile0; r0 < tile_end; r0 += run_tiles) {
       const int64_t r1 = imin(r0 + run_tiles, tile_end);
       const int64_t rb = r0 * BK, re = imin(r1 * BK, ke), nrun = re - rb;  // the run's keys
-      build_key_tiles(p.dtype, hd0.k, D, BK, rb, re, 0, r1 - r0, kt_run, k_rows, tmp);
-      build_key_tiles(p.dtype, hd0.v, D, BK, rb, re, 0, r1 - r0, vt_run, nullptr, tmp);
+      if (bdot) {
+        if constexpr (kBf16Dot) {
+          const auto* kb16 = reinterpret_cast<const uint16_t*>(hd0.k);
+          const auto* vb16 = reinterpret_cast<const uint16_t*>(hd0.v);
+          for (int64_t t = r0; t < r1; ++t) {
+            const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0), tl = t - r0;
+            pack_pairs_t(kb16 + j0 * D, nk, D, kt_pk + tl * D2 * BK, BK);
+            pack_pairs_t(vb16 + j0 * D, nk, D, vt_pk + tl * D2 * BK, BK);
+            pack_row_pairs(kb16 + j0 * D, nk, D, k_pk + tl * BK2 * D);
+          }
+        }
+      } else {
+        build_key_tiles(p.dtype, hd0.k, D, BK, rb, re, 0, r1 - r0, kt_run, k_rows, tmp);
+        build_key_tiles(p.dtype, hd0.v, D, BK, rb, re, 0, r1 - r0, vt_run, nullptr, tmp);
+      }
       const float* kp = f32 ? reinterpret_cast<const float*>(hd0.k) + rb * D : k_rows;
       fill_f32(dk_run, 0.f, nrun * D);
       fill_f32(dv_run, 0.f, nrun * D);
@@ -1931,6 +2124,16 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
           const float* dop = float_rows(p.dtype, static_cast<const char*>(bp.grad_out) + row0 * D * es, mq, D, dof);
           // as in the forward, S and QE come from qs = Q * scale * log2(e): logits in base 2
           scale_copy(qp, scale2, qs, mq * D);
+          const uint16_t* q_bf = nullptr;
+          const uint16_t* do_bf = nullptr;
+          if (bdot) {
+            if constexpr (kBf16Dot) {
+              q_bf = reinterpret_cast<const uint16_t*>(hd.q) + i0 * D;
+              do_bf = static_cast<const uint16_t*>(bp.grad_out) + row0 * D;
+              pack_row_pairs(q_bf, mq, D, q_pk);
+              pack_row_pairs(do_bf, mq, D, do_pk);
+            }
+          }
           const float* lse = lse_all + g0 + i0;
           const float* di = di_all + g0 + i0;
           const float* qe_lo = qe_lo_all + g0 + i0;
@@ -1958,8 +2161,15 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
             const TileMask tm = tile_mask(p, hd, i0, mq, j0, nk);
             if (tm == TileMask::kHidden) continue;  // P = dS = 0 on the whole tile
             const bool clear = tm == TileMask::kClear;
-            gemm0(mq, nk, D, qs, D, kt_run + tl * D * BK, BK, s, BK);    // S = Q K^T (base 2)
-            gemm0(mq, nk, D, dop, D, vt_run + tl * D * BK, BK, dp, BK);  // dP = dO V^T
+            if (bdot) {
+              if constexpr (kBf16Dot) {
+                gemm_bf16<false>(mq, nk, D2, q_bf, D, kt_pk + tl * D2 * BK, BK, s, BK, scale2);
+                gemm_bf16<false>(mq, nk, D2, do_bf, D, vt_pk + tl * D2 * BK, BK, dp, BK);
+              }
+            } else {
+              gemm0(mq, nk, D, qs, D, kt_run + tl * D * BK, BK, s, BK);    // S = Q K^T (base 2)
+              gemm0(mq, nk, D, dop, D, vt_run + tl * D * BK, BK, dp, BK);  // dP = dO V^T
+            }
             // the key-side term joins S as in the forward (KE^T over the tile's band)
             Band kband;
             const float* bq = nullptr;  // rel_q[kband] as float
@@ -2046,9 +2256,22 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
             }
             float* dv_t = dv_run + (j0 - rb) * D;
             float* dk_t = dk_run + (j0 - rb) * D;
-            gemm_at(nk, D, mq, s, BK, dop, D, dv_t, D);          // dV += P^T dO
-            gemm_at(nk, D, mq, dp, BK, qp, D, dk_t, D);          // dK += dS^T Q
-            gemm(mq, D, nk, dp, BK, kp + (j0 - rb) * D, D, dq, D);  // dQ += dS K
+            if (bdot) {  // the same three by bfloat16 dots
+              if constexpr (kBf16Dot) {
+                transpose(s, BK, mq, nk, ts, BQ);
+                round_rows_bf16(ts, BQ, nk, mq, a_bf, 2 * BQ2);
+                gemm_bf16<true>(nk, D, (mq + 1) / 2, a_bf, 2 * BQ2, do_pk, D, dv_t, D);
+                transpose(dp, BK, mq, nk, ts, BQ);
+                round_rows_bf16(ts, BQ, nk, mq, a_bf, 2 * BQ2);
+                gemm_bf16<true>(nk, D, (mq + 1) / 2, a_bf, 2 * BQ2, q_pk, D, dk_t, D);
+                round_rows_bf16(dp, BK, mq, nk, a_bf, 2 * BK2);
+                gemm_bf16<true>(mq, D, (nk + 1) / 2, a_bf, 2 * BK2, k_pk + tl * BK2 * D, D, dq, D);
+              }
+            } else {
+              gemm_at(nk, D, mq, s, BK, dop, D, dv_t, D);          // dV += P^T dO
+              gemm_at(nk, D, mq, dp, BK, qp, D, dk_t, D);          // dK += dS^T Q
+              gemm(mq, D, nk, dp, BK, kp + (j0 - rb) * D, D, dq, D);  // dQ += dS K
+            }
             if (hd.rel_q) {  // the key-side term's dS: per key in the clamped buckets, WK^T inside
               for (int64_t r = 0; r < mq; ++r) {
                 key_side_grad(dp + r * BK, j0, nk, split_row(p, i0 + r, j0, nk, kband),

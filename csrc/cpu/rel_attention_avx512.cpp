@@ -5,6 +5,9 @@
 // grad_rows8_uniform) take 16 keys at a time; the rest of the file is the AVX2 code as it is.
 // Same FMA chains and exponentials, and the same sums in the same order (the AVX2 rows keep the
 // halves of a 16-lane sum as two accumulators), so the results are bitwise those of the AVX2
-// build (tests/test_attention.py checks it).
+// build (tests/test_attention.py checks it). The one exception is opt-out: on CPUs with
+// AVX512-BF16 the kernels take bfloat16 inputs' big matmuls by bfloat16 dot products
+// (AttentionFwdSplit / AttentionBwdSplit::bf16_dot; RELPOS_CPU_BF16_DOT=0 gives the bitwise AVX2
+// results back).
 #define RELPOS_ISA avx512
 #include "cpu/rel_attention_avx2.cpp"

@@ -53,7 +53,9 @@ def build_info() -> dict[str, Any]:
     ``cpu_threads`` (where the CPU kernels' threads come from now, honouring
     ``RELPOS_CPU_THREADS``: ``"aten"``, at::parallel_for on torch's OpenMP threads in builds
     compiled with OpenMP; ``"gomp"``, the same threads reached at run time in builds without it;
-    ``"std"``, a std::thread per chunk) and ``cuda_archs`` (e.g. ``["80", "90"]``, or ``None``
+    ``"std"``, a std::thread per chunk), ``cpu_bf16_dot`` (whether the AVX-512 attention kernels
+    take bfloat16 inputs' matmuls by AVX512-BF16 dot products now: on CPUs that have them,
+    unless ``RELPOS_CPU_BF16_DOT=0``) and ``cuda_archs`` (e.g. ``["80", "90"]``, or ``None``
     when the CUDA kernels were not built).
     """
     return dict(_C.build_info())
