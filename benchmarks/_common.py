@@ -201,6 +201,43 @@ def error_cell(res: dict, width: int = 60) -> str:
 
 
 # --------------------------------------------------------------------------- the machine
+def time_interleaved(
+    methods: dict[str, tuple[str, Callable[[], torch.Tensor]]],
+    env_var: str,
+    grad: torch.Tensor,
+    rounds: int,
+) -> dict[str, dict[str, float]]:
+    """Median seconds of each method's forward (under no_grad) and forward+backward (``grad``).
+
+    ``methods`` maps a name to ``(value, fn)``: ``env_var`` is set to ``value`` around the calls of
+    ``fn`` (a kernel choice read at every call, such as ``RELPOS_CPU_ISA``). The methods take
+    turns call by call, ``rounds`` times after a round that warms up, so that drifts of the
+    machine's speed touch them alike; ``env_var`` is restored afterwards.
+    """
+    times: dict[str, dict[str, list[float]]] = {m: {"fwd": [], "fwdbwd": []} for m in methods}
+    saved = os.environ.get(env_var)
+    try:
+        for r in range(rounds + 1):  # round 0 warms up
+            for name, (value, fn) in methods.items():
+                os.environ[env_var] = value
+                with torch.no_grad():
+                    t0 = time.perf_counter()
+                    fn()
+                    t_fwd = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                fn().backward(grad)
+                t_fb = time.perf_counter() - t0
+                if r > 0:
+                    times[name]["fwd"].append(t_fwd)
+                    times[name]["fwdbwd"].append(t_fb)
+    finally:
+        if saved is None:
+            os.environ.pop(env_var, None)
+        else:
+            os.environ[env_var] = saved
+    return {m: {mode: statistics.median(ts) for mode, ts in modes.items()} for m, modes in times.items()}
+
+
 def machine_info(threads: int) -> dict:
     cpu = platform.processor()
     try:

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,7 +30,7 @@ import torch
 
 import relpos_ext
 
-from _common import RESULTS, print_environment, timestamp, write_json  # beside this script
+from _common import RESULTS, print_environment, time_interleaved, timestamp, write_json  # beside this script
 from bench_attention import method_fn
 
 
@@ -55,28 +53,7 @@ def time_case(length: int, k: int, causal: bool, rounds: int) -> dict:
     if not causal:
         eager = method_fn("eager", k)
         methods["eager"] = ("auto", lambda: eager(q, k_, v, rk, rv))
-    times: dict[str, dict[str, list[float]]] = {m: {"fwd": [], "fwdbwd": []} for m in methods}
-    saved = os.environ.get("RELPOS_CPU_ISA")
-    try:
-        for r in range(rounds + 1):  # round 0 warms up
-            for name, (isa, fn) in methods.items():
-                os.environ["RELPOS_CPU_ISA"] = isa
-                with torch.no_grad():
-                    t0 = time.perf_counter()
-                    fn()
-                    t_fwd = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                fn().backward(grad)
-                t_fb = time.perf_counter() - t0
-                if r > 0:
-                    times[name]["fwd"].append(t_fwd)
-                    times[name]["fwdbwd"].append(t_fb)
-    finally:
-        if saved is None:
-            os.environ.pop("RELPOS_CPU_ISA", None)
-        else:
-            os.environ["RELPOS_CPU_ISA"] = saved
-    med = {m: {mode: statistics.median(ts) for mode, ts in modes.items()} for m, modes in times.items()}
+    med = time_interleaved(methods, "RELPOS_CPU_ISA", grad, rounds)
     ratios = {f"scalar/avx2 {mode}": med["scalar"][mode] / med["avx2"][mode] for mode in ("fwd", "fwdbwd")}
     if "eager" in med:
         ratios.update({f"eager/avx2 {mode}": med["eager"][mode] / med["avx2"][mode]

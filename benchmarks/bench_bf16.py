@@ -1,0 +1,90 @@
+#!/usr/bin/env python
+"""Benchmark bfloat16 ``relpos_ext.rel_attention`` on the CPU: AVX512-BF16 dots against float32 matmuls.
+
+On CPUs with AVX512-BF16 the AVX-512 kernels take bfloat16 inputs' big matmuls (forward
+``S = Q K^T`` and ``P V``, the backward's five) by bfloat16 dot products (``build_info()["cpu_bf16_dot"]``; ``RELPOS_CPU_BF16_DOT=0`` switches them
+off). For ``q, k, v [B=1, H=8, L, D=64]`` and shared tables ``rel_k, rel_v [2K+1, D]``, all
+bfloat16, forward and forward+backward, it times:
+
+* ``dot`` -- ``rel_attention`` with the dots (``RELPOS_CPU_BF16_DOT=1``);
+* ``float`` -- ``rel_attention`` with float32 matmuls (``RELPOS_CPU_BF16_DOT=0``), bitwise the
+  AVX2 kernels' results;
+* ``sdpa`` -- ``F.scaled_dot_product_attention`` in bfloat16 without relative terms (the floor).
+
+The three alternate call by call in one process, ``--rounds`` times; the medians and their
+ratios go to the JSON. Usage::
+
+    PYTHONPATH=build/dev-bench/stage python benchmarks/bench_bf16.py          # ~1 min
+    python benchmarks/bench_bf16.py -L 2048 --causal --out /tmp/bf16.json
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import relpos_ext
+
+from _common import RESULTS, print_environment, time_interleaved, timestamp, write_json  # beside this script
+
+
+def time_case(length: int, k: int, causal: bool, rounds: int) -> dict:
+    """Median seconds of each method's forward and forward+backward at one length."""
+    gen = torch.Generator().manual_seed(0)
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16).requires_grad_()
+
+    q, k_, v = (leaf(1, 8, length, 64) for _ in range(3))
+    rk, rv = leaf(2 * k + 1, 64), leaf(2 * k + 1, 64)
+    grad = torch.randn(1, 8, length, 64, generator=gen).to(torch.bfloat16)
+
+    def ours() -> torch.Tensor:
+        return relpos_ext.rel_attention(q, k_, v, rk, rv, k, causal=causal)
+
+    def sdpa() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k_, v, is_causal=causal)
+
+    methods: dict[str, tuple[str, Callable[[], torch.Tensor]]] = {
+        "dot": ("1", ours), "float": ("0", ours), "sdpa": ("1", sdpa)}
+    med = time_interleaved(methods, "RELPOS_CPU_BF16_DOT", grad, rounds)
+    ratios = {}
+    for mode in ("fwd", "fwdbwd"):
+        ratios[f"float/dot {mode}"] = med["float"][mode] / med["dot"][mode]
+        ratios[f"sdpa/dot {mode}"] = med["sdpa"][mode] / med["dot"][mode]
+    return {"L": length, "causal": causal, "median_s": med, "ratios": ratios}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", "-L", type=int, nargs="+", default=[1024, 2048, 4096])
+    p.add_argument("--max-distance", "-K", type=int, default=64, help="K (default 64)")
+    p.add_argument("--causal", action="store_true", help="causal attention")
+    p.add_argument("--rounds", type=int, default=7, help="calls of each method per length")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    p.add_argument("--out", type=Path, default=RESULTS / "bench_bf16.json")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    info, mach = print_environment(args.threads)
+    if not info["cpu_bf16_dot"]:
+        print("note: no bfloat16 dots on this build/CPU (AVX-512 path with AVX512-BF16 only): "
+              "dot and float time the same kernels")
+    rows = []
+    for length in args.lengths:
+        row = time_case(length, args.max_distance, args.causal, args.rounds)
+        rows.append(row)
+        cells = "  ".join(f"{m} {1e3 * t['fwd']:.1f} / {1e3 * t['fwdbwd']:.1f} ms"
+                          for m, t in row["median_s"].items())
+        ratios = "  ".join(f"{name} {x:.2f}x" for name, x in row["ratios"].items())
+        print(f"L={length}{' causal' if args.causal else ''} (fwd / fwd+bwd): {cells}\n  {ratios}")
+    write_json({"benchmark": "bench_bf16", "time": timestamp(), "build_info": info,
+                "machine": mach, "args": {k: str(v) for k, v in vars(args).items()},
+                "results": rows}, args.out)
+
+
+if __name__ == "__main__":
+    main()
