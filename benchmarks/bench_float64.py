@@ -22,7 +22,6 @@ ratios go to the JSON (no plot: the point is the ratios at one or two lengths). 
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable
 from pathlib import Path
 
