@@ -954,8 +954,9 @@ BF16_DOT_CASES = ["tiles_causal_padding", "tiles_two_sided", "wide_tiles", "wide
                   "transformer_xl", "tiles_uniform_padding", "bwd_key_runs", "prefill_odd_D"]
 
 
+@pytest.mark.parametrize("rel_q", [False, True])
 @pytest.mark.parametrize("name", BF16_DOT_CASES)
-def test_rel_attention_bf16_dot(monkeypatch, name):
+def test_rel_attention_bf16_dot(monkeypatch, name, rel_q):
     """On a CPU with AVX512-BF16 the AVX-512 kernels take bfloat16 inputs' big matmuls (forward
     S = Q K^T and P V; backward S, dP, dV, dK, dQ) by dot products of bfloat16 pairs, P and dS
     rounded to bfloat16 (cpu/isa.h bf16_dot_enabled). The forward: within the bfloat16 tolerance
@@ -963,12 +964,15 @@ def test_rel_attention_bf16_dot(monkeypatch, name):
     cpu-avx512 backend), a log-sum-exp within float32 rounding of the float32 matmuls'
     (RELPOS_CPU_BF16_DOT=0), outputs that differ from theirs; the backward, handed the same out
     and lse: gradients that differ too, so the dots ran. An odd head dim keeps the float32
-    matmuls: bitwise their results."""
+    matmuls: bitwise their results. With a key-side table (rel_q) too, whose own matmuls stay
+    float32."""
     skip_unless_avx512(monkeypatch)
     if not relpos_ext.build_info()["cpu_bf16_dot"]:
         pytest.skip("no AVX512-BF16 on this CPU")
     case = CASES[name]
     tensors, kw = make_inputs(case, torch.bfloat16)
+    if rel_q:
+        kw["rel_q"] = random_rel_q(case, True, 5).to(torch.bfloat16)
     cpu = Backend("cpu", "cpu", "relpos")
     grad = torch.randn(tensors[0].shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     monkeypatch.setenv("RELPOS_CPU_BF16_DOT", "0")

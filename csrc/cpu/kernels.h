@@ -66,7 +66,7 @@ struct AttentionFwdSplit {
   float* acc = nullptr;    // [chunks, batch, heads, q_len, dim]
   AttnMaskTiles mask_tiles;
   // bfloat16 inputs: S = Q K^T and P V by AVX512-BF16 dot products (the avx512 build only; not
-  // when decoding, with rel_q, or an odd head dim), cpu/isa.h bf16_dot_enabled
+  // when decoding or with an odd head dim), cpu/isa.h bf16_dot_enabled
   bool bf16_dot = false;
 };
 
@@ -85,7 +85,7 @@ struct AttentionBwdSplit {
   float* drel_q_partial = nullptr;    // [chunks, batch, heads, 2K+1, dim], or null
   AttnMaskTiles mask_tiles;
   // bfloat16 inputs: the five big matmuls (S, dP, dV, dK, dQ) by AVX512-BF16 dot products, P
-  // and dS rounded to bfloat16 (the avx512 build only; not with rel_q or an odd head dim)
+  // and dS rounded to bfloat16 (the avx512 build only; not with an odd head dim)
   bool bf16_dot = false;
 };
 

@@ -227,7 +227,7 @@ struct CpuBackend {
                       p.window_left < 0 && p.window_right < 0;
     split.tile = wide ? kAttentionWideTile : kAttentionTileQ;
     split.bf16_dot = p.dtype == DType::BFloat16 && p.q_len > kAttentionFewQueries &&
-                     p.rel_q == nullptr && p.dim % 2 == 0 && bf16_dot_enabled(selected_isa());
+                     p.dim % 2 == 0 && bf16_dot_enabled(selected_isa());
     const int64_t tiles = p.batch * p.heads * ((p.q_len + split.tile - 1) / split.tile);
     const int64_t k_tiles = (p.k_len + kAttentionTileK - 1) / kAttentionTileK;
     at::Tensor m, l, acc;
@@ -281,8 +281,7 @@ struct CpuBackend {
       chunks = std::min(chunks, std::max<int64_t>(1, kBwdPartialBytes / std::max<int64_t>(1, dq_bytes)));
     }
     AttentionBwdSplit split;
-    split.bf16_dot = f.dtype == DType::BFloat16 && f.rel_q == nullptr && f.dim % 2 == 0 &&
-                     bf16_dot_enabled(selected_isa());
+    split.bf16_dot = f.dtype == DType::BFloat16 && f.dim % 2 == 0 && bf16_dot_enabled(selected_isa());
     at::Tensor partials[5];  // dq and the table / bias gradients' per-chunk partials, kept alive
     if (chunks > 1) {
       const int64_t tiles_per_chunk = (k_tiles + chunks - 1) / chunks;

@@ -1532,11 +1532,12 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
   float* qs = buf.take(TQ * D);
   // Decoding reads K and V in place, in their dtype; else the transposed key tiles, and for
   // float16/bfloat16 the value rows as float, are built once per kv head and reused.
-  // With bfloat16 dots (AttentionFwdSplit::bf16_dot: bfloat16, not decoding, no rel_q, D even)
-  // the packed K^T and V tiles instead (the pairs of the dots), and P rounded per tile.
+  // With bfloat16 dots (AttentionFwdSplit::bf16_dot: bfloat16, not decoding, D even) the packed
+  // K^T and V tiles instead (the pairs of the dots), and P rounded per tile; the float K^T tiles
+  // still with rel_q, for its term's float matmuls.
   const bool bdot = kBf16Dot && split.bf16_dot;
   const int64_t D2 = D / 2, TK2 = (TK + 1) / 2;
-  float* kt_all = few_q || bdot ? nullptr : buf.take(n_ktiles * D * TK);
+  float* kt_all = few_q || (bdot && !p.rel_q) ? nullptr : buf.take(n_ktiles * D * TK);
   float* v_all = f32 || few_q || bdot ? nullptr : buf.take(n_ktiles * TK * D);
   auto* kt_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(n_ktiles * D2 * TK)) : nullptr;
   auto* v_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(n_ktiles * TK2 * D)) : nullptr;
@@ -1620,6 +1621,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
           pack_row_pairs(vb16 + j0 * D, nk, D, v_pk + t * TK2 * D);
         }
       }
+      if (p.rel_q) build_key_tiles(p.dtype, hd.k, D, TK, 0, p.k_len, built, kt_end, kt_all, nullptr, tmp);
       built = kt_end;
     } else if (built < kt_end && !few_q) {
       build_key_tiles(p.dtype, hd.k, D, TK, 0, p.k_len, built, kt_end, kt_all, nullptr, tmp);
@@ -2089,6 +2091,8 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
             pack_row_pairs(kb16 + j0 * D, nk, D, k_pk + tl * BK2 * D);
           }
         }
+        // rel_q's float matmuls read K^T tiles and K rows as float
+        if (p.rel_q) build_key_tiles(p.dtype, hd0.k, D, BK, rb, re, 0, r1 - r0, kt_run, k_rows, tmp);
       } else {
         build_key_tiles(p.dtype, hd0.k, D, BK, rb, re, 0, r1 - r0, kt_run, k_rows, tmp);
         build_key_tiles(p.dtype, hd0.v, D, BK, rb, re, 0, r1 - r0, vt_run, nullptr, tmp);
