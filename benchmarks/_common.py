@@ -200,7 +200,6 @@ def error_cell(res: dict, width: int = 60) -> str:
     return "error: " + res["error"].splitlines()[0][:width]
 
 
-# --------------------------------------------------------------------------- the machine
 def time_interleaved(
     methods: dict[str, tuple[str, Callable[[], torch.Tensor]]],
     env_var: str,
@@ -238,6 +237,7 @@ def time_interleaved(
     return {m: {mode: statistics.median(ts) for mode, ts in modes.items()} for m, modes in times.items()}
 
 
+# --------------------------------------------------------------------------- the machine
 def machine_info(threads: int) -> dict:
     cpu = platform.processor()
     try:

@@ -190,17 +190,18 @@ struct CpuBackend {
     decltype(&avx2::rel_attention_backward) bwd;
     decltype(&avx2::rel_attention_backward_reduce) reduce;
     decltype(&avx2::attn_mask_tiles) mask_tiles;
+    bool bf16_dot;  // bfloat16 inputs' matmuls by AVX512-BF16 dots (cpu/isa.h bf16_dot_enabled)
   };
   static AttentionKernels attention_kernels(Isa isa) {
 #if defined(RELPOS_HAVE_AVX512)
     if (isa == Isa::Avx512) {
       return {&avx512::rel_attention, &avx512::rel_attention_combine, &avx512::rel_attention_backward,
-              &avx512::rel_attention_backward_reduce, &avx512::attn_mask_tiles};
+              &avx512::rel_attention_backward_reduce, &avx512::attn_mask_tiles, bf16_dot_enabled(isa)};
     }
 #endif
     (void)isa;
     return {&avx2::rel_attention, &avx2::rel_attention_combine, &avx2::rel_attention_backward,
-            &avx2::rel_attention_backward_reduce, &avx2::attn_mask_tiles};
+            &avx2::rel_attention_backward_reduce, &avx2::attn_mask_tiles, false};
   }
 
   // The attention mask's tile classes (kernels.h), in a tensor kept alive by the caller.
@@ -227,7 +228,7 @@ struct CpuBackend {
                       p.window_left < 0 && p.window_right < 0;
     split.tile = wide ? kAttentionWideTile : kAttentionTileQ;
     split.bf16_dot = p.dtype == DType::BFloat16 && p.q_len > kAttentionFewQueries &&
-                     p.dim % 2 == 0 && bf16_dot_enabled(selected_isa());
+                     p.dim % 2 == 0 && kern.bf16_dot;
     const int64_t tiles = p.batch * p.heads * ((p.q_len + split.tile - 1) / split.tile);
     const int64_t k_tiles = (p.k_len + kAttentionTileK - 1) / kAttentionTileK;
     at::Tensor m, l, acc;
@@ -281,7 +282,7 @@ struct CpuBackend {
       chunks = std::min(chunks, std::max<int64_t>(1, kBwdPartialBytes / std::max<int64_t>(1, dq_bytes)));
     }
     AttentionBwdSplit split;
-    split.bf16_dot = f.dtype == DType::BFloat16 && f.dim % 2 == 0 && bf16_dot_enabled(selected_isa());
+    split.bf16_dot = f.dtype == DType::BFloat16 && f.dim % 2 == 0 && kern.bf16_dot;
     at::Tensor partials[5];  // dq and the table / bias gradients' per-chunk partials, kept alive
     if (chunks > 1) {
       const int64_t tiles_per_chunk = (k_tiles + chunks - 1) / chunks;

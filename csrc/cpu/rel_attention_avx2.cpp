@@ -1957,9 +1957,12 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
   Buffers buf;
   float* dk_run = buf.take(run_keys * D);  // dK, dV of the run's keys over the group's heads
   float* dv_run = buf.take(run_keys * D);
-  float* kt_run = buf.take(run_tiles * D * BK);  // the run's key and value tiles, transposed
-  float* vt_run = buf.take(run_tiles * D * BK);
-  float* k_rows = f32 ? nullptr : buf.take(run_tiles * BK * D);
+  // bfloat16 dots (AttentionBwdSplit::bf16_dot, as the forward's) take packed tiles instead of
+  // these float ones, but for rel_q's float matmuls, which read K^T tiles and K rows
+  const bool bdot = kBf16Dot && split.bf16_dot, float_k = !bdot || p.rel_q != nullptr;
+  float* kt_run = float_k ? buf.take(run_tiles * D * BK) : nullptr;  // the run's key and value tiles, transposed
+  float* vt_run = bdot ? nullptr : buf.take(run_tiles * D * BK);
+  float* k_rows = f32 || !float_k ? nullptr : buf.take(run_tiles * BK * D);
   float* tmp = buf.take(BK * D);
   float* qf = buf.take(BQ * D);
   float* qs = buf.take(BQ * D);
@@ -1968,10 +1971,9 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
   float* dq_buf = dq_own ? buf.take(gq * D) : nullptr;
   float* s = buf.take(BQ * BK);
   float* dp = buf.take(BQ * BK);
-  // bfloat16 dots (AttentionBwdSplit::bf16_dot, as the forward's): the run's K^T, V^T (pairs
-  // along D) and K (pairs of rows) packed, the query tile's Q and dO (pairs of rows), and the
-  // left operands P^T, dS^T (through a float transpose) and dS rounded to bfloat16
-  const bool bdot = kBf16Dot && split.bf16_dot;
+  // bfloat16 dots: the run's K^T, V^T (pairs along D) and K (pairs of rows) packed, the query
+  // tile's Q and dO (pairs of rows), and the left operands P^T, dS^T (through a float transpose)
+  // and dS rounded to bfloat16
   const int64_t D2 = D / 2, BQ2 = (BQ + 1) / 2, BK2 = (BK + 1) / 2;
   auto* kt_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(run_tiles * D2 * BK)) : nullptr;
   auto* vt_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(run_tiles * D2 * BK)) : nullptr;
@@ -2091,8 +2093,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
             pack_row_pairs(kb16 + j0 * D, nk, D, k_pk + tl * BK2 * D);
           }
         }
-        // rel_q's float matmuls read K^T tiles and K rows as float
-        if (p.rel_q) build_key_tiles(p.dtype, hd0.k, D, BK, rb, re, 0, r1 - r0, kt_run, k_rows, tmp);
+        if (float_k) build_key_tiles(p.dtype, hd0.k, D, BK, rb, re, 0, r1 - r0, kt_run, k_rows, tmp);
       } else {
         build_key_tiles(p.dtype, hd0.k, D, BK, rb, re, 0, r1 - r0, kt_run, k_rows, tmp);
         build_key_tiles(p.dtype, hd0.v, D, BK, rb, re, 0, r1 - r0, vt_run, nullptr, tmp);
