@@ -1,10 +1,13 @@
 #!/usr/bin/env python
 """Benchmark bfloat16 ``relpos_ext.rel_attention`` on the CPU: AVX512-BF16 dots against float32 matmuls.
 
-On CPUs with AVX512-BF16 the AVX-512 kernels take bfloat16 inputs' big matmuls (forward
-``S = Q K^T`` and ``P V``, the backward's five) by bfloat16 dot products (``build_info()["cpu_bf16_dot"]``; ``RELPOS_CPU_BF16_DOT=0`` switches them
-off). For ``q, k, v [B=1, H=8, L, D=64]`` and shared tables ``rel_k, rel_v [2K+1, D]``, all
-bfloat16, forward and forward+backward, it times:
+On CPUs with AVX512-BF16 the AVX-512 kernels take bfloat16 inputs' matmuls (forward
+``S = Q K^T``, ``P V`` and the relative terms' band matmuls, the backward's likewise) by bfloat16
+dot products (``build_info()["cpu_bf16_dot"]``; ``RELPOS_CPU_BF16_DOT=0`` switches them off).
+For ``q, k, v [B=1, H, L, D=64]`` (H=8 by default) and tables ``[2K+1, D]`` (shared, or
+``[H, 2K+1, D]`` with ``--per-head``): ``rel_k`` and ``rel_v`` (Shaw), or with ``--terms kq``
+``rel_k`` and the key-side ``rel_q`` (DeBERTa), all bfloat16, forward and forward+backward, it
+times:
 
 * ``dot`` -- ``rel_attention`` with the dots (``RELPOS_CPU_BF16_DOT=1``);
 * ``float`` -- ``rel_attention`` with float32 matmuls (``RELPOS_CPU_BF16_DOT=0``), bitwise the
@@ -16,6 +19,8 @@ ratios go to the JSON. Usage::
 
     PYTHONPATH=build/dev-bench/stage python benchmarks/bench_bf16.py          # ~1 min
     python benchmarks/bench_bf16.py -L 2048 --causal --out /tmp/bf16.json
+    python benchmarks/bench_bf16.py -L 512 1024 -K 256 --heads 12 --per-head --terms kq \
+        --out benchmarks/results/bench_bf16_deberta.json
 """
 
 from __future__ import annotations
@@ -32,19 +37,23 @@ import relpos_ext
 from _common import RESULTS, print_environment, time_interleaved, timestamp, write_json  # beside this script
 
 
-def time_case(length: int, k: int, causal: bool, rounds: int) -> dict:
-    """Median seconds of each method's forward and forward+backward at one length."""
+def time_case(length: int, k: int, causal: bool, rounds: int, heads: int = 8,
+              per_head: bool = False, terms: str = "kv") -> dict:
+    """Median seconds of each method's forward and forward+backward at one length; terms "kv":
+    rel_k and rel_v, "kq": rel_k and rel_q."""
     gen = torch.Generator().manual_seed(0)
 
     def leaf(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(torch.bfloat16).requires_grad_()
 
-    q, k_, v = (leaf(1, 8, length, 64) for _ in range(3))
-    rk, rv = leaf(2 * k + 1, 64), leaf(2 * k + 1, 64)
-    grad = torch.randn(1, 8, length, 64, generator=gen).to(torch.bfloat16)
+    q, k_, v = (leaf(1, heads, length, 64) for _ in range(3))
+    table = (heads,) if per_head else ()
+    rk, second = leaf(*table, 2 * k + 1, 64), leaf(*table, 2 * k + 1, 64)
+    rv, rq = (second, None) if terms == "kv" else (None, second)
+    grad = torch.randn(1, heads, length, 64, generator=gen).to(torch.bfloat16)
 
     def ours() -> torch.Tensor:
-        return relpos_ext.rel_attention(q, k_, v, rk, rv, k, causal=causal)
+        return relpos_ext.rel_attention(q, k_, v, rk, rv, k, causal=causal, rel_q=rq)
 
     def sdpa() -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k_, v, is_causal=causal)
@@ -64,6 +73,10 @@ def main() -> None:
     p.add_argument("--lengths", "-L", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--max-distance", "-K", type=int, default=64, help="K (default 64)")
     p.add_argument("--causal", action="store_true", help="causal attention")
+    p.add_argument("--heads", type=int, default=8, help="H (default 8)")
+    p.add_argument("--per-head", action="store_true", help="per-head tables [H, 2K+1, D]")
+    p.add_argument("--terms", choices=["kv", "kq"], default="kv",
+                   help="kv: rel_k and rel_v (default); kq: rel_k and rel_q")
     p.add_argument("--rounds", type=int, default=7, help="calls of each method per length")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     p.add_argument("--out", type=Path, default=RESULTS / "bench_bf16.json")
@@ -75,7 +88,8 @@ def main() -> None:
               "dot and float time the same kernels")
     rows = []
     for length in args.lengths:
-        row = time_case(length, args.max_distance, args.causal, args.rounds)
+        row = time_case(length, args.max_distance, args.causal, args.rounds, args.heads,
+                        args.per_head, args.terms)
         rows.append(row)
         cells = "  ".join(f"{m} {1e3 * t['fwd']:.1f} / {1e3 * t['fwdbwd']:.1f} ms"
                           for m, t in row["median_s"].items())

@@ -951,7 +951,8 @@ def test_rel_attention_cpu_results_do_not_depend_on_threads(monkeypatch, shape, 
 
 
 BF16_DOT_CASES = ["tiles_causal_padding", "tiles_two_sided", "wide_tiles", "wide_tiles_causal",
-                  "transformer_xl", "tiles_uniform_padding", "bwd_key_runs", "prefill_odd_D"]
+                  "transformer_xl", "tiles_uniform_padding", "bwd_key_runs", "prefill_odd_D",
+                  "tiles_unclipped"]
 
 
 @pytest.mark.parametrize("rel_q", [False, True])
@@ -964,8 +965,10 @@ def test_rel_attention_bf16_dot(monkeypatch, name, rel_q):
     cpu-avx512 backend), a log-sum-exp within float32 rounding of the float32 matmuls'
     (RELPOS_CPU_BF16_DOT=0), outputs that differ from theirs; the backward, handed the same out
     and lse: gradients that differ too, so the dots ran. An odd head dim keeps the float32
-    matmuls: bitwise their results. With a key-side table (rel_q) too, whose own matmuls stay
-    float32."""
+    matmuls: bitwise their results. The relative terms' band matmuls take the dots too (QE,
+    dO rel_v^T, KE^T exactly; W rel_v, W_ds rel_k and the tables' gradients from weights rounded
+    to bfloat16): each case also with a key-side table (rel_q), and ``tiles_unclipped`` with every
+    bucket inside the band (K >= L)."""
     skip_unless_avx512(monkeypatch)
     if not relpos_ext.build_info()["cpu_bf16_dot"]:
         pytest.skip("no AVX512-BF16 on this CPU")

@@ -65,8 +65,9 @@ struct AttentionFwdSplit {
   float* l = nullptr;      // [chunks, batch, heads, q_len]
   float* acc = nullptr;    // [chunks, batch, heads, q_len, dim]
   AttnMaskTiles mask_tiles;
-  // bfloat16 inputs: S = Q K^T and P V by AVX512-BF16 dot products (the avx512 build only; not
-  // when decoding or with an odd head dim), cpu/isa.h bf16_dot_enabled
+  // bfloat16 inputs: S = Q K^T, P V and the relative terms' band matmuls by AVX512-BF16 dot
+  // products (the avx512 build only; not when decoding or with an odd head dim),
+  // cpu/isa.h bf16_dot_enabled
   bool bf16_dot = false;
 };
 
@@ -84,8 +85,9 @@ struct AttentionBwdSplit {
   float* drel_bias_partial = nullptr;  // [chunks, batch, heads, 2K+1], or null
   float* drel_q_partial = nullptr;    // [chunks, batch, heads, 2K+1, dim], or null
   AttnMaskTiles mask_tiles;
-  // bfloat16 inputs: the five big matmuls (S, dP, dV, dK, dQ) by AVX512-BF16 dot products, P
-  // and dS rounded to bfloat16 (the avx512 build only; not with an odd head dim)
+  // bfloat16 inputs: the five big matmuls (S, dP, dV, dK, dQ) and the relative terms' band
+  // matmuls but rel_q's gradients by AVX512-BF16 dot products, P and dS rounded to bfloat16
+  // (the avx512 build only; not with an odd head dim)
   bool bf16_dot = false;
 };
 

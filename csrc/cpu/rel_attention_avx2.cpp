@@ -413,8 +413,10 @@ void gemm_at(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const
 // rounded to bfloat16 for the matmuls that take them, as flash-attention does on GPUs (relative
 // error 2^-9 per entry, averaged over the sums). Operands: A row-major with k pairs adjacent (a
 // 32-bit word per pair, broadcast); B packed as [k / 2][N][2], one 32-bit word per (pair,
-// column), so a zmm load is 16 columns x 2 k. An odd k count is padded with a zero. Everything
-// else (bands, softmax, the relative terms' matmuls, the sums per bucket) stays float32.
+// column), so a zmm load is 16 columns x 2 k. An odd k count is padded with a zero. The
+// relative terms' matmuls over a band of table rows take them too (band_dots and the next two),
+// but for rel_q's gradients; everything else (softmax, the terms' clamped buckets, the sums per
+// bucket) stays float32.
 #if defined(__AVX512F__)
 constexpr bool kBf16Dot = true;
 #define RELPOS_BF16_TARGET __attribute__((target("avx512bf16")))
@@ -613,6 +615,9 @@ Head head_of(const RelAttentionParams& p, int64_t b, int64_t h, const AttnMaskTi
   }
   return hd;
 }
+
+// A head's tensor or table read as bfloat16 (by the bfloat16 dots)
+inline const uint16_t* bf16_of(const void* x) { return static_cast<const uint16_t*>(x); }
 
 // The band of inside buckets (1..2K-1) reachable from query rows [i0, i0 + mq): [lo, lo + n).
 struct Band {
@@ -1358,6 +1363,47 @@ void table_terms(DType d, const char* table, int64_t D, const Band& band, const 
   table_band(d, table, D, band, x, mq, xe, band_rows, band_t);
 }
 
+// The relative terms' band matmuls by the same dots (bfloat16 tables, D even). Table rows are
+// bfloat16 already, so band_dots is exact up to the order of the sums, as S is; band_acc_dots
+// rounds its weights to bfloat16, as P and dS are rounded for P V and dS K.
+// xe[r, c] = alpha * x_r . table[band.lo + c] for mq rows x (leading dim ldx) over the band;
+// pk: D / 2 x band.n words (the band rows' pairs, transposed).
+void band_dots(const uint16_t* table, int64_t D, const Band& band, const uint16_t* x, int64_t ldx,
+               int64_t mq, float alpha, float* xe, uint32_t* pk) {
+  if constexpr (kBf16Dot) {  // (the AVX2 build only declares the bfloat16 functions)
+    if (band.n == 0 || mq == 0) return;
+    pack_pairs_t(table + band.lo * D, band.n, D, pk, band.n);
+    gemm_bf16<false>(mq, band.n, D / 2, x, ldx, pk, band.n, xe, band.n, alpha);
+  }
+}
+
+// y[r, :] += sum_c wt[r, c] table[band.lo + c] for mq rows of weights wt (leading dim band.n),
+// rounded into w_bf (mq x 2 ceil(band.n / 2) halves); pk: ceil(band.n / 2) x D words.
+void band_acc_dots(const uint16_t* table, int64_t D, const Band& band, const float* wt,
+                   int64_t mq, float* y, int64_t ldy, uint16_t* w_bf, uint32_t* pk) {
+  if constexpr (kBf16Dot) {
+    if (band.n == 0 || mq == 0) return;
+    const int64_t n2 = (band.n + 1) / 2;
+    round_rows_bf16(wt, band.n, mq, band.n, w_bf, 2 * n2);
+    pack_row_pairs(table + band.lo * D, band.n, D, pk);
+    gemm_bf16<true>(mq, D, n2, w_bf, 2 * n2, pk, D, y, ldy);
+  }
+}
+
+// y[c, :] += sum_r wt[r, c] x_r for c < n: a table's gradient over a band, W^T X for mq rows of
+// weights wt (leading dim ldw) and X's rows packed in pairs (x_pk, ceil(mq / 2) x D words); W^T
+// through wt_t (n x ldt floats, ldt >= mq) and rounded into w_bf (n x 2 ceil(mq / 2) halves).
+void band_grad_dots(const float* wt, int64_t ldw, int64_t mq, int64_t n, const uint32_t* x_pk,
+                    int64_t D, float* y, float* wt_t, int64_t ldt, uint16_t* w_bf) {
+  if constexpr (kBf16Dot) {
+    if (n == 0 || mq == 0) return;
+    const int64_t m2 = (mq + 1) / 2;
+    transpose(wt, ldw, mq, n, wt_t, ldt);
+    round_rows_bf16(wt_t, ldt, n, mq, w_bf, 2 * m2);
+    gemm_bf16<true>(n, D, m2, w_bf, 2 * m2, x_pk, D, y, D);
+  }
+}
+
 // The bias's part of the key term, rel_bias[b] * log2(e) in QE's units (scaled, base 2), added
 // to the table's part (with_table) or written alone: bias_ends to the clamped buckets' lo[r] and
 // hi[r] (buckets 0 and 2K) of n rows; bias_band to the band's xe[r, c] (bucket band.lo + c) of mq
@@ -1533,15 +1579,17 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
   // Decoding reads K and V in place, in their dtype; else the transposed key tiles, and for
   // float16/bfloat16 the value rows as float, are built once per kv head and reused.
   // With bfloat16 dots (AttentionFwdSplit::bf16_dot: bfloat16, not decoding, D even) the packed
-  // K^T and V tiles instead (the pairs of the dots), and P rounded per tile; the float K^T tiles
-  // still with rel_q, for its term's float matmuls.
+  // K^T and V tiles instead (the pairs of the dots), and P rounded per tile; the relative terms'
+  // matmuls by dots too, from a band of table rows packed per query tile and W rounded.
   const bool bdot = kBf16Dot && split.bf16_dot;
   const int64_t D2 = D / 2, TK2 = (TK + 1) / 2;
-  float* kt_all = few_q || (bdot && !p.rel_q) ? nullptr : buf.take(n_ktiles * D * TK);
+  float* kt_all = few_q || bdot ? nullptr : buf.take(n_ktiles * D * TK);
   float* v_all = f32 || few_q || bdot ? nullptr : buf.take(n_ktiles * TK * D);
   auto* kt_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(n_ktiles * D2 * TK)) : nullptr;
   auto* v_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(n_ktiles * TK2 * D)) : nullptr;
   auto* p_bf = bdot ? reinterpret_cast<uint16_t*>(buf.take(TQ * TK2)) : nullptr;
+  auto* band_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(D2 * max_band + D)) : nullptr;
+  auto* w_bf = bdot && p.rel_v ? reinterpret_cast<uint16_t*>(buf.take(TQ * ((max_band + 1) / 2))) : nullptr;
   float* tmp = buf.take(TK * D);
   float* kf = few_q && !f32 ? buf.take(TK * D) : nullptr;
   float* s = buf.take(TQ * TK);  // logits, then (in place) probabilities
@@ -1585,7 +1633,12 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
     if (hd.rel_k) {  // QE = Q @ rel_k[band]^T, and the two clamped buckets per row
       load_row(p.dtype, hd.rel_k, ek0, D);
       load_row(p.dtype, hd.rel_k + (rows_tab - 1) * D * es, ek1, D);
-      table_terms(p.dtype, hd.rel_k, D, band, qs, mq, ek0, ek1, qe_lo, qe_hi, qe, band_k, band_kt);
+      if (bdot) {  // the band as S: scale2 (Q rel_k^T)
+        table_ends(qs, mq, D, ek0, ek1, qe_lo, qe_hi);
+        band_dots(bf16_of(hd.rel_k), D, band, bf16_of(hd.q) + i0 * D, D, mq, scale2, qe, band_pk);
+      } else {
+        table_terms(p.dtype, hd.rel_k, D, band, qs, mq, ek0, ek1, qe_lo, qe_hi, qe, band_k, band_kt);
+      }
     }
     if (hd.rel_bias) {  // and the bias, in QE's units
       bias_ends(p.dtype, hd.rel_bias, rows_tab, mq, hd.rel_k != nullptr, qe_lo, qe_hi);
@@ -1613,15 +1666,14 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
     }
     if (built < kt_end && bdot) {
       if constexpr (kBf16Dot) {  // (the AVX2 build only declares the bfloat16 functions)
-        const auto* kb16 = reinterpret_cast<const uint16_t*>(hd.k);
-        const auto* vb16 = reinterpret_cast<const uint16_t*>(hd.v);
+        const auto* kb16 = bf16_of(hd.k);
+        const auto* vb16 = bf16_of(hd.v);
         for (int64_t t = built; t < kt_end; ++t) {
           const int64_t j0 = t * TK, nk = imin(TK, p.k_len - j0);
           pack_pairs_t(kb16 + j0 * D, nk, D, kt_pk + t * D2 * TK, TK);
           pack_row_pairs(vb16 + j0 * D, nk, D, v_pk + t * TK2 * D);
         }
       }
-      if (p.rel_q) build_key_tiles(p.dtype, hd.k, D, TK, 0, p.k_len, built, kt_end, kt_all, nullptr, tmp);
       built = kt_end;
     } else if (built < kt_end && !few_q) {
       build_key_tiles(p.dtype, hd.k, D, TK, 0, p.k_len, built, kt_end, kt_all, nullptr, tmp);
@@ -1655,7 +1707,18 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       };
       // the key-side table over this tile: the keys' ends, and KE^T over the tile's band
       Band kband;
-      if (hd.rel_q) {
+      if (hd.rel_q && bdot) {  // the same by dots, from the packed K^T tile
+        kband = band_of(p, i0, mq, j0, j0 + nk);
+        if constexpr (kBf16Dot) {
+          const uint16_t* eq = bf16_of(hd.rel_q);
+          const uint32_t* kt = kt_pk + t * D2 * TK;
+          gemm_bf16<false>(1, nk, D2, eq, D, kt, TK, kq, TK);
+          gemm_bf16<false>(1, nk, D2, eq + (rows_tab - 1) * D, D, kt, TK, kq + TK, TK);
+          for_key_strips(p, i0, mq, j0, nk, kband, [&](int64_t s0, int64_t w, int64_t c0, int64_t n) {
+            gemm_bf16<false>(n, w, D2, eq + (kband.lo + c0) * D, D, kt + s0, TK, ket + c0 * TK + s0, TK);
+          });
+        }
+      } else if (hd.rel_q) {
         times_keys(eq_ends, 2, kq, TK);
         kband = band_of(p, i0, mq, j0, j0 + nk);
         const float* bq = kband.n > 0 ? float_rows(p.dtype, hd.rel_q + kband.lo * D * es, kband.n, D, band_q) : nullptr;
@@ -1683,7 +1746,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       auto scores = [&](int64_t r0, int64_t rows) {
         if (bdot) {  // S = scale2 (Q K^T), Q in its bfloat16
           if constexpr (kBf16Dot) {
-            gemm_bf16<false>(rows, nk, D2, reinterpret_cast<const uint16_t*>(hd.q) + (i0 + r0) * D,
+            gemm_bf16<false>(rows, nk, D2, bf16_of(hd.q) + (i0 + r0) * D,
                              D, kt_pk + t * D2 * TK, TK, s + r0 * TK, TK, scale2);
           }
         } else {
@@ -1836,7 +1899,9 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
           scale_row(mt == kNegInf ? 0.f : std::exp2(mt - m[r]), wr + c0, c1 - c0);
         }
       }
-      if (band.n > 0) {
+      if (bdot) {  // W rounded to bfloat16, as P
+        band_acc_dots(bf16_of(hd.rel_v), D, band, w, mq, acc, D, w_bf, band_pk);
+      } else if (band.n > 0) {
         load_band(p.dtype, hd.rel_v, D, band, band_v, nullptr);
         gemm(mq, D, band.n, w, band.n, band_v, D, acc, D);
       }
@@ -1958,11 +2023,13 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
   float* dk_run = buf.take(run_keys * D);  // dK, dV of the run's keys over the group's heads
   float* dv_run = buf.take(run_keys * D);
   // bfloat16 dots (AttentionBwdSplit::bf16_dot, as the forward's) take packed tiles instead of
-  // these float ones, but for rel_q's float matmuls, which read K^T tiles and K rows
-  const bool bdot = kBf16Dot && split.bf16_dot, float_k = !bdot || p.rel_q != nullptr;
-  float* kt_run = float_k ? buf.take(run_tiles * D * BK) : nullptr;  // the run's key and value tiles, transposed
+  // these float ones, but for the K rows of rel_q's small float32 matmuls over WK (dK += WK^T
+  // rel_q, drel_q += WK K; tried by dots, WK rounded, transposed and packed per 16-key strip:
+  // no faster at H = 12, K = 256, L = 1024)
+  const bool bdot = kBf16Dot && split.bf16_dot;
+  float* kt_run = bdot ? nullptr : buf.take(run_tiles * D * BK);  // the run's key and value tiles, transposed
   float* vt_run = bdot ? nullptr : buf.take(run_tiles * D * BK);
-  float* k_rows = f32 || !float_k ? nullptr : buf.take(run_tiles * BK * D);
+  float* k_rows = f32 || (bdot && !p.rel_q) ? nullptr : buf.take(run_tiles * BK * D);
   float* tmp = buf.take(BK * D);
   float* qf = buf.take(BQ * D);
   float* qs = buf.take(BQ * D);
@@ -1982,6 +2049,12 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
   auto* do_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(BQ2 * D)) : nullptr;
   float* ts = bdot ? buf.take(BK * BQ) : nullptr;
   auto* a_bf = bdot ? reinterpret_cast<uint16_t*>(buf.take(imax(BK * BQ2, BQ * BK2))) : nullptr;
+  // and the tables' band matmuls: the band rows packed, the weights W_ds, W_p rounded as they
+  // are (dQ) or transposed (the tables' gradients)
+  const int64_t band2 = (max_band + 1) / 2;
+  auto* band_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(D2 * max_band + D)) : nullptr;
+  float* band_t = bdot ? buf.take(max_band * BQ) : nullptr;
+  auto* band_bf = bdot ? reinterpret_cast<uint16_t*>(buf.take(imax(BQ * band2, max_band * BQ2))) : nullptr;
   // per query row of each head of the group ([group, q_len]): the log-sum-exp (base 2),
   // D_i = dO_i . O_i, the clamped buckets' key terms (qe) and value terms (de), and the row sums
   // of dS and P in those buckets over all the runs
@@ -2084,8 +2157,8 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
       const int64_t rb = r0 * BK, re = imin(r1 * BK, ke), nrun = re - rb;  // the run's keys
       if (bdot) {
         if constexpr (kBf16Dot) {
-          const auto* kb16 = reinterpret_cast<const uint16_t*>(hd0.k);
-          const auto* vb16 = reinterpret_cast<const uint16_t*>(hd0.v);
+          const auto* kb16 = bf16_of(hd0.k);
+          const auto* vb16 = bf16_of(hd0.v);
           for (int64_t t = r0; t < r1; ++t) {
             const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0), tl = t - r0;
             pack_pairs_t(kb16 + j0 * D, nk, D, kt_pk + tl * D2 * BK, BK);
@@ -2093,7 +2166,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
             pack_row_pairs(kb16 + j0 * D, nk, D, k_pk + tl * BK2 * D);
           }
         }
-        if (float_k) build_key_tiles(p.dtype, hd0.k, D, BK, rb, re, 0, r1 - r0, kt_run, k_rows, tmp);
+        if (k_rows != nullptr) build_key_tiles(p.dtype, hd0.k, D, BK, rb, re, 0, r1 - r0, nullptr, k_rows, tmp);
       } else {
         build_key_tiles(p.dtype, hd0.k, D, BK, rb, re, 0, r1 - r0, kt_run, k_rows, tmp);
         build_key_tiles(p.dtype, hd0.v, D, BK, rb, re, 0, r1 - r0, vt_run, nullptr, tmp);
@@ -2115,7 +2188,16 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
           load_row(p.dtype, hd.rel_q + (rows_tab - 1) * D * es, eq_ends + D, D);
           for (int64_t t = r0; t < r1; ++t) {
             const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0);
-            gemm0(2, nk, D, eq_ends, D, kt_run + (t - r0) * D * BK, BK, kq + (j0 - rb), run_keys);
+            if (bdot) {
+              if constexpr (kBf16Dot) {
+                const uint32_t* kt = kt_pk + (t - r0) * D2 * BK;
+                gemm_bf16<false>(1, nk, D2, bf16_of(hd.rel_q), D, kt, BK, kq + (j0 - rb), run_keys);
+                gemm_bf16<false>(1, nk, D2, bf16_of(hd.rel_q) + (rows_tab - 1) * D, D, kt, BK,
+                                 kq + run_keys + (j0 - rb), run_keys);
+              }
+            } else {
+              gemm0(2, nk, D, eq_ends, D, kt_run + (t - r0) * D * BK, BK, kq + (j0 - rb), run_keys);
+            }
           }
           fill_f32(dsk, 0.f, 2 * run_keys);
         }
@@ -2133,7 +2215,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
           const uint16_t* do_bf = nullptr;
           if (bdot) {
             if constexpr (kBf16Dot) {
-              q_bf = reinterpret_cast<const uint16_t*>(hd.q) + i0 * D;
+              q_bf = bf16_of(hd.q) + i0 * D;
               do_bf = static_cast<const uint16_t*>(bp.grad_out) + row0 * D;
               pack_row_pairs(q_bf, mq, D, q_pk);
               pack_row_pairs(do_bf, mq, D, do_pk);
@@ -2151,13 +2233,21 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
           float* p_hi = p_hi_all + g0 + i0;
           // the band of inside buckets this run's keys reach from the query tile
           const Band band = band_of(p, i0, mq, rb, re);
-          // QE = Q @ rel_k^T over the band, and the bias in its units
-          if (hd.rel_k) table_band(p.dtype, hd.rel_k, D, band, qs, mq, qe, band_k, band_kt);
+          // QE = Q @ rel_k^T over the band (by dots as S), and the bias in its units
+          if (hd.rel_k && bdot) {
+            band_dots(bf16_of(hd.rel_k), D, band, q_bf, D, mq, scale2, qe, band_pk);
+          } else if (hd.rel_k) {
+            table_band(p.dtype, hd.rel_k, D, band, qs, mq, qe, band_k, band_kt);
+          }
           if (hd.rel_bias) bias_band(p.dtype, hd.rel_bias, band, mq, hd.rel_k != nullptr, qe, band_row);
           const int64_t ld_qe = key_term_stride(hd, band);  // and of wds
           if (key_term) fill_f32(wds, 0.f, key_term_rows(hd, mq) * band.n);
           if (hd.rel_v) {  // dO @ rel_v^T: the value term's part of dP
-            table_band(p.dtype, hd.rel_v, D, band, dop, mq, de, band_v, band_vt);
+            if (bdot) {
+              band_dots(bf16_of(hd.rel_v), D, band, do_bf, D, mq, 1.f, de, band_pk);
+            } else {
+              table_band(p.dtype, hd.rel_v, D, band, dop, mq, de, band_v, band_vt);
+            }
             fill_f32(wp, 0.f, mq * band.n);
           }
           float* dq = dq_h + i0 * D;
@@ -2183,7 +2273,14 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
               if (kband.n > 0) {
                 bq = float_rows(p.dtype, hd.rel_q + kband.lo * D * es, kband.n, D, band_q);
                 for_key_strips(p, i0, mq, j0, nk, kband, [&](int64_t s0, int64_t w, int64_t c0, int64_t n) {
-                  gemm0(n, w, D, bq + c0 * D, D, kt_run + tl * D * BK + s0, BK, ket + c0 * BK + s0, BK);
+                  if (bdot) {
+                    if constexpr (kBf16Dot) {
+                      gemm_bf16<false>(n, w, D2, bf16_of(hd.rel_q) + (kband.lo + c0) * D, D,
+                                       kt_pk + tl * D2 * BK + s0, BK, ket + c0 * BK + s0, BK);
+                    }
+                  } else {
+                    gemm0(n, w, D, bq + c0 * D, D, kt_run + tl * D * BK + s0, BK, ket + c0 * BK + s0, BK);
+                  }
                 });
                 fill_f32(wk, 0.f, kband.n * BK);
               }
@@ -2290,11 +2387,16 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
               });
             }
           }
-          if (hd.rel_k && band.n > 0) {  // dQ += W_ds @ rel_k; drel_k += W_ds^T Q over the band
+          if (hd.rel_k && band.n > 0 && bdot) {  // the same two (and the next) by dots
+            band_acc_dots(bf16_of(hd.rel_k), D, band, wds, mq, dq, D, band_bf, band_pk);
+            band_grad_dots(wds, band.n, mq, band.n, q_pk, D, pk + band.lo * D, band_t, BQ, band_bf);
+          } else if (hd.rel_k && band.n > 0) {  // dQ += W_ds @ rel_k; drel_k += W_ds^T Q over the band
             gemm(mq, D, band.n, wds, band.n, band_k, D, dq, D);
             gemm_at(band.n, D, mq, wds, band.n, qp, D, pk + band.lo * D, D);
           }
-          if (hd.rel_v && band.n > 0) {  // drel_v += W_p^T dO over the band
+          if (hd.rel_v && band.n > 0 && bdot) {
+            band_grad_dots(wp, band.n, mq, band.n, do_pk, D, pv + band.lo * D, band_t, BQ, band_bf);
+          } else if (hd.rel_v && band.n > 0) {  // drel_v += W_p^T dO over the band
             gemm_at(band.n, D, mq, wp, band.n, dop, D, pv + band.lo * D, D);
           }
           if (pb != nullptr) bias_grad_band(wds, key_term_rows(hd, mq), band, inv_scale, band_row, pb);

@@ -306,9 +306,10 @@ def rel_attention(
     reproducible, with far fewer blocks in flight). Under
     ``torch.autocast`` the floating inputs are cast to the autocast dtype first (float64 excepted),
     as for ``F.scaled_dot_product_attention``; float32 tables then get float32 gradients.
-    On CPUs with AVX512-BF16 the CPU kernels take bfloat16 inputs' matmuls (``q k^T``, ``p v``
-    and the backward's five) by bfloat16 dot products with float32 sums (``p`` and its gradient
-    rounded to bfloat16, as flash-attention does on GPUs), about 1.6x faster;
+    On CPUs with AVX512-BF16 the CPU kernels take bfloat16 inputs' matmuls (``q k^T``, ``p v``,
+    the relative terms' and the backward's) by bfloat16 dot products with float32 sums (``p``,
+    its gradient and their sums per bucket rounded to bfloat16, as flash-attention does on
+    GPUs), about 1.5-1.7x faster;
     ``RELPOS_CPU_BF16_DOT=0`` keeps float32 matmuls there.
 
     Args:
