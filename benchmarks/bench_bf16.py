@@ -7,7 +7,7 @@ dot products (``build_info()["cpu_bf16_dot"]``; ``RELPOS_CPU_BF16_DOT=0`` switch
 For ``q, k, v [B=1, H, L, D=64]`` (H=8 by default) and tables ``[2K+1, D]`` (shared, or
 ``[H, 2K+1, D]`` with ``--per-head``): ``rel_k`` and ``rel_v`` (Shaw), or with ``--terms kq``
 ``rel_k`` and the key-side ``rel_q`` (DeBERTa), all bfloat16, forward and forward+backward, it
-times:
+times (with ``--lq N``, decoding: N new query rows at the end of L cached keys, causal):
 
 * ``dot`` -- ``rel_attention`` with the dots (``RELPOS_CPU_BF16_DOT=1``);
 * ``float`` -- ``rel_attention`` with float32 matmuls (``RELPOS_CPU_BF16_DOT=0``), bitwise the
@@ -21,6 +21,7 @@ ratios go to the JSON. Usage::
     python benchmarks/bench_bf16.py -L 2048 --causal --out /tmp/bf16.json
     python benchmarks/bench_bf16.py -L 512 1024 -K 256 --heads 12 --per-head --terms kq \
         --out benchmarks/results/bench_bf16_deberta.json
+    python benchmarks/bench_bf16.py -L 4096 --lq 16 --out benchmarks/results/bench_bf16_decode.json
 """
 
 from __future__ import annotations
@@ -38,25 +39,29 @@ from _common import RESULTS, print_environment, time_interleaved, timestamp, wri
 
 
 def time_case(length: int, k: int, causal: bool, rounds: int, heads: int = 8,
-              per_head: bool = False, terms: str = "kv") -> dict:
+              per_head: bool = False, terms: str = "kv", lq: int | None = None) -> dict:
     """Median seconds of each method's forward and forward+backward at one length; terms "kv":
-    rel_k and rel_v, "kq": rel_k and rel_q."""
+    rel_k and rel_v, "kq": rel_k and rel_q; lq: that many query rows decoding against the
+    length's keys (causal, q_offset = length - lq; SDPA without a mask)."""
     gen = torch.Generator().manual_seed(0)
 
     def leaf(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(torch.bfloat16).requires_grad_()
 
-    q, k_, v = (leaf(1, heads, length, 64) for _ in range(3))
+    rows = length if lq is None else lq
+    q = leaf(1, heads, rows, 64)
+    k_, v = leaf(1, heads, length, 64), leaf(1, heads, length, 64)
     table = (heads,) if per_head else ()
     rk, second = leaf(*table, 2 * k + 1, 64), leaf(*table, 2 * k + 1, 64)
     rv, rq = (second, None) if terms == "kv" else (None, second)
-    grad = torch.randn(1, heads, length, 64, generator=gen).to(torch.bfloat16)
+    grad = torch.randn(1, heads, rows, 64, generator=gen).to(torch.bfloat16)
 
     def ours() -> torch.Tensor:
-        return relpos_ext.rel_attention(q, k_, v, rk, rv, k, causal=causal, rel_q=rq)
+        return relpos_ext.rel_attention(q, k_, v, rk, rv, k, causal=causal or lq is not None,
+                                        q_offset=length - rows, rel_q=rq)
 
     def sdpa() -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k_, v, is_causal=causal)
+        return F.scaled_dot_product_attention(q, k_, v, is_causal=causal and lq is None)
 
     methods: dict[str, tuple[str, Callable[[], torch.Tensor]]] = {
         "dot": ("1", ours), "float": ("0", ours), "sdpa": ("1", sdpa)}
@@ -65,7 +70,7 @@ def time_case(length: int, k: int, causal: bool, rounds: int, heads: int = 8,
     for mode in ("fwd", "fwdbwd"):
         ratios[f"float/dot {mode}"] = med["float"][mode] / med["dot"][mode]
         ratios[f"sdpa/dot {mode}"] = med["sdpa"][mode] / med["dot"][mode]
-    return {"L": length, "causal": causal, "median_s": med, "ratios": ratios}
+    return {"L": length, "lq": rows, "causal": causal, "median_s": med, "ratios": ratios}
 
 
 def main() -> None:
@@ -77,6 +82,8 @@ def main() -> None:
     p.add_argument("--per-head", action="store_true", help="per-head tables [H, 2K+1, D]")
     p.add_argument("--terms", choices=["kv", "kq"], default="kv",
                    help="kv: rel_k and rel_v (default); kq: rel_k and rel_q")
+    p.add_argument("--lq", type=int, nargs="+", default=None,
+                   help="decoding: query rows against L cached keys (each L, each count)")
     p.add_argument("--rounds", type=int, default=7, help="calls of each method per length")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     p.add_argument("--out", type=Path, default=RESULTS / "bench_bf16.json")
@@ -88,13 +95,15 @@ def main() -> None:
               "dot and float time the same kernels")
     rows = []
     for length in args.lengths:
-        row = time_case(length, args.max_distance, args.causal, args.rounds, args.heads,
-                        args.per_head, args.terms)
-        rows.append(row)
-        cells = "  ".join(f"{m} {1e3 * t['fwd']:.1f} / {1e3 * t['fwdbwd']:.1f} ms"
-                          for m, t in row["median_s"].items())
-        ratios = "  ".join(f"{name} {x:.2f}x" for name, x in row["ratios"].items())
-        print(f"L={length}{' causal' if args.causal else ''} (fwd / fwd+bwd): {cells}\n  {ratios}")
+        for lq in args.lq or [None]:
+            row = time_case(length, args.max_distance, args.causal, args.rounds, args.heads,
+                            args.per_head, args.terms, lq)
+            rows.append(row)
+            cells = "  ".join(f"{m} {1e3 * t['fwd']:.2f} / {1e3 * t['fwdbwd']:.2f} ms"
+                              for m, t in row["median_s"].items())
+            ratios = "  ".join(f"{name} {x:.2f}x" for name, x in row["ratios"].items())
+            where = f"L={length}" + (f" Lq={lq}" if lq is not None else "")
+            print(f"{where}{' causal' if args.causal else ''} (fwd / fwd+bwd): {cells}\n  {ratios}")
     write_json({"benchmark": "bench_bf16", "time": timestamp(), "build_info": info,
                 "machine": mach, "args": {k: str(v) for k, v in vars(args).items()},
                 "results": rows}, args.out)

@@ -952,7 +952,8 @@ def test_rel_attention_cpu_results_do_not_depend_on_threads(monkeypatch, shape, 
 
 BF16_DOT_CASES = ["tiles_causal_padding", "tiles_two_sided", "wide_tiles", "wide_tiles_causal",
                   "transformer_xl", "tiles_uniform_padding", "bwd_key_runs", "prefill_odd_D",
-                  "tiles_unclipped"]
+                  "tiles_unclipped", "decode_five_rows", "decode_split_keys",
+                  "decode_split_uniform"]
 
 
 @pytest.mark.parametrize("rel_q", [False, True])
@@ -968,7 +969,8 @@ def test_rel_attention_bf16_dot(monkeypatch, name, rel_q):
     matmuls: bitwise their results. The relative terms' band matmuls take the dots too (QE,
     dO rel_v^T, KE^T exactly; W rel_v, W_ds rel_k and the tables' gradients from weights rounded
     to bfloat16): each case also with a key-side table (rel_q), and ``tiles_unclipped`` with every
-    bucket inside the band (K >= L)."""
+    bucket inside the band (K >= L). From 2 query rows on, decoding too: ``decode_split_keys``
+    and ``decode_split_uniform`` split the keys into chunks, packed per tile."""
     skip_unless_avx512(monkeypatch)
     if not relpos_ext.build_info()["cpu_bf16_dot"]:
         pytest.skip("no AVX512-BF16 on this CPU")

@@ -38,6 +38,12 @@ constexpr int64_t kAttentionWideTile = 128;
 // The AVX2 forward scores up to this many query rows (decoding) from the key rows in place
 // instead of transposed key tiles (at L = 4096 it was faster up to 32 rows and even at 64).
 constexpr int64_t kAttentionFewQueries = 32;
+// bfloat16 dots (AttentionFwdSplit::bf16_dot) from this many query rows on, decoding included:
+// B = 1, H = 8, D = 64, K = 64, 1k-16k keys, 2 threads, forward over the float32 path's, 2 rows
+// 1.04-1.11x, 4-8 rows 1.23-1.40x, 16-32 rows 1.39-1.68x (benchmarks/bench_bf16.py --lq; one
+// call after another of the same kind, 1.3-1.9x from 4 rows); a single row 1.2-1.5x slower
+// (its scores read each key once, in place, where the dots would first pack them)
+constexpr int64_t kAttentionDotMinRows = 2;
 
 // What the attention mask does to each (query tile, key tile) of kAttentionTileQ x
 // kAttentionTileK, per mask slab (a [q_len, k_len] matrix of the contiguous [B or 1, H or 1,
@@ -66,8 +72,8 @@ struct AttentionFwdSplit {
   float* acc = nullptr;    // [chunks, batch, heads, q_len, dim]
   AttnMaskTiles mask_tiles;
   // bfloat16 inputs: S = Q K^T, P V and the relative terms' band matmuls by AVX512-BF16 dot
-  // products (the avx512 build only; not when decoding or with an odd head dim),
-  // cpu/isa.h bf16_dot_enabled
+  // products (the avx512 build only; from kAttentionDotMinRows query rows, with an even head
+  // dim), cpu/isa.h bf16_dot_enabled
   bool bf16_dot = false;
 };
 

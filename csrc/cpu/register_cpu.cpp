@@ -227,7 +227,7 @@ struct CpuBackend {
                       p.q_segment_ids == nullptr && p.key_padding_mask == nullptr &&
                       p.window_left < 0 && p.window_right < 0;
     split.tile = wide ? kAttentionWideTile : kAttentionTileQ;
-    split.bf16_dot = p.dtype == DType::BFloat16 && p.q_len > kAttentionFewQueries &&
+    split.bf16_dot = p.dtype == DType::BFloat16 && p.q_len >= kAttentionDotMinRows &&
                      p.dim % 2 == 0 && kern.bf16_dot;
     const int64_t tiles = p.batch * p.heads * ((p.q_len + split.tile - 1) / split.tile);
     const int64_t k_tiles = (p.k_len + kAttentionTileK - 1) / kAttentionTileK;

@@ -84,7 +84,7 @@ class Buffers {
   float* take(int64_t n) { return pool_[used_++].get(n > 0 ? n : 1); }
 
  private:
-  Scratch pool_[56];
+  Scratch pool_[64];
   int used_ = 0;
 };
 
@@ -1578,15 +1578,27 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
   float* qs = buf.take(TQ * D);
   // Decoding reads K and V in place, in their dtype; else the transposed key tiles, and for
   // float16/bfloat16 the value rows as float, are built once per kv head and reused.
-  // With bfloat16 dots (AttentionFwdSplit::bf16_dot: bfloat16, not decoding, D even) the packed
-  // K^T and V tiles instead (the pairs of the dots), and P rounded per tile; the relative terms'
-  // matmuls by dots too, from a band of table rows packed per query tile and W rounded.
+  // With bfloat16 dots (AttentionFwdSplit::bf16_dot: bfloat16, D even, kAttentionDotMinRows
+  // query rows or more) the packed K^T and V tiles instead (the pairs of the dots; when
+  // decoding, one tile at a time, as the float path converts them), and P rounded per tile; the
+  // relative terms' matmuls by dots too, from a band of table rows packed per query tile and W
+  // rounded.
   const bool bdot = kBf16Dot && split.bf16_dot;
-  const int64_t D2 = D / 2, TK2 = (TK + 1) / 2;
+  const int64_t D2 = D / 2, TK2 = (TK + 1) / 2, pk_tiles = few_q ? 1 : n_ktiles;
   float* kt_all = few_q || bdot ? nullptr : buf.take(n_ktiles * D * TK);
   float* v_all = f32 || few_q || bdot ? nullptr : buf.take(n_ktiles * TK * D);
-  auto* kt_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(n_ktiles * D2 * TK)) : nullptr;
-  auto* v_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(n_ktiles * TK2 * D)) : nullptr;
+  auto* kt_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(pk_tiles * D2 * TK)) : nullptr;
+  auto* v_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(pk_tiles * TK2 * D)) : nullptr;
+  // tile t's packed K^T and V
+  auto kt_of = [&](int64_t t) { return kt_pk + (few_q ? 0 : t) * D2 * TK; };
+  auto v_of = [&](int64_t t) { return v_pk + (few_q ? 0 : t) * TK2 * D; };
+  auto pack_tile = [&](const Head& hd, int64_t t) {
+    if constexpr (kBf16Dot) {  // (the AVX2 build only declares the bfloat16 functions)
+      const int64_t j0 = t * TK, nk = imin(TK, p.k_len - j0);
+      pack_pairs_t(bf16_of(hd.k) + j0 * D, nk, D, kt_of(t), TK);
+      pack_row_pairs(bf16_of(hd.v) + j0 * D, nk, D, v_of(t));
+    }
+  };
   auto* p_bf = bdot ? reinterpret_cast<uint16_t*>(buf.take(TQ * TK2)) : nullptr;
   auto* band_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(D2 * max_band + D)) : nullptr;
   auto* w_bf = bdot && p.rel_v ? reinterpret_cast<uint16_t*>(buf.take(TQ * ((max_band + 1) / 2))) : nullptr;
@@ -1664,17 +1676,8 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       cached = hd.k;
       built = 0;
     }
-    if (built < kt_end && bdot) {
-      if constexpr (kBf16Dot) {  // (the AVX2 build only declares the bfloat16 functions)
-        const auto* kb16 = bf16_of(hd.k);
-        const auto* vb16 = bf16_of(hd.v);
-        for (int64_t t = built; t < kt_end; ++t) {
-          const int64_t j0 = t * TK, nk = imin(TK, p.k_len - j0);
-          pack_pairs_t(kb16 + j0 * D, nk, D, kt_pk + t * D2 * TK, TK);
-          pack_row_pairs(vb16 + j0 * D, nk, D, v_pk + t * TK2 * D);
-        }
-      }
-      built = kt_end;
+    if (bdot && !few_q) {
+      for (; built < kt_end; ++built) pack_tile(hd, built);
     } else if (built < kt_end && !few_q) {
       build_key_tiles(p.dtype, hd.k, D, TK, 0, p.k_len, built, kt_end, kt_all, nullptr, tmp);
       if (!f32) build_key_tiles(p.dtype, hd.v, D, TK, 0, p.k_len, built, kt_end, nullptr, v_all, tmp);
@@ -1685,10 +1688,11 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       const TileMask tm = tile_mask(p, hd, i0, mq, j0, nk);
       if (tm == TileMask::kHidden) continue;  // as if every logit were -inf
       const bool clear = tm == TileMask::kClear;
+      if (bdot && few_q) pack_tile(hd, t);  // decoding with the dots: this tile's pairs
       // Decoding several rows of a float16/bfloat16 cache: this tile's keys as float once,
       // rather than converted again for every row
       const float* k_tile = nullptr;
-      if (few_q && !f32 && mq >= kConvertTileRows) {
+      if (few_q && !f32 && !bdot && mq >= kConvertTileRows) {
         load_block(p.dtype, hd.k + j0 * D * es, D, nk, D, kf, D);
         k_tile = kf;
       }
@@ -1711,7 +1715,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
         kband = band_of(p, i0, mq, j0, j0 + nk);
         if constexpr (kBf16Dot) {
           const uint16_t* eq = bf16_of(hd.rel_q);
-          const uint32_t* kt = kt_pk + t * D2 * TK;
+          const uint32_t* kt = kt_of(t);
           gemm_bf16<false>(1, nk, D2, eq, D, kt, TK, kq, TK);
           gemm_bf16<false>(1, nk, D2, eq + (rows_tab - 1) * D, D, kt, TK, kq + TK, TK);
           for_key_strips(p, i0, mq, j0, nk, kband, [&](int64_t s0, int64_t w, int64_t c0, int64_t n) {
@@ -1747,7 +1751,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
         if (bdot) {  // S = scale2 (Q K^T), Q in its bfloat16
           if constexpr (kBf16Dot) {
             gemm_bf16<false>(rows, nk, D2, bf16_of(hd.q) + (i0 + r0) * D,
-                             D, kt_pk + t * D2 * TK, TK, s + r0 * TK, TK, scale2);
+                             D, kt_of(t), TK, s + r0 * TK, TK, scale2);
           }
         } else {
           times_keys(qs + r0 * D, rows, s + r0 * TK, TK);
@@ -1872,7 +1876,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       } else if (bdot) {  // P rounded to bfloat16, its pairs against the packed V
         if constexpr (kBf16Dot) {
           round_rows_bf16(s, TK, mq, nk, p_bf, 2 * TK2);
-          gemm_bf16<true>(mq, D, (nk + 1) / 2, p_bf, 2 * TK2, v_pk + t * TK2 * D, D, acc, D);
+          gemm_bf16<true>(mq, D, (nk + 1) / 2, p_bf, 2 * TK2, v_of(t), D, acc, D);
         }
       } else if (f32) {
         gemm(mq, D, nk, s, TK, reinterpret_cast<const float*>(hd.v) + j0 * D, D, acc, D);
