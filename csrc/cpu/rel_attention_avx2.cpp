@@ -1658,7 +1658,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
     }
     const bool key_term = has_key_term(hd);
     const int64_t ld_qe = key_term_stride(hd, band);
-    if (hd.rel_q) {
+    if (hd.rel_q && !bdot) {  // (the dots read rel_q in place)
       load_row(p.dtype, hd.rel_q, eq_ends, D);
       load_row(p.dtype, hd.rel_q + (rows_tab - 1) * D * es, eq_ends + D, D);
     }
@@ -1716,8 +1716,8 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
         if constexpr (kBf16Dot) {
           const uint16_t* eq = bf16_of(hd.rel_q);
           const uint32_t* kt = kt_of(t);
-          gemm_bf16<false>(1, nk, D2, eq, D, kt, TK, kq, TK);
-          gemm_bf16<false>(1, nk, D2, eq + (rows_tab - 1) * D, D, kt, TK, kq + TK, TK);
+          // the ends: rel_q rows 0 and 2K as the two rows of A (lda reaches from one to the other)
+          gemm_bf16<false>(2, nk, D2, eq, (rows_tab - 1) * D, kt, TK, kq, TK);
           for_key_strips(p, i0, mq, j0, nk, kband, [&](int64_t s0, int64_t w, int64_t c0, int64_t n) {
             gemm_bf16<false>(n, w, D2, eq + (kband.lo + c0) * D, D, kt + s0, TK, ket + c0 * TK + s0, TK);
           });
@@ -2193,11 +2193,9 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
           for (int64_t t = r0; t < r1; ++t) {
             const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0);
             if (bdot) {
-              if constexpr (kBf16Dot) {
-                const uint32_t* kt = kt_pk + (t - r0) * D2 * BK;
-                gemm_bf16<false>(1, nk, D2, bf16_of(hd.rel_q), D, kt, BK, kq + (j0 - rb), run_keys);
-                gemm_bf16<false>(1, nk, D2, bf16_of(hd.rel_q) + (rows_tab - 1) * D, D, kt, BK,
-                                 kq + run_keys + (j0 - rb), run_keys);
+              if constexpr (kBf16Dot) {  // (rows 0 and 2K as A's two rows, as in the forward)
+                gemm_bf16<false>(2, nk, D2, bf16_of(hd.rel_q), (rows_tab - 1) * D,
+                                 kt_pk + (t - r0) * D2 * BK, BK, kq + (j0 - rb), run_keys);
               }
             } else {
               gemm0(2, nk, D, eq_ends, D, kt_run + (t - r0) * D * BK, BK, kq + (j0 - rb), run_keys);
