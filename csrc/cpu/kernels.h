@@ -92,7 +92,7 @@ struct AttentionBwdSplit {
   float* drel_q_partial = nullptr;    // [chunks, batch, heads, 2K+1, dim], or null
   AttnMaskTiles mask_tiles;
   // bfloat16 inputs: the five big matmuls (S, dP, dV, dK, dQ) and the relative terms' band
-  // matmuls but rel_q's gradients by AVX512-BF16 dot products, P and dS rounded to bfloat16
+  // matmuls by AVX512-BF16 dot products, P, dS and the weights per bucket rounded to bfloat16
   // (the avx512 build only; not with an odd head dim)
   bool bf16_dot = false;
 };

@@ -414,9 +414,9 @@ void gemm_at(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const
 // error 2^-9 per entry, averaged over the sums). Operands: A row-major with k pairs adjacent (a
 // 32-bit word per pair, broadcast); B packed as [k / 2][N][2], one 32-bit word per (pair,
 // column), so a zmm load is 16 columns x 2 k. An odd k count is padded with a zero. The
-// relative terms' matmuls over a band of table rows take them too (band_dots and the next two),
-// but for rel_q's gradients; everything else (softmax, the terms' clamped buckets, the sums per
-// bucket) stays float32.
+// relative terms' matmuls over a band of table rows take them too (band_dots and the next two,
+// and rel_q's over WK in the backward); everything else (softmax, the terms' clamped buckets,
+// the sums per bucket) stays float32.
 #if defined(__AVX512F__)
 constexpr bool kBf16Dot = true;
 #define RELPOS_BF16_TARGET __attribute__((target("avx512bf16")))
@@ -1491,6 +1491,7 @@ void key_side_grad(const float* dsr, int64_t j0, int64_t nk, const RowSplit& sp,
 // f(s, w, c0, n): the strip of keys [j0 + s, j0 + s + w) and its buckets, rows [c0, c0 + n) of
 // the tile's band.
 constexpr int64_t kKeyStrip = 16;
+static_assert(kKeyStrip % 2 == 0, "the dots take a strip's keys in pairs from its first");
 
 template <typename F>
 void for_key_strips(const RelAttentionParams& p, int64_t i0, int64_t mq, int64_t j0, int64_t nk,
@@ -1603,7 +1604,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
   auto* band_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(D2 * max_band + D)) : nullptr;
   auto* w_bf = bdot && p.rel_v ? reinterpret_cast<uint16_t*>(buf.take(TQ * ((max_band + 1) / 2))) : nullptr;
   float* tmp = buf.take(TK * D);
-  float* kf = few_q && !f32 ? buf.take(TK * D) : nullptr;
+  float* kf = few_q && !f32 && !bdot ? buf.take(TK * D) : nullptr;
   float* s = buf.take(TQ * TK);  // logits, then (in place) probabilities
   float* acc = buf.take(TQ * D);
   float* m = buf.take(TQ);
@@ -1627,7 +1628,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
   const int64_t tile_band = imin(imax(2 * K - 1, 0), TQ + TK - 1);
   float* eq_ends = p.rel_q ? buf.take(2 * D) : nullptr;
   float* kq = p.rel_q ? buf.take(2 * TK) : nullptr;
-  float* band_q = p.rel_q && !f32 ? buf.take(tile_band * D) : nullptr;
+  float* band_q = p.rel_q && !f32 && !bdot ? buf.take(tile_band * D) : nullptr;
   float* ket = p.rel_q ? buf.take(tile_band * TK) : nullptr;
   const char* cached = nullptr;  // kv head whose tiles [0, built) are in kt_all / v_all
   int64_t built = 0;
@@ -2027,9 +2028,8 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
   float* dk_run = buf.take(run_keys * D);  // dK, dV of the run's keys over the group's heads
   float* dv_run = buf.take(run_keys * D);
   // bfloat16 dots (AttentionBwdSplit::bf16_dot, as the forward's) take packed tiles instead of
-  // these float ones, but for the K rows of rel_q's small float32 matmuls over WK (dK += WK^T
-  // rel_q, drel_q += WK K; tried by dots, WK rounded, transposed and packed per 16-key strip:
-  // no faster at H = 12, K = 256, L = 1024)
+  // these float ones, but for the K rows rel_q's clamped buckets take in float32 (drel_q rows 0
+  // and 2K += the dS mass per key x K, once per run)
   const bool bdot = kBf16Dot && split.bf16_dot;
   float* kt_run = bdot ? nullptr : buf.take(run_tiles * D * BK);  // the run's key and value tiles, transposed
   float* vt_run = bdot ? nullptr : buf.take(run_tiles * D * BK);
@@ -2094,9 +2094,17 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
   float* kq = p.rel_q ? buf.take(2 * run_keys) : nullptr;
   float* dsk = p.rel_q ? buf.take(2 * run_keys) : nullptr;
   float* pq_ends = p.rel_q ? buf.take(2 * D) : nullptr;
-  float* band_q = p.rel_q && !f32 ? buf.take(tile_band * D) : nullptr;
+  float* band_q = p.rel_q && !f32 && !bdot ? buf.take(tile_band * D) : nullptr;
   float* ket = p.rel_q ? buf.take(tile_band * BK) : nullptr;
   float* wk = p.rel_q ? buf.take(tile_band * BK) : nullptr;
+  // and by dots: the tile's rel_q band rows in pairs; WK rounded (pairs along keys, for drel_q)
+  // and WK^T (through a float transpose, then rounded: pairs along buckets, for dK)
+  const int64_t tb2 = (tile_band + 1) / 2;
+  const bool q_dots = bdot && p.rel_q;
+  auto* eq_pk = q_dots ? reinterpret_cast<uint32_t*>(buf.take(tb2 * D)) : nullptr;
+  auto* wk_bf = q_dots ? reinterpret_cast<uint16_t*>(buf.take(tile_band * BK2)) : nullptr;
+  float* wkt = q_dots ? buf.take(BK * tile_band) : nullptr;
+  auto* wkt_bf = q_dots ? reinterpret_cast<uint16_t*>(buf.take(BK * tb2)) : nullptr;
   ItemCursor cursor(work);
   for (int64_t item; cursor.next(item);) {
     const int64_t c = item % chunks, hk = (item / chunks) % p.kv_heads;
@@ -2273,7 +2281,11 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
             if (hd.rel_q) {
               kband = band_of(p, i0, mq, j0, j0 + nk);
               if (kband.n > 0) {
-                bq = float_rows(p.dtype, hd.rel_q + kband.lo * D * es, kband.n, D, band_q);
+                if (bdot) {
+                  if constexpr (kBf16Dot) pack_row_pairs(bf16_of(hd.rel_q) + kband.lo * D, kband.n, D, eq_pk);
+                } else {
+                  bq = float_rows(p.dtype, hd.rel_q + kband.lo * D * es, kband.n, D, band_q);
+                }
                 for_key_strips(p, i0, mq, j0, nk, kband, [&](int64_t s0, int64_t w, int64_t c0, int64_t n) {
                   if (bdot) {
                     if constexpr (kBf16Dot) {
@@ -2382,11 +2394,31 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
                               dsk + (j0 - rb), dsk + run_keys + (j0 - rb), wk);
               }
               // dK += WK rel_q[band]; drel_q[band] += WK^T K
-              for_key_strips(p, i0, mq, j0, nk, kband, [&](int64_t s0, int64_t w, int64_t c0, int64_t n) {
-                const float* wks = wk + c0 * BK + s0;
-                gemm_at(w, D, n, wks, BK, bq + c0 * D, D, dk_t + s0 * D, D);
-                if (pq != nullptr) gemm(n, D, w, wks, BK, kp + (j0 - rb + s0) * D, D, pq + (kband.lo + c0) * D, D);
-              });
+              if (bdot && kband.n > 0) {
+                if constexpr (kBf16Dot) {
+                  // WK^T's rows (keys) against the band's row pairs: a strip's first bucket rounded
+                  // down to a pair's, the bucket before it zero in WK (outside the strip's buckets)
+                  transpose(wk, BK, kband.n, nk, wkt, tile_band);
+                  round_rows_bf16(wkt, tile_band, nk, kband.n, wkt_bf, 2 * tb2);
+                  if (pq != nullptr) round_rows_bf16(wk, BK, kband.n, nk, wk_bf, 2 * BK2);
+                  const uint32_t* kpk = k_pk + tl * BK2 * D;
+                  for_key_strips(p, i0, mq, j0, nk, kband, [&](int64_t s0, int64_t w, int64_t c0, int64_t n) {
+                    const int64_t ca = c0 & ~int64_t(1);
+                    gemm_bf16<true>(w, D, (c0 + n - ca + 1) / 2, wkt_bf + s0 * 2 * tb2 + ca, 2 * tb2,
+                                    eq_pk + (ca / 2) * D, D, dk_t + s0 * D, D);
+                    if (pq != nullptr) {  // (s0 is even: strips of kKeyStrip keys)
+                      gemm_bf16<true>(n, D, (w + 1) / 2, wk_bf + c0 * 2 * BK2 + s0, 2 * BK2,
+                                      kpk + (s0 / 2) * D, D, pq + (kband.lo + c0) * D, D);
+                    }
+                  });
+                }
+              } else {
+                for_key_strips(p, i0, mq, j0, nk, kband, [&](int64_t s0, int64_t w, int64_t c0, int64_t n) {
+                  const float* wks = wk + c0 * BK + s0;
+                  gemm_at(w, D, n, wks, BK, bq + c0 * D, D, dk_t + s0 * D, D);
+                  if (pq != nullptr) gemm(n, D, w, wks, BK, kp + (j0 - rb + s0) * D, D, pq + (kband.lo + c0) * D, D);
+                });
+              }
             }
           }
           if (hd.rel_k && band.n > 0 && bdot) {  // the same two (and the next) by dots
