@@ -2420,7 +2420,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
                     }
                   });
                 }
-              } else {
+              } else if (!bdot) {  // float32 matmuls (the dots with no band here: nothing to add)
                 for_key_strips(p, i0, mq, j0, nk, kband, [&](int64_t s0, int64_t w, int64_t c0, int64_t n) {
                   const float* wks = wk + c0 * BK + s0;
                   gemm_at(w, D, n, wks, BK, bq + c0 * D, D, dk_t + s0 * D, D);
