@@ -594,6 +594,30 @@ RELPOS_BF16_TARGET void round_rows_bf16(const float* src, int64_t lds, int64_t r
     }
   }
 }
+// dst[r2][c] = the pair word (src[2 r2][c], src[2 r2 + 1][c]) rounded to bfloat16, for r2 <
+// ceil(rows / 2), c < cols; a missing last row as zeros. P and dS packed as the right operand of
+// dV^T += dO^T P and dK^T += Q^T dS: round_rows_bf16 and pack_row_pairs in one pass, the same bits.
+RELPOS_BF16_TARGET void round_pack_pairs(const float* src, int64_t lds, int64_t rows, int64_t cols,
+                                         uint32_t* dst, int64_t ldd) {
+  alignas(64) uint16_t idx[32];  // word e: row 0's column e (low half), row 1's (high half)
+  for (int e = 0; e < 16; ++e) {
+    idx[2 * e] = static_cast<uint16_t>(e);
+    idx[2 * e + 1] = static_cast<uint16_t>(16 + e);
+  }
+  const __m512i zip = _mm512_load_si512(idx);
+  for (int64_t r = 0; r < rows; r += 2) {
+    const float* s0 = src + r * lds;
+    const float* s1 = r + 1 < rows ? s0 + lds : nullptr;
+    uint32_t* d = dst + (r / 2) * ldd;
+    for (int64_t c = 0; c < cols; c += 16) {
+      const __mmask16 mk = Zmm::tail(cols - c);
+      const __m512 a = _mm512_maskz_loadu_ps(mk, s0 + c);
+      const __m512 b = s1 != nullptr ? _mm512_maskz_loadu_ps(mk, s1 + c) : _mm512_setzero_ps();
+      const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // a's 16 halves, then b's
+      _mm512_mask_storeu_epi32(d + c, mk, _mm512_permutexvar_epi16(zip, h));
+    }
+  }
+}
 #else
 constexpr bool kBf16Dot = false;
 template <bool ACC>
@@ -603,6 +627,8 @@ void pack_pairs_t(const uint16_t* src, int64_t rows, int64_t D, uint32_t* dst, i
 void pack_row_pairs(const uint16_t* src, int64_t rows, int64_t D, uint32_t* dst);
 void round_rows_bf16(const float* src, int64_t lds, int64_t rows, int64_t cols, uint16_t* dst,
                      int64_t ldd);
+void round_pack_pairs(const float* src, int64_t lds, int64_t rows, int64_t cols, uint32_t* dst,
+                      int64_t ldd);
 #endif
 
 // s[r * lds + j] = q_r . k_j for r < mq, j < nk, with K row-major [nk, D]: the scores of a few
@@ -2113,16 +2139,23 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
   float* s = buf.take(BQ * BK);
   float* dp = buf.take(BQ * BK);
   // bfloat16 dots: the run's K^T, V^T (pairs along D) and K (pairs of rows) packed, the query
-  // tile's Q and dO (pairs of rows), and the left operands P^T, dS^T (through a float transpose)
-  // and dS rounded to bfloat16
+  // tile's Q and dO (pairs of rows) and Q^T, dO^T (pairs along the rows), P and dS packed in
+  // pairs of rows (pq_pk) and dS rounded as it is (a_bf, for dQ). dV and dK accumulate
+  // transposed ([D, run keys]: dV^T += dO^T P, dK^T += Q^T dS), which takes P and dS as they
+  // are where dV += P^T dO would transpose them on every tile; the run's sums are transposed
+  // back once when it is written (rel_q's float32 parts of dK stay in dk_run and join there).
   const int64_t D2 = D / 2, BQ2 = (BQ + 1) / 2, BK2 = (BK + 1) / 2;
   auto* kt_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(run_tiles * D2 * BK)) : nullptr;
   auto* vt_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(run_tiles * D2 * BK)) : nullptr;
   auto* k_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(run_tiles * BK2 * D)) : nullptr;
   auto* q_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(BQ2 * D)) : nullptr;
   auto* do_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(BQ2 * D)) : nullptr;
-  float* ts = bdot ? buf.take(BK * BQ) : nullptr;
-  auto* a_bf = bdot ? reinterpret_cast<uint16_t*>(buf.take(imax(BK * BQ2, BQ * BK2))) : nullptr;
+  auto* qt_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(D * BQ2)) : nullptr;
+  auto* dot_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(D * BQ2)) : nullptr;
+  auto* pq_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(BQ2 * BK)) : nullptr;
+  auto* a_bf = bdot ? reinterpret_cast<uint16_t*>(buf.take(BQ * BK2)) : nullptr;
+  float* dkt_run = bdot ? buf.take(D * run_keys) : nullptr;
+  float* dvt_run = bdot ? buf.take(D * run_keys) : nullptr;
   // and the tables' band matmuls: the band rows packed, the weights W_ds, W_p rounded as they
   // are (dQ) or transposed (the tables' gradients)
   const int64_t band2 = (max_band + 1) / 2;
@@ -2255,7 +2288,12 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
       }
       const float* kp = f32 ? reinterpret_cast<const float*>(hd0.k) + rb * D : k_rows;
       fill_f32(dk_run, 0.f, nrun * D);
-      fill_f32(dv_run, 0.f, nrun * D);
+      if (bdot) {
+        fill_f32(dkt_run, 0.f, D * run_keys);
+        fill_f32(dvt_run, 0.f, D * run_keys);
+      } else {
+        fill_f32(dv_run, 0.f, nrun * D);
+      }
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
         const Head hd = head_of(p, b, h, split.mask_tiles);
         const int64_t bh = b * p.heads + h, g0 = (h - hk * group) * p.q_len;
@@ -2299,6 +2337,9 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
               do_bf = static_cast<const uint16_t*>(bp.grad_out) + row0 * D;
               pack_row_pairs(q_bf, mq, D, q_pk);
               pack_row_pairs(do_bf, mq, D, do_pk);
+              const int64_t mq2 = (mq + 1) / 2;  // the pair words transposed: Q^T, dO^T
+              transpose(reinterpret_cast<const float*>(q_pk), D, mq2, D, reinterpret_cast<float*>(qt_pk), BQ2);
+              transpose(reinterpret_cast<const float*>(do_pk), D, mq2, D, reinterpret_cast<float*>(dot_pk), BQ2);
             }
           }
           const float* lse = lse_all + g0 + i0;
@@ -2444,12 +2485,13 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
             float* dk_t = dk_run + (j0 - rb) * D;
             if (bdot) {  // the same three by bfloat16 dots
               if constexpr (kBf16Dot) {
-                transpose(s, BK, mq, nk, ts, BQ);
-                round_rows_bf16(ts, BQ, nk, mq, a_bf, 2 * BQ2);
-                gemm_bf16<true>(nk, D, (mq + 1) / 2, a_bf, 2 * BQ2, do_pk, D, dv_t, D);
-                transpose(dp, BK, mq, nk, ts, BQ);
-                round_rows_bf16(ts, BQ, nk, mq, a_bf, 2 * BQ2);
-                gemm_bf16<true>(nk, D, (mq + 1) / 2, a_bf, 2 * BQ2, q_pk, D, dk_t, D);
+                const int64_t mq2 = (mq + 1) / 2;
+                round_pack_pairs(s, BK, mq, nk, pq_pk, BK);  // dV^T += dO^T P
+                gemm_bf16<true>(D, nk, mq2, reinterpret_cast<const uint16_t*>(dot_pk), 2 * BQ2, pq_pk, BK,
+                                dvt_run + (j0 - rb), run_keys);
+                round_pack_pairs(dp, BK, mq, nk, pq_pk, BK);  // dK^T += Q^T dS
+                gemm_bf16<true>(D, nk, mq2, reinterpret_cast<const uint16_t*>(qt_pk), 2 * BQ2, pq_pk, BK,
+                                dkt_run + (j0 - rb), run_keys);
                 round_rows_bf16(dp, BK, mq, nk, a_bf, 2 * BK2);
                 gemm_bf16<true>(mq, D, (nk + 1) / 2, a_bf, 2 * BK2, k_pk + tl * BK2 * D, D, dq, D);
               }
@@ -2514,6 +2556,11 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
             add_row(pq_ends + D, pq + (rows_tab - 1) * D, D);
           }
         }
+      }
+      if (bdot) {  // the dots' dK^T and dV^T back to rows (dK: onto rel_q's parts in dk_run)
+        transpose(dkt_run, run_keys, D, nrun, dv_run, D);
+        add_row(dv_run, dk_run, nrun * D);
+        transpose(dvt_run, run_keys, D, nrun, dv_run, D);
       }
       const int64_t kv_off = ((b * p.kv_heads + hk) * p.k_len + rb) * D * es;
       for (int64_t j = 0; j < nrun; ++j) {
