@@ -236,7 +236,8 @@ float sum_row(const float* x, int64_t n) {
 // C[M, N] (+)= A[M, K] @ B[K, N], float. B and C are row-major (ldb, ldc); A is read by broadcasts
 // at A + m * lda + k * ka, so a transposed operand (ka = its row stride, lda = 1) costs nothing
 // extra: P^T dO reads P in place. Register block: MR rows x 2 vectors (16 columns with AVX2, 32
-// with AVX-512), an outer product per k (2 loads of B, MR broadcasts of A, 2*MR FMAs). ACC = false
+// with AVX-512), an outer product per k (2 loads of B, MR broadcasts of A, 2*MR FMAs); with
+// AVX-512, full 64-column strips take 4 x 64 blocks instead (gemm_wide). ACC = false
 // overwrites C (no fill, no load). Each C entry is one FMA chain over k ascending, whatever the
 // vector width: the AVX-512 build gives bitwise the AVX2 build's results.
 // The accumulators are named variables, not an array: GCC kept an array of __m256 on the stack
