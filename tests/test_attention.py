@@ -998,6 +998,94 @@ def test_rel_attention_bf16_dot(monkeypatch, name, rel_q):
         assert not torch.equal(grads[i], grads_f[i])
 
 
+@contextlib.contextmanager
+def float32_matmul_precision(precision: str):
+    """torch.set_float32_matmul_precision for the block (the legacy API only: mixing it with
+    torch.backends.*.fp32_precision makes torch.get_float32_matmul_precision raise)."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize("rel_q", [False, True])
+@pytest.mark.parametrize("name", BF16_DOT_CASES)
+def test_rel_attention_float32_takes_bf16_dots_under_medium_precision(monkeypatch, name, rel_q):
+    """Under torch.set_float32_matmul_precision("medium") (CPU float32 matmuls may compute in
+    bfloat16: torch.backends.mkldnn.matmul.fp32_precision is "bf16") float32 inputs take the
+    bfloat16 dots of test_rel_attention_bf16_dot, from copies of q, k, v, the tables and dO
+    rounded to bfloat16, while everything else stays float32. On inputs that are bfloat16
+    values already, the float32 outputs and gradients rounded to bfloat16, and the log-sum-exp,
+    must be bitwise those of the bfloat16 call (the backward handed the same rounded `out`, as
+    it reads D_i = dO_i . O_i from it). With the dots off (RELPOS_CPU_BF16_DOT=0, an odd head
+    dim, or decoding: at most 32 query rows, which read float32 keys in place faster than they
+    could round them) "medium" changes nothing: bitwise the default precision's results."""
+    skip_unless_avx512(monkeypatch)
+    if not relpos_ext.build_info()["cpu_bf16_dot"]:
+        pytest.skip("no AVX512-BF16 on this CPU")
+    case = CASES[name]
+    tensors16, kw16 = make_inputs(case, torch.bfloat16)
+    if rel_q:
+        kw16["rel_q"] = random_rel_q(case, True, 5).to(torch.bfloat16)
+    tensors = tuple(None if x is None else x.float() for x in tensors16)
+    kw = dict(kw16, rel_q=kw16["rel_q"].float()) if rel_q else kw16
+    cpu = Backend("cpu", "cpu", "relpos")
+    grad16 = torch.randn(tensors[0].shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    grad = grad16.float()
+    out_d, lse_d = _call(cpu, tensors, kw)  # the default precision: float32 matmuls
+    grads_d = _call_backward(cpu, grad, tensors, out_d, lse_d, kw)
+    with float32_matmul_precision("medium"):
+        out, lse = _call(cpu, tensors, kw)
+        dots = case[5] % 2 == 0 and case[3] > 32
+        if dots:
+            out16, lse16 = _call(cpu, tensors16, kw16)
+            out_r = out16.float()
+            grads = _call_backward(cpu, grad, tensors, out_r, lse16, kw)
+            grads16 = _call_backward(cpu, grad16, tensors16, out16, lse16, kw16)
+        monkeypatch.setenv("RELPOS_CPU_BF16_DOT", "0")
+        out_off, lse_off = _call(cpu, tensors, kw)
+        grads_off = _call_backward(cpu, grad, tensors, out_d, lse_d, kw)
+    assert torch.equal(out_off, out_d) and torch.equal(lse_off, lse_d)
+    assert all(torch.equal(g, w) for g, w in zip(grads_off, grads_d))
+    if not dots:
+        assert torch.equal(out, out_d) and torch.equal(lse, lse_d)
+        return
+    assert out.dtype == torch.float32 and not torch.equal(out, out_d)
+    assert torch.equal(out.to(torch.bfloat16), out16) and torch.equal(lse, lse16)
+    for g, w in zip(grads, grads16):
+        assert (g is None) == (w is None)
+        if g is not None:
+            assert g.dtype == torch.float32 and torch.equal(g.to(torch.bfloat16), w)
+
+
+@pytest.mark.parametrize("shape", KV_CACHE_VIEWS, ids=["step", "decode_split", "prefill", "hkv1"])
+def test_rel_attention_float32_bf16_dots_read_kv_cache_views(monkeypatch, shape):
+    """The bfloat16 copies of float32 k and v under "medium" precision take the cache's first T
+    positions of each slab (capacity * D apart), not the NaN beyond: bitwise the result of
+    packed copies. (Only ``prefill`` has more than 32 rows, and so the dots.)"""
+    skip_unless_avx512(monkeypatch)
+    if not relpos_ext.build_info()["cpu_bf16_dot"]:
+        pytest.skip("no AVX512-BF16 on this CPU")
+    b, h, hk, lq, t, cap, d = shape
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(b, h, lq, d, generator=g)
+    store = [torch.full((b, hk, cap, d), float("nan")) for _ in range(2)]
+    for s in store:
+        s[:, :, :t] = torch.randn(b, hk, t, d, generator=g)
+    rk, rv = (torch.randn(h, 2 * 6 + 1, d, generator=g) for _ in range(2))
+    k, v = (s[:, :, :t] for s in store)
+    args = (rk, rv, 6, True, None, t - lq, 0, None)
+    with float32_matmul_precision("medium"):
+        out, lse = torch.ops.relpos.rel_attention(q, k, v, *args)
+        want_out, want_lse = torch.ops.relpos.rel_attention(q, k.contiguous(), v.contiguous(), *args)
+    default_out, _ = torch.ops.relpos.rel_attention(q, k, v, *args)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert torch.equal(out, default_out) == (lq <= 32)
+
+
 def test_rel_attention_bf16_dot_env(monkeypatch):
     """RELPOS_CPU_BF16_DOT takes 0 or 1 (read at every call, where the AVX-512 path runs)."""
     skip_unless_avx512(monkeypatch)

@@ -56,6 +56,23 @@ struct AttnMaskTiles {
   int64_t slabs = 0, q_tiles = 0, k_tiles = 0;
 };
 
+// What the bfloat16 dots read (AttentionFwdSplit / AttentionBwdSplit::bf16_dot): the call's
+// q, k, v, tables and (backward) grad_out as bfloat16, laid out as the params' (k and v in slabs
+// of kv_stride elements). For bfloat16 inputs, the inputs themselves; for float32 inputs under
+// torch's float32 matmul precision "bf16" (register_cpu.cpp), copies rounded to bfloat16, while
+// everything else (the softmax, the clamped buckets, the outputs) reads and writes the float32
+// tensors. Null where the call has no such input.
+struct Bf16Operands {
+  const uint16_t* q = nullptr;
+  const uint16_t* k = nullptr;
+  const uint16_t* v = nullptr;
+  const uint16_t* rel_k = nullptr;
+  const uint16_t* rel_v = nullptr;
+  const uint16_t* rel_q = nullptr;
+  const uint16_t* grad_out = nullptr;
+  int64_t kv_stride = 0;
+};
+
 // How the AVX2 attention forward splits the keys of each (b, h, query tile) into chunks when
 // there are few such items (decoding a batch with few heads): each chunk keeps its own running
 // maximum m (base 2), sum l and unnormalised output acc (value term included) in the float
@@ -73,8 +90,9 @@ struct AttentionFwdSplit {
   AttnMaskTiles mask_tiles;
   // bfloat16 inputs: S = Q K^T, P V and the relative terms' band matmuls by AVX512-BF16 dot
   // products (the avx512 build only; from kAttentionDotMinRows query rows, with an even head
-  // dim), cpu/isa.h bf16_dot_enabled
+  // dim), cpu/isa.h bf16_dot_enabled; float32 inputs too under matmul precision "bf16"
   bool bf16_dot = false;
+  Bf16Operands bf16;  // the dots' operands (with bf16_dot)
 };
 
 // How the AVX2 attention backward splits the keys of a (b, kv head) into chunks, so that a batch
@@ -93,8 +111,10 @@ struct AttentionBwdSplit {
   AttnMaskTiles mask_tiles;
   // bfloat16 inputs: the five big matmuls (S, dP, dV, dK, dQ) and the relative terms' band
   // matmuls by AVX512-BF16 dot products, P, dS and the weights per bucket rounded to bfloat16
-  // (the avx512 build only; not with an odd head dim)
+  // (the avx512 build only; not with an odd head dim); float32 inputs too under matmul
+  // precision "bf16"
   bool bf16_dot = false;
+  Bf16Operands bf16;  // the dots' operands (with bf16_dot)
 };
 
 // Chunks of `chunk` work items of [0, items), handed out one at a time to whichever thread asks

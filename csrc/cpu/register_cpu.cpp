@@ -204,6 +204,58 @@ struct CpuBackend {
             &avx2::rel_attention_backward_reduce, &avx2::attn_mask_tiles, false};
   }
 
+  // Whether float32 inputs may take the bfloat16 dots: torch's float32 matmul precision for the
+  // CPU is "bf16" (torch.set_float32_matmul_precision("medium"), or
+  // torch.backends.mkldnn.matmul.fp32_precision = "bf16"), under which torch's own CPU matmuls
+  // may compute in bfloat16 too. Read at every call; the default ("highest") keeps float32.
+  static bool fp32_matmul_bf16() {
+    return at::globalContext().float32Precision(at::Float32Backend::MKLDNN, at::Float32Op::MATMUL) ==
+           at::Float32Precision::BF16;
+  }
+
+  // Whether a float32 call takes the bfloat16 dots (both passes decide alike): under matmul
+  // precision "bf16", past kAttentionFewQueries query rows. Decoding reads each key once, in
+  // place, where the dots would read the float32 keys once more to round them first: B = 1,
+  // H = 8, D = 64, 1k-4k keys, 2-16 rows, the dots ran 1.1-2.4x slower; 33-256 rows, 1.1-1.6x
+  // faster (16k keys: 0.85-1.2x).
+  static bool fp32_dots(const RelAttentionParams& p) {
+    return p.q_len > kAttentionFewQueries && fp32_matmul_bf16();
+  }
+
+  // The bfloat16 dots' operands (kernels.h Bf16Operands) of a call that takes them: bfloat16
+  // inputs as they are; float32 inputs rounded to bfloat16 (to nearest even, as the kernels round
+  // P and dS) into tensors that `keep` holds for the call, O(L D) next to the kernels' O(L^2 D).
+  static Bf16Operands bf16_operands(const RelAttentionParams& p, const void* grad_out,
+                                    std::vector<at::Tensor>& keep) {
+    Bf16Operands o;
+    if (p.dtype == DType::BFloat16) {
+      auto as16 = [](const void* x) { return static_cast<const uint16_t*>(x); };
+      o = {as16(p.q), as16(p.k), as16(p.v), as16(p.rel_k), as16(p.rel_v), as16(p.rel_q),
+           as16(grad_out), p.kv_stride};
+      return o;
+    }
+    TORCH_INTERNAL_ASSERT(p.dtype == DType::Float32);
+    // n slabs of len floats, ld apart, into n * len bfloat16
+    auto round = [&](const void* x, int64_t n, int64_t len, int64_t ld) -> const uint16_t* {
+      if (x == nullptr) return nullptr;
+      at::Tensor src = at::from_blob(const_cast<void*>(x), {n, len}, {ld, 1}, at::kFloat);
+      keep.push_back(at::empty({n, len}, at::TensorOptions().dtype(at::kBFloat16)));
+      keep.back().copy_(src);
+      return static_cast<const uint16_t*>(keep.back().data_ptr());
+    };
+    const int64_t rows_d = num_buckets(p.max_distance) * p.dim, q_numel = p.batch * p.heads * p.q_len * p.dim;
+    const int64_t kv_len = p.k_len * p.dim;
+    o.q = round(p.q, 1, q_numel, q_numel);
+    o.k = round(p.k, p.batch * p.kv_heads, kv_len, p.kv_stride);
+    o.v = round(p.v, p.batch * p.kv_heads, kv_len, p.kv_stride);
+    o.rel_k = round(p.rel_k, p.rel_k_per_head ? p.heads : 1, rows_d, rows_d);
+    o.rel_v = round(p.rel_v, p.rel_v_per_head ? p.heads : 1, rows_d, rows_d);
+    o.rel_q = round(p.rel_q, p.rel_q_per_head ? p.heads : 1, rows_d, rows_d);
+    o.grad_out = round(grad_out, 1, q_numel, q_numel);
+    o.kv_stride = kv_len;
+    return o;
+  }
+
   // The attention mask's tile classes (kernels.h), in a tensor kept alive by the caller.
   static AttnMaskTiles mask_tiles(const RelAttentionParams& p, const AttentionKernels& kern,
                                   at::Tensor& storage) {
@@ -227,8 +279,10 @@ struct CpuBackend {
                       p.q_segment_ids == nullptr && p.key_padding_mask == nullptr &&
                       p.window_left < 0 && p.window_right < 0;
     split.tile = wide ? kAttentionWideTile : kAttentionTileQ;
-    split.bf16_dot = p.dtype == DType::BFloat16 && p.q_len >= kAttentionDotMinRows &&
-                     p.dim % 2 == 0 && kern.bf16_dot;
+    const bool dot_dtype = p.dtype == DType::BFloat16 || (p.dtype == DType::Float32 && fp32_dots(p));
+    split.bf16_dot = dot_dtype && p.q_len >= kAttentionDotMinRows && p.dim % 2 == 0 && kern.bf16_dot;
+    std::vector<at::Tensor> rounded;  // float32 inputs' bfloat16 copies for the dots
+    if (split.bf16_dot) split.bf16 = bf16_operands(p, nullptr, rounded);
     const int64_t tiles = p.batch * p.heads * ((p.q_len + split.tile - 1) / split.tile);
     const int64_t k_tiles = (p.k_len + kAttentionTileK - 1) / kAttentionTileK;
     at::Tensor m, l, acc;
@@ -282,7 +336,10 @@ struct CpuBackend {
       chunks = std::min(chunks, std::max<int64_t>(1, kBwdPartialBytes / std::max<int64_t>(1, dq_bytes)));
     }
     AttentionBwdSplit split;
-    split.bf16_dot = f.dtype == DType::BFloat16 && f.dim % 2 == 0 && kern.bf16_dot;
+    const bool dot_dtype = f.dtype == DType::BFloat16 || (f.dtype == DType::Float32 && fp32_dots(f));
+    split.bf16_dot = dot_dtype && f.dim % 2 == 0 && kern.bf16_dot;
+    std::vector<at::Tensor> rounded;  // float32 inputs' bfloat16 copies for the dots
+    if (split.bf16_dot) split.bf16 = bf16_operands(f, p.grad_out, rounded);
     at::Tensor partials[5];  // dq and the table / bias gradients' per-chunk partials, kept alive
     if (chunks > 1) {
       const int64_t tiles_per_chunk = (k_tiles + chunks - 1) / chunks;

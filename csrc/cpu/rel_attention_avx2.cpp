@@ -705,8 +705,24 @@ Head head_of(const RelAttentionParams& p, int64_t b, int64_t h, const AttnMaskTi
   return hd;
 }
 
-// A head's tensor or table read as bfloat16 (by the bfloat16 dots)
-inline const uint16_t* bf16_of(const void* x) { return static_cast<const uint16_t*>(x); }
+// A head's operands of the bfloat16 dots: `o` (kernels.h) moved to the query rows of (b, h), the
+// keys and values of its kv head and head h's table rows (or the shared table's); grad_out and
+// kv_stride stay the call's. Null where the call has none.
+Bf16Operands head16_of(const RelAttentionParams& p, const Bf16Operands& o, int64_t b, int64_t h) {
+  const int64_t rows = num_buckets(p.max_distance);
+  const int64_t kvh = b * p.kv_heads + h / (p.heads / p.kv_heads);
+  auto table = [&](const uint16_t* t, bool per_head) {
+    return t ? t + (per_head ? h * rows * p.dim : 0) : nullptr;
+  };
+  Bf16Operands hd = o;
+  hd.q = o.q + (b * p.heads + h) * p.q_len * p.dim;
+  hd.k = o.k + kvh * o.kv_stride;
+  hd.v = o.v + kvh * o.kv_stride;
+  hd.rel_k = table(o.rel_k, p.rel_k_per_head);
+  hd.rel_v = table(o.rel_v, p.rel_v_per_head);
+  hd.rel_q = table(o.rel_q, p.rel_q_per_head);
+  return hd;
+}
 
 // The band of inside buckets (1..2K-1) reachable from query rows [i0, i0 + mq): [lo, lo + n).
 struct Band {
@@ -1690,11 +1706,11 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
   // tile t's packed K^T and V
   auto kt_of = [&](int64_t t) { return kt_pk + (few_q ? 0 : t) * D2 * TK; };
   auto v_of = [&](int64_t t) { return v_pk + (few_q ? 0 : t) * TK2 * D; };
-  auto pack_tile = [&](const Head& hd, int64_t t) {
+  auto pack_tile = [&](const Bf16Operands& h16, int64_t t) {
     if constexpr (kBf16Dot) {  // (the AVX2 build only declares the bfloat16 functions)
       const int64_t j0 = t * TK, nk = imin(TK, p.k_len - j0);
-      pack_pairs_t(bf16_of(hd.k) + j0 * D, nk, D, kt_of(t), TK);
-      pack_row_pairs(bf16_of(hd.v) + j0 * D, nk, D, v_of(t));
+      pack_pairs_t(h16.k + j0 * D, nk, D, kt_of(t), TK);
+      pack_row_pairs(h16.v + j0 * D, nk, D, v_of(t));
     }
   };
   auto* p_bf = bdot ? reinterpret_cast<uint16_t*>(buf.take(TQ * TK2)) : nullptr;
@@ -1737,6 +1753,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
     const int64_t i0 = qt * TQ, mq = imin(TQ, p.q_len - i0);
     const int64_t kb = c * chunk_keys, ke = imin(p.k_len, kb + chunk_keys);  // this item's keys
     const Head hd = head_of(p, b, h, split.mask_tiles);
+    const Bf16Operands h16 = bdot ? head16_of(p, split.bf16, b, h) : Bf16Operands{};
     // qs = Q * scale * log2(e): S, QE and so the logits come out scaled, in base 2
     scale_copy(float_rows(p.dtype, hd.q + i0 * D * es, mq, D, qf), scale2, qs, mq * D);
     const Band band = band_of(p, i0, mq, kb, ke);
@@ -1745,7 +1762,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       load_row(p.dtype, hd.rel_k + (rows_tab - 1) * D * es, ek1, D);
       if (bdot) {  // the band as S: scale2 (Q rel_k^T)
         table_ends(qs, mq, D, ek0, ek1, qe_lo, qe_hi);
-        band_dots(bf16_of(hd.rel_k), D, band, bf16_of(hd.q) + i0 * D, D, mq, scale2, qe, band_pk);
+        band_dots(h16.rel_k, D, band, h16.q + i0 * D, D, mq, scale2, qe, band_pk);
       } else {
         table_terms(p.dtype, hd.rel_k, D, band, qs, mq, ek0, ek1, qe_lo, qe_hi, qe, band_k, band_kt);
       }
@@ -1775,7 +1792,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       built = 0;
     }
     if (bdot && !few_q) {
-      for (; built < kt_end; ++built) pack_tile(hd, built);
+      for (; built < kt_end; ++built) pack_tile(h16, built);
     } else if (built < kt_end && !few_q) {
       build_key_tiles(p.dtype, hd.k, D, TK, 0, p.k_len, built, kt_end, kt_all, nullptr, tmp);
       if (!f32) build_key_tiles(p.dtype, hd.v, D, TK, 0, p.k_len, built, kt_end, nullptr, v_all, tmp);
@@ -1786,7 +1803,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       const TileMask tm = tile_mask(p, hd, i0, mq, j0, nk);
       if (tm == TileMask::kHidden) continue;  // as if every logit were -inf
       const bool clear = tm == TileMask::kClear;
-      if (bdot && few_q) pack_tile(hd, t);  // decoding with the dots: this tile's pairs
+      if (bdot && few_q) pack_tile(h16, t);  // decoding with the dots: this tile's pairs
       // Decoding several rows of a float16/bfloat16 cache: this tile's keys as float once,
       // rather than converted again for every row
       const float* k_tile = nullptr;
@@ -1812,7 +1829,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       if (hd.rel_q && bdot) {  // the same by dots, from the packed K^T tile
         kband = band_of(p, i0, mq, j0, j0 + nk);
         if constexpr (kBf16Dot) {
-          const uint16_t* eq = bf16_of(hd.rel_q);
+          const uint16_t* eq = h16.rel_q;
           const uint32_t* kt = kt_of(t);
           // the ends: rel_q rows 0 and 2K as the two rows of A (lda reaches from one to the other)
           gemm_bf16<false>(2, nk, D2, eq, (rows_tab - 1) * D, kt, TK, kq, TK);
@@ -1848,7 +1865,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       auto scores = [&](int64_t r0, int64_t rows) {
         if (bdot) {  // S = scale2 (Q K^T), Q in its bfloat16
           if constexpr (kBf16Dot) {
-            gemm_bf16<false>(rows, nk, D2, bf16_of(hd.q) + (i0 + r0) * D,
+            gemm_bf16<false>(rows, nk, D2, h16.q + (i0 + r0) * D,
                              D, kt_of(t), TK, s + r0 * TK, TK, scale2);
           }
         } else {
@@ -2002,7 +2019,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
         }
       }
       if (bdot) {  // W rounded to bfloat16, as P
-        band_acc_dots(bf16_of(hd.rel_v), D, band, w, mq, acc, D, w_bf, band_pk);
+        band_acc_dots(h16.rel_v, D, band, w, mq, acc, D, w_bf, band_pk);
       } else if (band.n > 0) {
         load_band(p.dtype, hd.rel_v, D, band, band_v, nullptr);
         gemm(mq, D, band.n, w, band.n, band_v, D, acc, D);
@@ -2273,8 +2290,9 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
       const int64_t rb = r0 * BK, re = imin(r1 * BK, ke), nrun = re - rb;  // the run's keys
       if (bdot) {
         if constexpr (kBf16Dot) {
-          const auto* kb16 = bf16_of(hd0.k);
-          const auto* vb16 = bf16_of(hd0.v);
+          const Bf16Operands h16 = head16_of(p, split.bf16, b, hk * group);
+          const uint16_t* kb16 = h16.k;
+          const uint16_t* vb16 = h16.v;
           for (int64_t t = r0; t < r1; ++t) {
             const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0), tl = t - r0;
             pack_pairs_t(kb16 + j0 * D, nk, D, kt_pk + tl * D2 * BK, BK);
@@ -2297,6 +2315,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
       }
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
         const Head hd = head_of(p, b, h, split.mask_tiles);
+        const Bf16Operands h16 = bdot ? head16_of(p, split.bf16, b, h) : Bf16Operands{};
         const int64_t bh = b * p.heads + h, g0 = (h - hk * group) * p.q_len;
         float* pk = partial_of(h, bp.drel_k_partial, split.drel_k_partial, rows_tab * D);
         float* pv = partial_of(h, bp.drel_v_partial, split.drel_v_partial, rows_tab * D);
@@ -2311,7 +2330,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
             const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0);
             if (bdot) {
               if constexpr (kBf16Dot) {  // (rows 0 and 2K as A's two rows, as in the forward)
-                gemm_bf16<false>(2, nk, D2, bf16_of(hd.rel_q), (rows_tab - 1) * D,
+                gemm_bf16<false>(2, nk, D2, h16.rel_q, (rows_tab - 1) * D,
                                  kt_pk + (t - r0) * D2 * BK, BK, kq + (j0 - rb), run_keys);
               }
             } else {
@@ -2334,8 +2353,8 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
           const uint16_t* do_bf = nullptr;
           if (bdot) {
             if constexpr (kBf16Dot) {
-              q_bf = bf16_of(hd.q) + i0 * D;
-              do_bf = static_cast<const uint16_t*>(bp.grad_out) + row0 * D;
+              q_bf = h16.q + i0 * D;
+              do_bf = split.bf16.grad_out + row0 * D;
               pack_row_pairs(q_bf, mq, D, q_pk);
               pack_row_pairs(do_bf, mq, D, do_pk);
               const int64_t mq2 = (mq + 1) / 2;  // the pair words transposed: Q^T, dO^T
@@ -2357,7 +2376,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
           const Band band = band_of(p, i0, mq, rb, re);
           // QE = Q @ rel_k^T over the band (by dots as S), and the bias in its units
           if (hd.rel_k && bdot) {
-            band_dots(bf16_of(hd.rel_k), D, band, q_bf, D, mq, scale2, qe, band_pk);
+            band_dots(h16.rel_k, D, band, q_bf, D, mq, scale2, qe, band_pk);
           } else if (hd.rel_k) {
             table_band(p.dtype, hd.rel_k, D, band, qs, mq, qe, band_k, band_kt);
           }
@@ -2366,7 +2385,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
           if (key_term) fill_f32(wds, 0.f, key_term_rows(hd, mq) * band.n);
           if (hd.rel_v) {  // dO @ rel_v^T: the value term's part of dP
             if (bdot) {
-              band_dots(bf16_of(hd.rel_v), D, band, do_bf, D, mq, 1.f, de, band_pk);
+              band_dots(h16.rel_v, D, band, do_bf, D, mq, 1.f, de, band_pk);
             } else {
               table_band(p.dtype, hd.rel_v, D, band, dop, mq, de, band_v, band_vt);
             }
@@ -2394,14 +2413,14 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
               kband = band_of(p, i0, mq, j0, j0 + nk);
               if (kband.n > 0) {
                 if (bdot) {
-                  if constexpr (kBf16Dot) pack_row_pairs(bf16_of(hd.rel_q) + kband.lo * D, kband.n, D, eq_pk);
+                  if constexpr (kBf16Dot) pack_row_pairs(h16.rel_q + kband.lo * D, kband.n, D, eq_pk);
                 } else {
                   bq = float_rows(p.dtype, hd.rel_q + kband.lo * D * es, kband.n, D, band_q);
                 }
                 for_key_strips(p, i0, mq, j0, nk, kband, [&](int64_t s0, int64_t w, int64_t c0, int64_t n) {
                   if (bdot) {
                     if constexpr (kBf16Dot) {
-                      gemm_bf16<false>(n, w, D2, bf16_of(hd.rel_q) + (kband.lo + c0) * D, D,
+                      gemm_bf16<false>(n, w, D2, h16.rel_q + (kband.lo + c0) * D, D,
                                        kt_pk + tl * D2 * BK + s0, BK, ket + c0 * BK + s0, BK);
                     }
                   } else {
@@ -2535,7 +2554,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
             }
           }
           if (hd.rel_k && band.n > 0 && bdot) {  // the same two (and the next) by dots
-            band_acc_dots(bf16_of(hd.rel_k), D, band, wds, mq, dq, D, band_bf, band_pk);
+            band_acc_dots(h16.rel_k, D, band, wds, mq, dq, D, band_bf, band_pk);
             band_grad_dots(wds, band.n, mq, band.n, q_pk, D, pk + band.lo * D, band_t, BQ, band_bf);
           } else if (hd.rel_k && band.n > 0) {  // dQ += W_ds @ rel_k; drel_k += W_ds^T Q over the band
             gemm(mq, D, band.n, wds, band.n, band_k, D, dq, D);
