@@ -569,6 +569,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mem-cap-gib", type=float, default=6.0,
                    help="skip (3)/(4) where their analytic [L,L]-style live set exceeds this "
                         "(default 6)")
+    p.add_argument("--float32-matmul-precision", choices=["highest", "high", "medium"],
+                   default="highest",
+                   help="torch.set_float32_matmul_precision for every method (default highest). "
+                        "'medium' lets CPU float32 matmuls compute in bfloat16: torch's own where "
+                        "oneDNN has a bfloat16 kernel for the CPU, and ours (AVX512-BF16 dot "
+                        "products, as for bfloat16 inputs) on CPUs with AVX512-BF16; the roofline "
+                        "bounds then assume float32 FMAs that (1) no longer uses")
     add_common_args(p, RESULTS / "bench_attention.json", rep_budget_s=20.0)
     args = p.parse_args(argv)
     if args.quick:
@@ -585,6 +592,8 @@ def _fmt_sanity(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # before any child is forked: every method's process inherits it
+    torch.set_float32_matmul_precision(args.float32_matmul_precision)
     check_platform("bench_attention.py")
     info, mach = print_environment(args.threads)
     if args.threads > 1 and mach["load_average_at_start"][0] + args.threads > (os.cpu_count() or 1):
@@ -593,6 +602,10 @@ def main(argv: list[str] | None = None) -> int:
               "      than the fused kernels (few long ones); compare with --threads 1")
     print(f"shape: B={BATCH} H={HEADS} D={DIM} Lq=Lk=L, K={args.max_distance}, float32, "
           "shared tables rel_k, rel_v [2K+1, D]; backward w.r.t. q, k, v (and rel_k, rel_v)")
+    if args.float32_matmul_precision != "highest":
+        print(f"float32 matmul precision: {args.float32_matmul_precision} for every method "
+              "(bfloat16 matmuls where 'medium' and the CPU allow); the roofline bounds below "
+              "assume float32 FMAs")
     sanity = in_child(sanity_check, args.threads)
     print("sanity: max |method - reference.shaw_attention|"
           + (f" at L={sanity['L']}, K={sanity['K']}:" if "L" in sanity else ": ")
@@ -648,6 +661,11 @@ def main(argv: list[str] | None = None) -> int:
     print(format_rates(rows, peak.get("gflops")))
     print()
     verdicts = target_verdicts(rows, peak.get("gflops"), rounds)
+    if args.float32_matmul_precision == "medium":
+        for v in verdicts:
+            if v.get("bound") is not None:
+                v["detail"] += ("; under matmul precision 'medium' ours takes bfloat16 dot products "
+                                "where the CPU has them, which that float32 bound does not cover")
     for v in verdicts:
         val = "not measured" if v["value"] is None else f"{v['value']:.2f}"
         print(f"target {v['target']} = {val} (need {v['need']}): {v['verdict']}"
@@ -665,6 +683,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": mach | {"load_average_at_end": load_end},
         "config": {
             "batch": BATCH, "heads": HEADS, "dim": DIM, "dtype": "float32",
+            "float32_matmul_precision": args.float32_matmul_precision,
             "max_distance": args.max_distance, "lengths": args.lengths, "quick": args.quick,
             "mem_cap_gib": args.mem_cap_gib, "materialised_max_l": MATERIALISED_MAX_L,
             "min_run_time": args.min_run_time, "slow_s": args.slow_s, "rounds": args.rounds,
@@ -692,8 +711,9 @@ def main(argv: list[str] | None = None) -> int:
     write_json(doc, args.out)
     if not args.no_plot:
         png = args.out.with_suffix(".png")
+        prec = "" if args.float32_matmul_precision == "highest" else f" ({args.float32_matmul_precision} matmuls)"
         plot(rows, png, f"Shaw attention, B={BATCH} H={HEADS} D={DIM} K={args.max_distance} "
-                        f"float32, {args.threads} threads, {info['cpu_kernel_in_use']} kernel, "
+                        f"float32{prec}, {args.threads} threads, {info['cpu_kernel_in_use']} kernel, "
                         f"{mach['cpu']}, load average {mach['load_average_at_start'][0]:.1f}")
         print(f"wrote {png}")
     return 0
