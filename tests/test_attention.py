@@ -1015,8 +1015,8 @@ def float32_matmul_precision(precision: str):
 def test_rel_attention_float32_takes_bf16_dots_under_medium_precision(monkeypatch, name, rel_q):
     """Under torch.set_float32_matmul_precision("medium") (CPU float32 matmuls may compute in
     bfloat16: torch.backends.mkldnn.matmul.fp32_precision is "bf16") float32 inputs take the
-    bfloat16 dots of test_rel_attention_bf16_dot, from copies of q, k, v, the tables and dO
-    rounded to bfloat16, while everything else stays float32. On inputs that are bfloat16
+    bfloat16 dots of test_rel_attention_bf16_dot, q, k, v and dO rounded to bfloat16 tile by
+    tile and the tables once per call, while everything else stays float32. On inputs that are bfloat16
     values already, the float32 outputs and gradients rounded to bfloat16, and the log-sum-exp,
     must be bitwise those of the bfloat16 call (the backward handed the same rounded `out`, as
     it reads D_i = dO_i . O_i from it). With the dots off (RELPOS_CPU_BF16_DOT=0, an odd head
@@ -1062,9 +1062,9 @@ def test_rel_attention_float32_takes_bf16_dots_under_medium_precision(monkeypatc
 
 @pytest.mark.parametrize("shape", KV_CACHE_VIEWS, ids=["step", "decode_split", "prefill", "hkv1"])
 def test_rel_attention_float32_bf16_dots_read_kv_cache_views(monkeypatch, shape):
-    """The bfloat16 copies of float32 k and v under "medium" precision take the cache's first T
-    positions of each slab (capacity * D apart), not the NaN beyond: bitwise the result of
-    packed copies. (Only ``prefill`` has more than 32 rows, and so the dots.)"""
+    """Under "medium" precision float32 k and v are rounded for the dots where they are: the
+    cache's first T positions of each slab (capacity * D apart), not the NaN beyond; bitwise
+    the result of packed copies. (Only ``prefill`` has more than 32 rows, and so the dots.)"""
     skip_unless_avx512(monkeypatch)
     if not relpos_ext.build_info()["cpu_bf16_dot"]:
         pytest.skip("no AVX512-BF16 on this CPU")

@@ -58,10 +58,11 @@ struct AttnMaskTiles {
 
 // What the bfloat16 dots read (AttentionFwdSplit / AttentionBwdSplit::bf16_dot): the call's
 // q, k, v, tables and (backward) grad_out as bfloat16, laid out as the params' (k and v in slabs
-// of kv_stride elements). For bfloat16 inputs, the inputs themselves; for float32 inputs under
-// torch's float32 matmul precision "bf16" (register_cpu.cpp), copies rounded to bfloat16, while
-// everything else (the softmax, the clamped buckets, the outputs) reads and writes the float32
-// tensors. Null where the call has no such input.
+// of kv_stride elements). For bfloat16 inputs, the inputs themselves. For float32 inputs under
+// torch's float32 matmul precision "bf16" (register_cpu.cpp), the tables rounded to bfloat16
+// and null q, k, v and grad_out: the kernels round those a tile at a time, while everything
+// else (the softmax, the clamped buckets, the outputs) reads and writes the float32 tensors.
+// Null where the call has no such input.
 struct Bf16Operands {
   const uint16_t* q = nullptr;
   const uint16_t* k = nullptr;

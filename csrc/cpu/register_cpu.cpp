@@ -223,8 +223,9 @@ struct CpuBackend {
   }
 
   // The bfloat16 dots' operands (kernels.h Bf16Operands) of a call that takes them: bfloat16
-  // inputs as they are; float32 inputs rounded to bfloat16 (to nearest even, as the kernels round
-  // P and dS) into tensors that `keep` holds for the call, O(L D) next to the kernels' O(L^2 D).
+  // inputs as they are; for float32 inputs the tables rounded to bfloat16 (to nearest even, as the
+  // kernels round P, dS and float32 q, k, v, dO tile by tile) into tensors that `keep` holds for
+  // the call: O(K D), where whole copies of q, k, v and dO would take O(L D).
   static Bf16Operands bf16_operands(const RelAttentionParams& p, const void* grad_out,
                                     std::vector<at::Tensor>& keep) {
     Bf16Operands o;
@@ -235,24 +236,16 @@ struct CpuBackend {
       return o;
     }
     TORCH_INTERNAL_ASSERT(p.dtype == DType::Float32);
-    // n slabs of len floats, ld apart, into n * len bfloat16
-    auto round = [&](const void* x, int64_t n, int64_t len, int64_t ld) -> const uint16_t* {
+    const int64_t rows_d = num_buckets(p.max_distance) * p.dim;
+    auto round = [&](const void* x, bool per_head) -> const uint16_t* {
       if (x == nullptr) return nullptr;
-      at::Tensor src = at::from_blob(const_cast<void*>(x), {n, len}, {ld, 1}, at::kFloat);
-      keep.push_back(at::empty({n, len}, at::TensorOptions().dtype(at::kBFloat16)));
-      keep.back().copy_(src);
+      const int64_t n = (per_head ? p.heads : 1) * rows_d;
+      keep.push_back(at::from_blob(const_cast<void*>(x), {n}, at::kFloat).to(at::kBFloat16));
       return static_cast<const uint16_t*>(keep.back().data_ptr());
     };
-    const int64_t rows_d = num_buckets(p.max_distance) * p.dim, q_numel = p.batch * p.heads * p.q_len * p.dim;
-    const int64_t kv_len = p.k_len * p.dim;
-    o.q = round(p.q, 1, q_numel, q_numel);
-    o.k = round(p.k, p.batch * p.kv_heads, kv_len, p.kv_stride);
-    o.v = round(p.v, p.batch * p.kv_heads, kv_len, p.kv_stride);
-    o.rel_k = round(p.rel_k, p.rel_k_per_head ? p.heads : 1, rows_d, rows_d);
-    o.rel_v = round(p.rel_v, p.rel_v_per_head ? p.heads : 1, rows_d, rows_d);
-    o.rel_q = round(p.rel_q, p.rel_q_per_head ? p.heads : 1, rows_d, rows_d);
-    o.grad_out = round(grad_out, 1, q_numel, q_numel);
-    o.kv_stride = kv_len;
+    o.rel_k = round(p.rel_k, p.rel_k_per_head);
+    o.rel_v = round(p.rel_v, p.rel_v_per_head);
+    o.rel_q = round(p.rel_q, p.rel_q_per_head);
     return o;
   }
 

@@ -78,13 +78,17 @@ void store_row(DType d, const float* src, void* dst, int64_t n) {
 }
 
 // Float buffers for one kernel call: each from its own 64-byte aligned Scratch (vec_avx2.h; no
-// std::vector here, see the ODR note there).
+// std::vector here, see the ODR note there). The backward has 64 takes, not all in one call.
 class Buffers {
  public:
-  float* take(int64_t n) { return pool_[used_++].get(n > 0 ? n : 1); }
+  float* take(int64_t n) {
+    if (used_ == kPool) std::abort();  // (a kernel took more than it was sized for)
+    return pool_[used_++].get(n > 0 ? n : 1);
+  }
 
  private:
-  Scratch pool_[64];
+  static constexpr int kPool = 72;
+  Scratch pool_[kPool];
   int used_ = 0;
 };
 
@@ -707,7 +711,7 @@ Head head_of(const RelAttentionParams& p, int64_t b, int64_t h, const AttnMaskTi
 
 // A head's operands of the bfloat16 dots: `o` (kernels.h) moved to the query rows of (b, h), the
 // keys and values of its kv head and head h's table rows (or the shared table's); grad_out and
-// kv_stride stay the call's. Null where the call has none.
+// kv_stride stay the call's. Null where the call has none, and q, k, v for float32 inputs.
 Bf16Operands head16_of(const RelAttentionParams& p, const Bf16Operands& o, int64_t b, int64_t h) {
   const int64_t rows = num_buckets(p.max_distance);
   const int64_t kvh = b * p.kv_heads + h / (p.heads / p.kv_heads);
@@ -715,9 +719,11 @@ Bf16Operands head16_of(const RelAttentionParams& p, const Bf16Operands& o, int64
     return t ? t + (per_head ? h * rows * p.dim : 0) : nullptr;
   };
   Bf16Operands hd = o;
-  hd.q = o.q + (b * p.heads + h) * p.q_len * p.dim;
-  hd.k = o.k + kvh * o.kv_stride;
-  hd.v = o.v + kvh * o.kv_stride;
+  if (o.q != nullptr) {  // (bfloat16 inputs; float32 ones are rounded by the kernels, tile by tile)
+    hd.q = o.q + (b * p.heads + h) * p.q_len * p.dim;
+    hd.k = o.k + kvh * o.kv_stride;
+    hd.v = o.v + kvh * o.kv_stride;
+  }
   hd.rel_k = table(o.rel_k, p.rel_k_per_head);
   hd.rel_v = table(o.rel_v, p.rel_v_per_head);
   hd.rel_q = table(o.rel_q, p.rel_q_per_head);
@@ -1706,11 +1712,19 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
   // tile t's packed K^T and V
   auto kt_of = [&](int64_t t) { return kt_pk + (few_q ? 0 : t) * D2 * TK; };
   auto v_of = [&](int64_t t) { return v_pk + (few_q ? 0 : t) * TK2 * D; };
-  auto pack_tile = [&](const Bf16Operands& h16, int64_t t) {
+  // float32 inputs (matmul precision "bf16"): the query tile, and a key tile's K or V rows,
+  // rounded to bfloat16 (as round_rows_bf16 rounds P)
+  auto* q16 = bdot && f32 ? reinterpret_cast<uint16_t*>(buf.take(TQ * D / 2 + 1)) : nullptr;
+  auto* rows16 = bdot && f32 ? reinterpret_cast<uint16_t*>(buf.take(TK * D / 2 + 1)) : nullptr;
+  auto pack_tile = [&](const Head& hd, const Bf16Operands& h16, int64_t t) {
     if constexpr (kBf16Dot) {  // (the AVX2 build only declares the bfloat16 functions)
       const int64_t j0 = t * TK, nk = imin(TK, p.k_len - j0);
-      pack_pairs_t(h16.k + j0 * D, nk, D, kt_of(t), TK);
-      pack_row_pairs(h16.v + j0 * D, nk, D, v_of(t));
+      const uint16_t* k16 = h16.k ? h16.k + j0 * D : rows16;
+      if (f32) round_rows_bf16(reinterpret_cast<const float*>(hd.k) + j0 * D, D, nk, D, rows16, D);
+      pack_pairs_t(k16, nk, D, kt_of(t), TK);
+      const uint16_t* v16 = h16.v ? h16.v + j0 * D : rows16;
+      if (f32) round_rows_bf16(reinterpret_cast<const float*>(hd.v) + j0 * D, D, nk, D, rows16, D);
+      pack_row_pairs(v16, nk, D, v_of(t));
     }
   };
   auto* p_bf = bdot ? reinterpret_cast<uint16_t*>(buf.take(TQ * TK2)) : nullptr;
@@ -1754,6 +1768,13 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
     const int64_t kb = c * chunk_keys, ke = imin(p.k_len, kb + chunk_keys);  // this item's keys
     const Head hd = head_of(p, b, h, split.mask_tiles);
     const Bf16Operands h16 = bdot ? head16_of(p, split.bf16, b, h) : Bf16Operands{};
+    const uint16_t* q_bf = nullptr;  // the query tile in bfloat16, for the dots
+    if (bdot) {
+      if constexpr (kBf16Dot) {
+        if (f32) round_rows_bf16(reinterpret_cast<const float*>(hd.q) + i0 * D, D, mq, D, q16, D);
+        q_bf = f32 ? q16 : h16.q + i0 * D;
+      }
+    }
     // qs = Q * scale * log2(e): S, QE and so the logits come out scaled, in base 2
     scale_copy(float_rows(p.dtype, hd.q + i0 * D * es, mq, D, qf), scale2, qs, mq * D);
     const Band band = band_of(p, i0, mq, kb, ke);
@@ -1762,7 +1783,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       load_row(p.dtype, hd.rel_k + (rows_tab - 1) * D * es, ek1, D);
       if (bdot) {  // the band as S: scale2 (Q rel_k^T)
         table_ends(qs, mq, D, ek0, ek1, qe_lo, qe_hi);
-        band_dots(h16.rel_k, D, band, h16.q + i0 * D, D, mq, scale2, qe, band_pk);
+        band_dots(h16.rel_k, D, band, q_bf, D, mq, scale2, qe, band_pk);
       } else {
         table_terms(p.dtype, hd.rel_k, D, band, qs, mq, ek0, ek1, qe_lo, qe_hi, qe, band_k, band_kt);
       }
@@ -1792,7 +1813,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       built = 0;
     }
     if (bdot && !few_q) {
-      for (; built < kt_end; ++built) pack_tile(h16, built);
+      for (; built < kt_end; ++built) pack_tile(hd, h16, built);
     } else if (built < kt_end && !few_q) {
       build_key_tiles(p.dtype, hd.k, D, TK, 0, p.k_len, built, kt_end, kt_all, nullptr, tmp);
       if (!f32) build_key_tiles(p.dtype, hd.v, D, TK, 0, p.k_len, built, kt_end, nullptr, v_all, tmp);
@@ -1803,7 +1824,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       const TileMask tm = tile_mask(p, hd, i0, mq, j0, nk);
       if (tm == TileMask::kHidden) continue;  // as if every logit were -inf
       const bool clear = tm == TileMask::kClear;
-      if (bdot && few_q) pack_tile(h16, t);  // decoding with the dots: this tile's pairs
+      if (bdot && few_q) pack_tile(hd, h16, t);  // decoding with the dots: this tile's pairs
       // Decoding several rows of a float16/bfloat16 cache: this tile's keys as float once,
       // rather than converted again for every row
       const float* k_tile = nullptr;
@@ -1865,7 +1886,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       auto scores = [&](int64_t r0, int64_t rows) {
         if (bdot) {  // S = scale2 (Q K^T), Q in its bfloat16
           if constexpr (kBf16Dot) {
-            gemm_bf16<false>(rows, nk, D2, h16.q + (i0 + r0) * D,
+            gemm_bf16<false>(rows, nk, D2, q_bf + r0 * D,
                              D, kt_of(t), TK, s + r0 * TK, TK, scale2);
           }
         } else {
@@ -2174,6 +2195,11 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
   auto* a_bf = bdot ? reinterpret_cast<uint16_t*>(buf.take(BQ * BK2)) : nullptr;
   float* dkt_run = bdot ? buf.take(D * run_keys) : nullptr;
   float* dvt_run = bdot ? buf.take(D * run_keys) : nullptr;
+  // float32 inputs (matmul precision "bf16"): a key tile's K or V rows, the query tile and its
+  // dO rounded to bfloat16 (as round_rows_bf16 rounds P and dS)
+  auto* rows16 = bdot && f32 ? reinterpret_cast<uint16_t*>(buf.take(BK * D / 2 + 1)) : nullptr;
+  auto* q16 = bdot && f32 ? reinterpret_cast<uint16_t*>(buf.take(BQ * D / 2 + 1)) : nullptr;
+  auto* do16 = bdot && f32 ? reinterpret_cast<uint16_t*>(buf.take(BQ * D / 2 + 1)) : nullptr;
   // and the tables' band matmuls: the band rows packed, the weights W_ds, W_p rounded as they
   // are (dQ) or transposed (the tables' gradients)
   const int64_t band2 = (max_band + 1) / 2;
@@ -2291,13 +2317,15 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
       if (bdot) {
         if constexpr (kBf16Dot) {
           const Bf16Operands h16 = head16_of(p, split.bf16, b, hk * group);
-          const uint16_t* kb16 = h16.k;
-          const uint16_t* vb16 = h16.v;
           for (int64_t t = r0; t < r1; ++t) {
             const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0), tl = t - r0;
-            pack_pairs_t(kb16 + j0 * D, nk, D, kt_pk + tl * D2 * BK, BK);
-            pack_pairs_t(vb16 + j0 * D, nk, D, vt_pk + tl * D2 * BK, BK);
-            pack_row_pairs(kb16 + j0 * D, nk, D, k_pk + tl * BK2 * D);
+            const uint16_t* k16 = f32 ? rows16 : h16.k + j0 * D;  // float32: the tile rounded
+            if (f32) round_rows_bf16(reinterpret_cast<const float*>(hd0.k) + j0 * D, D, nk, D, rows16, D);
+            pack_pairs_t(k16, nk, D, kt_pk + tl * D2 * BK, BK);
+            pack_row_pairs(k16, nk, D, k_pk + tl * BK2 * D);
+            const uint16_t* v16 = f32 ? rows16 : h16.v + j0 * D;
+            if (f32) round_rows_bf16(reinterpret_cast<const float*>(hd0.v) + j0 * D, D, nk, D, rows16, D);
+            pack_pairs_t(v16, nk, D, vt_pk + tl * D2 * BK, BK);
           }
         }
         if (k_rows != nullptr) build_key_tiles(p.dtype, hd0.k, D, BK, rb, re, 0, r1 - r0, nullptr, k_rows, tmp);
@@ -2353,8 +2381,12 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
           const uint16_t* do_bf = nullptr;
           if (bdot) {
             if constexpr (kBf16Dot) {
-              q_bf = h16.q + i0 * D;
-              do_bf = split.bf16.grad_out + row0 * D;
+              if (f32) {  // float32 inputs: the query tile and its dO rounded
+                round_rows_bf16(qp, D, mq, D, q16, D);
+                round_rows_bf16(dop, D, mq, D, do16, D);
+              }
+              q_bf = f32 ? q16 : h16.q + i0 * D;
+              do_bf = f32 ? do16 : split.bf16.grad_out + row0 * D;
               pack_row_pairs(q_bf, mq, D, q_pk);
               pack_row_pairs(do_bf, mq, D, do_pk);
               const int64_t mq2 = (mq + 1) / 2;  // the pair words transposed: Q^T, dO^T

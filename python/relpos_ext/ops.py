@@ -310,10 +310,11 @@ def rel_attention(
     the relative terms' and the backward's) by bfloat16 dot products with float32 sums (``p``,
     its gradient and their sums per bucket rounded to bfloat16, as flash-attention does on
     GPUs), about 1.5-1.7x faster;
-    ``RELPOS_CPU_BF16_DOT=0`` keeps float32 matmuls there. Float32 inputs take the same dot
-    products (from copies of ``q``, ``k``, ``v``, the tables and the upstream gradient rounded
-    to bfloat16; outputs and gradients stay float32) only where the user allows float32 matmuls
-    in bfloat16: ``torch.set_float32_matmul_precision("medium")``, or
+    ``RELPOS_CPU_BF16_DOT=0`` keeps float32 matmuls there. Float32 inputs with more than 32
+    query rows take the same dot products (``q``, ``k``, ``v`` and the upstream gradient rounded
+    to bfloat16 a tile at a time, the tables once per call; outputs and gradients stay float32)
+    only where the user allows float32 matmuls in bfloat16:
+    ``torch.set_float32_matmul_precision("medium")``, or
     ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``, as torch's own CPU matmuls do.
 
     Args:
