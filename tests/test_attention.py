@@ -1016,9 +1016,9 @@ def test_rel_attention_float32_takes_bf16_dots_under_medium_precision(monkeypatc
     """Under torch.set_float32_matmul_precision("medium") (CPU float32 matmuls may compute in
     bfloat16: torch.backends.mkldnn.matmul.fp32_precision is "bf16") float32 inputs take the
     bfloat16 dots of test_rel_attention_bf16_dot, q, k, v and dO rounded to bfloat16 tile by
-    tile and the tables once per call, while everything else stays float32. On inputs that are bfloat16
-    values already, the float32 outputs and gradients rounded to bfloat16, and the log-sum-exp,
-    must be bitwise those of the bfloat16 call (the backward handed the same rounded `out`, as
+    tile and the tables once per call, while everything else stays float32. On inputs that are
+    bfloat16 values already, the float32 outputs and gradients rounded to bfloat16, and the
+    log-sum-exp, must be bitwise those of the bfloat16 call (the backward handed the same rounded `out`, as
     it reads D_i = dO_i . O_i from it). With the dots off (RELPOS_CPU_BF16_DOT=0, an odd head
     dim, or decoding: at most 32 query rows, which read float32 keys in place faster than they
     could round them) "medium" changes nothing: bitwise the default precision's results."""

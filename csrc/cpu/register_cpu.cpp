@@ -274,7 +274,7 @@ struct CpuBackend {
     split.tile = wide ? kAttentionWideTile : kAttentionTileQ;
     const bool dot_dtype = p.dtype == DType::BFloat16 || (p.dtype == DType::Float32 && fp32_dots(p));
     split.bf16_dot = dot_dtype && p.q_len >= kAttentionDotMinRows && p.dim % 2 == 0 && kern.bf16_dot;
-    std::vector<at::Tensor> rounded;  // float32 inputs' bfloat16 copies for the dots
+    std::vector<at::Tensor> rounded;  // float32 tables rounded for the dots
     if (split.bf16_dot) split.bf16 = bf16_operands(p, nullptr, rounded);
     const int64_t tiles = p.batch * p.heads * ((p.q_len + split.tile - 1) / split.tile);
     const int64_t k_tiles = (p.k_len + kAttentionTileK - 1) / kAttentionTileK;
@@ -331,7 +331,7 @@ struct CpuBackend {
     AttentionBwdSplit split;
     const bool dot_dtype = f.dtype == DType::BFloat16 || (f.dtype == DType::Float32 && fp32_dots(f));
     split.bf16_dot = dot_dtype && f.dim % 2 == 0 && kern.bf16_dot;
-    std::vector<at::Tensor> rounded;  // float32 inputs' bfloat16 copies for the dots
+    std::vector<at::Tensor> rounded;  // float32 tables rounded for the dots
     if (split.bf16_dot) split.bf16 = bf16_operands(f, p.grad_out, rounded);
     at::Tensor partials[5];  // dq and the table / bias gradients' per-chunk partials, kept alive
     if (chunks > 1) {
