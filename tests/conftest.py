@@ -72,6 +72,14 @@ def skip_unless_avx512(monkeypatch) -> None:
         pytest.skip("no AVX-512 kernels on this build/CPU")
 
 
+def skip_unless_bf16_dot(monkeypatch) -> None:
+    """skip_unless_avx512, and skip unless this CPU has AVX512-BF16 (the attention kernels'
+    bfloat16 dot products, cpu/isa.h bf16_dot_enabled)."""
+    skip_unless_avx512(monkeypatch)
+    if not relpos_ext.build_info()["cpu_bf16_dot"]:
+        pytest.skip("no AVX512-BF16 on this CPU")
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch) -> Backend:
     name = request.param

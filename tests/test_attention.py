@@ -11,7 +11,7 @@ import torch
 import relpos_ext
 from relpos_ext import reference as ref
 from _emu import emu_seed
-from conftest import Backend, assert_close, skip_unless_avx512
+from conftest import Backend, assert_close, skip_unless_avx512, skip_unless_bf16_dot
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
@@ -971,9 +971,7 @@ def test_rel_attention_bf16_dot(monkeypatch, name, rel_q):
     to bfloat16): each case also with a key-side table (rel_q), and ``tiles_unclipped`` with every
     bucket inside the band (K >= L). From 2 query rows on, decoding too: ``decode_split_keys``
     and ``decode_split_uniform`` split the keys into chunks, packed per tile."""
-    skip_unless_avx512(monkeypatch)
-    if not relpos_ext.build_info()["cpu_bf16_dot"]:
-        pytest.skip("no AVX512-BF16 on this CPU")
+    skip_unless_bf16_dot(monkeypatch)
     case = CASES[name]
     tensors, kw = make_inputs(case, torch.bfloat16)
     if rel_q:
@@ -1022,9 +1020,7 @@ def test_rel_attention_float32_takes_bf16_dots_under_medium_precision(monkeypatc
     it reads D_i = dO_i . O_i from it). With the dots off (RELPOS_CPU_BF16_DOT=0, an odd head
     dim, or decoding: at most 32 query rows, which read float32 keys in place faster than they
     could round them) "medium" changes nothing: bitwise the default precision's results."""
-    skip_unless_avx512(monkeypatch)
-    if not relpos_ext.build_info()["cpu_bf16_dot"]:
-        pytest.skip("no AVX512-BF16 on this CPU")
+    skip_unless_bf16_dot(monkeypatch)
     case = CASES[name]
     tensors16, kw16 = make_inputs(case, torch.bfloat16)
     if rel_q:
@@ -1065,9 +1061,7 @@ def test_rel_attention_float32_bf16_dots_read_kv_cache_views(monkeypatch, shape)
     """Under "medium" precision float32 k and v are rounded for the dots where they are: the
     cache's first T positions of each slab (capacity * D apart), not the NaN beyond; bitwise
     the result of packed copies. (Only ``prefill`` has more than 32 rows, and so the dots.)"""
-    skip_unless_avx512(monkeypatch)
-    if not relpos_ext.build_info()["cpu_bf16_dot"]:
-        pytest.skip("no AVX512-BF16 on this CPU")
+    skip_unless_bf16_dot(monkeypatch)
     b, h, hk, lq, t, cap, d = shape
     g = torch.Generator().manual_seed(5)
     q = torch.randn(b, h, lq, d, generator=g)

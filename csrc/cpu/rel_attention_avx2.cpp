@@ -1719,10 +1719,10 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
   auto pack_tile = [&](const Head& hd, const Bf16Operands& h16, int64_t t) {
     if constexpr (kBf16Dot) {  // (the AVX2 build only declares the bfloat16 functions)
       const int64_t j0 = t * TK, nk = imin(TK, p.k_len - j0);
-      const uint16_t* k16 = h16.k ? h16.k + j0 * D : rows16;
+      const uint16_t* k16 = f32 ? rows16 : h16.k + j0 * D;  // float32: the tile rounded
       if (f32) round_rows_bf16(reinterpret_cast<const float*>(hd.k) + j0 * D, D, nk, D, rows16, D);
       pack_pairs_t(k16, nk, D, kt_of(t), TK);
-      const uint16_t* v16 = h16.v ? h16.v + j0 * D : rows16;
+      const uint16_t* v16 = f32 ? rows16 : h16.v + j0 * D;
       if (f32) round_rows_bf16(reinterpret_cast<const float*>(hd.v) + j0 * D, D, nk, D, rows16, D);
       pack_row_pairs(v16, nk, D, v_of(t));
     }
