@@ -1080,6 +1080,86 @@ def test_rel_attention_float32_bf16_dots_read_kv_cache_views(monkeypatch, shape)
     assert torch.equal(out, default_out) == (lq <= 32)
 
 
+# (batch, heads, kv heads, Lq, Lk, D, K, causal, q_offset, k_offset, tables, per-head tables,
+# rel_q, [B, L, H, D] views) and the options each mix adds.
+MEDIUM_MIXES = {
+    "bias_dropout_gqa": ((2, 4, 2, 97, 150, 64, 5, False, 0, 0, "kv", True, False, False),
+                         {"rel_bias": "head", "dropout_p": 0.2}),
+    "masks_segments": ((2, 2, 2, 130, 130, 80, 64, False, 0, 0, "kv", False, False, False),
+                       {"key_padding_mask": True, "attn_mask": True, "segments": 50}),
+    "window_views_unclipped": ((1, 2, 1, 64, 64, 32, 400, True, 0, 0, "kv", True, False, True),
+                               {"window_left": 20, "window_right": 0}),
+    "rel_v_rel_q_offsets": ((1, 2, 2, 40, 300, 136, 64, False, 7, 3, "v", True, True, False),
+                            {"rel_bias": "shared"}),
+    "rel_k_causal_cross": ((1, 1, 1, 257, 300, 16, 1, True, 43, 0, "k", False, True, True),
+                           {"key_padding_mask": True}),
+}
+
+
+@pytest.mark.parametrize("name", list(MEDIUM_MIXES))
+def test_rel_attention_float32_bf16_dots_with_every_option(monkeypatch, name):
+    """The bitwise agreement of test_rel_attention_float32_takes_bf16_dots_under_medium_precision
+    holds with the options those cases leave out: a scalar bias (shared or per head, its
+    gradient included), dropout, attn_mask, segment ids, a window, [B, L, H, D] views,
+    grouped-query heads, rel_q, offsets and D = 16 ... 136. The float32 call under "medium" on
+    bfloat16 values, rounded, is bitwise the bfloat16 call; and it differs from the default
+    precision's, so the dots ran."""
+    skip_unless_bf16_dot(monkeypatch)
+    shape, opts = MEDIUM_MIXES[name]
+    b, h, hk, lq, lk, d, K, causal, qo, ko, tables, per_head, with_rel_q, views = shape
+    g = torch.Generator().manual_seed(11)
+
+    def rand(*size):
+        return torch.randn(*size, generator=g).to(torch.bfloat16)
+
+    def heads_second(n, length):  # [B, n, L, D], a view of [B, L, n, D] where asked
+        return rand(b, length, n, d).transpose(1, 2) if views else rand(b, n, length, d)
+
+    q, k, v = heads_second(h, lq), heads_second(hk, lk), heads_second(hk, lk)
+    table = (h, 2 * K + 1, d) if per_head else (2 * K + 1, d)
+    rk = rand(*table) if "k" in tables else None
+    rv = rand(*table) if "v" in tables else None
+    kw = {"max_distance": K, "causal": causal, "q_offset": qo, "k_offset": ko,
+          "rel_q": rand(*table) if with_rel_q else None}
+    if opts.get("rel_bias"):
+        kw["rel_bias"] = rand(h, 2 * K + 1) if opts["rel_bias"] == "head" else rand(2 * K + 1)
+    if opts.get("dropout_p"):
+        kw["dropout_p"] = opts["dropout_p"]
+        kw["dropout_seed"] = torch.tensor([1234], dtype=torch.int64)
+    if opts.get("key_padding_mask"):
+        kw["key_padding_mask"] = torch.rand(b, lk, generator=g) < 0.3
+    if opts.get("attn_mask"):
+        kw["attn_mask"] = torch.rand(lq, lk, generator=g) < 0.2
+    if opts.get("segments"):
+        kw["q_segment_ids"] = (torch.arange(lq) // opts["segments"]).expand(b, lq).contiguous()
+        kw["k_segment_ids"] = (torch.arange(lk) // opts["segments"]).expand(b, lk).contiguous()
+    for n in ("window_left", "window_right"):
+        if n in opts:
+            kw[n] = opts[n]
+    grad16 = rand(b, h, lq, d)
+
+    def as_float(x):
+        return None if x is None or not x.is_floating_point() else x.float()
+
+    inputs16 = (q, k, v, rk, rv)
+    inputs = tuple(as_float(x) for x in inputs16)
+    kw32 = {n: (as_float(x) if isinstance(x, torch.Tensor) and x.is_floating_point() else x)
+            for n, x in kw.items()}
+    out_d, _ = relpos_ext.rel_attention(*inputs, return_lse=True, **kw32)
+    with float32_matmul_precision("medium"):
+        out, lse = relpos_ext.rel_attention(*inputs, return_lse=True, **kw32)
+        out16, lse16 = relpos_ext.rel_attention(*inputs16, return_lse=True, **kw)
+        grads = relpos_ext.rel_attention_backward(grad16.float(), *inputs, out16.float(), lse16, **kw32)
+        grads16 = relpos_ext.rel_attention_backward(grad16, *inputs16, out16, lse16, **kw)
+    assert torch.isfinite(out).all() and not torch.equal(out, out_d)
+    assert torch.equal(out.to(torch.bfloat16), out16) and torch.equal(lse, lse16)
+    assert sum(x is not None for x in grads) == 3 + len(tables) + ("rel_bias" in kw) + with_rel_q
+    for x, want in zip(grads, grads16):
+        assert (x is None) == (want is None)
+        if x is not None:
+            assert x.dtype == torch.float32 and torch.equal(x.to(torch.bfloat16), want)
+
+
 def test_rel_attention_bf16_dot_env(monkeypatch):
     """RELPOS_CPU_BF16_DOT takes 0 or 1 (read at every call, where the AVX-512 path runs)."""
     skip_unless_avx512(monkeypatch)
