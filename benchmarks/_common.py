@@ -245,13 +245,36 @@ def time_interleaved(
 
 
 # --------------------------------------------------------------------------- the machine
-def machine_info(threads: int) -> dict:
-    cpu = platform.processor()
+# CPU features that decide which kernel runs and how fast (cpu/isa.cpp), as /proc/cpuinfo names them
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def cpu_identity() -> dict:
+    """The first CPU's model name, family and model numbers and :data:`CPU_FLAGS` present, from
+    /proc/cpuinfo (empty where it cannot be read). The model name alone does not tell machines
+    apart here: "AMD EPYC" was Zen 4 (family 25, 512-bit instructions as two 256-bit halves) on
+    one and Zen 5 (family 26, full-width 512-bit FMA units, twice the float32 peak) on another."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block only
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return {}
+    flags = set(fields.get("flags", "").split())
+    out: dict = {"cpu_flags": [fl for fl in CPU_FLAGS if fl in flags]}
+    for key, name in (("model name", "cpu"), ("cpu family", "cpu_family"), ("model", "cpu_model")):
+        if key in fields:
+            out[name] = int(fields[key]) if fields[key].isdigit() else fields[key]
+    return out
+
+
+def machine_info(threads: int) -> dict:
+    ident = cpu_identity()
+    cpu = ident.pop("cpu", None) or platform.processor()
     try:
         mem_gib = _proc_kib("/proc/meminfo", "MemTotal") / 2**20
     except (OSError, KeyError):
@@ -264,7 +287,7 @@ def machine_info(threads: int) -> dict:
         "mem_total_gib": mem_gib,
         "platform": platform.platform(),
         "python": sys.version.split()[0],
-    }
+    } | ident
 
 
 def print_environment(threads: int) -> tuple[dict, dict]:
@@ -272,7 +295,10 @@ def print_environment(threads: int) -> tuple[dict, dict]:
     info = relpos_ext.build_info()
     print(f"relpos_ext {info['version']}  torch {torch.__version__}  build_info={info}")
     mach = machine_info(threads)
-    print(f"machine: {mach['cpu']}, {mach['logical_cpus']} logical CPUs, "
+    family = ""
+    if "cpu_family" in mach:
+        family = f" (family {mach['cpu_family']} model {mach.get('cpu_model')})"
+    print(f"machine: {mach['cpu']}{family}, {mach['logical_cpus']} logical CPUs, "
           f"torch threads={threads}, {mach['mem_total_gib'] or 0:.0f} GiB RAM")
     load1 = mach["load_average_at_start"][0]
     if load1 > 0.5 * (os.cpu_count() or 1):

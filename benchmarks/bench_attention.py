@@ -258,14 +258,25 @@ def sanity_check(threads: int, length: int = 160, k: int = 16) -> dict:
 # --------------------------------------------------------------------------- the roofline
 # Matmuls of L x L x D per (b, h) that an attention without an [L, L] buffer cannot avoid:
 # forward S = Q K^T and O = P V; backward the recomputed S, dP = dO V^T, dV = P^T dO, dQ = dS K
-# and dK = dS^T Q. The relative terms add O(L (2K+1) D) per (b, h): left out (under 2% here).
+# and dK = dS^T Q. Those are the bound any attention kernel faces, FlexAttention's included.
 MATMULS = {"fwd": 2, "fwd+bwd": 7}
+# Matmuls of L x min(2K+1, 2L-1) x D per (b, h) that Shaw's two terms add without an [L, L, D]
+# buffer (ours, DESIGN.md §1): forward QE = Q rel_k^T and W rel_v; backward QE again,
+# dO rel_v^T, W_dS rel_k (dQ), W_dS^T Q (drel_k) and W_P^T dO (drel_v). At L = 2048, K = 64 they
+# are 6.3% of the flops above; FlexAttention's score_mod computes only a part of the first.
+REL_MATMULS = {"fwd": 2, "fwd+bwd": 7}
 PEAK_SHAPES = ((1024, 1024, 1024), (2048, 64, 2048), (2048, 2048, 64))  # (m, k, n) of m x k @ k x n
 
 
 def attention_flop(mode: str, length: int) -> float:
     """Floating-point operations of the unavoidable ``L x L x D`` matmuls of one call."""
     return MATMULS[mode] * 2.0 * BATCH * HEADS * length * length * DIM
+
+
+def relative_flop(mode: str, length: int, max_distance: int) -> float:
+    """Floating-point operations of the relative terms' band matmuls (:data:`REL_MATMULS`)."""
+    band = min(2 * max_distance + 1, 2 * length - 1)
+    return REL_MATMULS[mode] * 2.0 * BATCH * HEADS * length * band * DIM
 
 
 def _mm_rates(threads: int) -> dict:
@@ -419,20 +430,34 @@ def _time(rows: list[Row], length: int, mode: str, method: str) -> float | None:
 
 
 def roofline_note(mode: str, baseline_ms: float | None, ours_ms: float | None,
-                  peak_gflops: float | None) -> tuple[float | None, str]:
+                  peak_gflops: float | None,
+                  max_distance: int | None = None) -> tuple[float | None, float | None, str]:
     """For a "baseline / ours >= x" target: the largest ratio any float32 kernel that does the
     unavoidable matmuls (:data:`MATMULS`) could reach on this machine, ``baseline / floor``
-    with ``floor = FLOP / measured peak`` (:func:`machine_peak`), and a sentence saying so."""
+    with ``floor = FLOP / measured peak`` (:func:`machine_peak`); the same for a kernel that
+    also does the relative terms' band matmuls (:data:`REL_MATMULS`, given ``max_distance``),
+    as any kernel computing both of Shaw's terms without ``[L, L, D]`` does; and a sentence
+    saying so. Both leave out the softmax, whose exponentials take the same FMA units."""
     if not (baseline_ms and ours_ms and peak_gflops):
-        return None, ""
+        return None, None, ""
     flop = attention_flop(mode, TARGET_L)
     floor_ms = flop / (peak_gflops * 1e9) * 1e3
     ours_rate = flop / (ours_ms * 1e-3) / 1e9
     bound = baseline_ms / floor_ms
-    return bound, (f"roofline: {MATMULS[mode]} matmuls of L x L x D = {flop / 1e9:.1f} GFLOP take "
-                   f">= {floor_ms:.1f} ms at the measured peak {peak_gflops:.0f} GFLOP/s, so "
-                   f"no float32 kernel gets beyond {bound:.2f}x here; ours runs at "
-                   f"{ours_rate:.0f} GFLOP/s ({100 * ours_rate / peak_gflops:.0f}% of that peak)")
+    note = (f"roofline: {MATMULS[mode]} matmuls of L x L x D = {flop / 1e9:.1f} GFLOP take "
+            f">= {floor_ms:.1f} ms at the measured peak {peak_gflops:.0f} GFLOP/s, so "
+            f"no float32 kernel gets beyond {bound:.2f}x here; ours runs at "
+            f"{ours_rate:.0f} GFLOP/s ({100 * ours_rate / peak_gflops:.0f}% of that peak)")
+    if max_distance is None:
+        return bound, None, note
+    rel = relative_flop(mode, TARGET_L, max_distance)
+    shaw_ms = (flop + rel) / (peak_gflops * 1e9) * 1e3
+    shaw_bound = baseline_ms / shaw_ms
+    band = min(2 * max_distance + 1, 2 * TARGET_L - 1)
+    note += (f"; with Shaw's {REL_MATMULS[mode]} band matmuls of L x {band} x D "
+             f"({rel / 1e9:.2f} GFLOP) too, >= {shaw_ms:.1f} ms: at most {shaw_bound:.2f}x, "
+             f"ours at {100 * shaw_ms / ours_ms:.0f}% of that floor")
+    return bound, shaw_bound, note
 
 
 def best_fwd_baseline(rows: list[Row]) -> str | None:
@@ -470,11 +495,12 @@ def target_rounds(rows: list[Row], args: argparse.Namespace) -> dict:
 
 
 def target_verdicts(rows: list[Row], peak_gflops: float | None = None,
-                    rounds: dict | None = None) -> list[dict]:
+                    rounds: dict | None = None, max_distance: int | None = None) -> list[dict]:
     """The four targets, each PASS, FAIL or N/A (not measured in this run). The speed-up targets
     take the median ratio over the table's pair and the extra ``rounds`` (:func:`target_rounds`)
-    where there are any, and also carry ``bound``: the ratio the roofline allows on this machine
-    (see :func:`roofline_note`), None where the peak was not measured."""
+    where there are any, and also carry ``bound``: the ratio the roofline allows on this machine,
+    and ``bound_shaw``: the same with the relative terms' matmuls (given ``max_distance``; see
+    :func:`roofline_note`), None where the peak was not measured."""
     out = []
     rounds = rounds or {}
 
@@ -490,9 +516,10 @@ def target_verdicts(rows: list[Row], peak_gflops: float | None = None,
                 statistics.median(b for _, b in pairs), note)
 
     def verdict(name: str, value: float | None, ok: Callable[[float], bool], need: str,
-                detail: str = "", bound: float | None = None) -> None:
+                detail: str = "", bound: float | None = None,
+                bound_shaw: float | None = None) -> None:
         out.append({"target": name, "value": value, "need": need, "detail": detail,
-                    "bound": bound,
+                    "bound": bound, "bound_shaw": bound_shaw,
                     "verdict": "N/A" if value is None else ("PASS" if ok(value) else "FAIL")})
 
     ours_f, sdpa_f = _time(rows, TARGET_L, "fwd", "ours"), _time(rows, TARGET_L, "fwd", "sdpa")
@@ -501,16 +528,17 @@ def target_verdicts(rows: list[Row], peak_gflops: float | None = None,
             f"<= {MAX_VS_SDPA}x")
     b = best_fwd_baseline(rows)
     ratio, o_ms, b_ms, pnote = paired("fwd", ours_f, _time(rows, TARGET_L, "fwd", b) if b else None)
-    bound, note = roofline_note("fwd", b_ms, o_ms, peak_gflops)
+    bound, bound_shaw, note = roofline_note("fwd", b_ms, o_ms, peak_gflops, max_distance)
     verdict(f"fwd L={TARGET_L}: best of (3)/(4)/(5) / ours", ratio, lambda x: x >= MIN_SPEEDUP,
             f">= {MIN_SPEEDUP}x",
-            "; ".join(x for x in (f"best is {SHORT[b]}" if b else "", pnote, note) if x), bound)
+            "; ".join(x for x in (f"best is {SHORT[b]}" if b else "", pnote, note) if x), bound,
+            bound_shaw)
     ours_b = _time(rows, TARGET_L, "fwd+bwd", "ours")
     eager_b = _time(rows, TARGET_L, "fwd+bwd", "eager")
     ratio, o_ms, b_ms, pnote = paired("fwd+bwd", ours_b, eager_b)
-    bound, note = roofline_note("fwd+bwd", b_ms, o_ms, peak_gflops)
+    bound, bound_shaw, note = roofline_note("fwd+bwd", b_ms, o_ms, peak_gflops, max_distance)
     verdict(f"fwd+bwd L={TARGET_L}: (3) eager / ours", ratio, lambda x: x >= MIN_SPEEDUP,
-            f">= {MIN_SPEEDUP}x", "; ".join(x for x in (pnote, note) if x), bound)
+            f">= {MIN_SPEEDUP}x", "; ".join(x for x in (pnote, note) if x), bound, bound_shaw)
     mem = _get(rows, MEMORY_L, "fwd+bwd", "ours")
     others = []
     for m in ("eager", "compiled", "sdpa"):
@@ -660,12 +688,12 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_rates(rows, peak.get("gflops")))
     print()
-    verdicts = target_verdicts(rows, peak.get("gflops"), rounds)
+    verdicts = target_verdicts(rows, peak.get("gflops"), rounds, args.max_distance)
     if args.float32_matmul_precision == "medium":
         for v in verdicts:
             if v.get("bound") is not None:
                 v["detail"] += ("; under matmul precision 'medium' ours takes bfloat16 dot products "
-                                "where the CPU has them, which that float32 bound does not cover")
+                                "where the CPU has them, which those float32 bounds do not cover")
     for v in verdicts:
         val = "not measured" if v["value"] is None else f"{v['value']:.2f}"
         print(f"target {v['target']} = {val} (need {v['need']}): {v['verdict']}"
@@ -696,6 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         "sanity": sanity,
         "peak": peak,
         "matmuls": MATMULS,
+        "relative_matmuls": REL_MATMULS,
         "target_rounds": rounds,
         "verdicts": verdicts,
         "elapsed_s": elapsed,
