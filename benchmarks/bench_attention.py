@@ -263,7 +263,7 @@ MATMULS = {"fwd": 2, "fwd+bwd": 7}
 # Matmuls of L x min(2K+1, 2L-1) x D per (b, h) that Shaw's two terms add without an [L, L, D]
 # buffer (ours, DESIGN.md §1): forward QE = Q rel_k^T and W rel_v; backward QE again,
 # dO rel_v^T, W_dS rel_k (dQ), W_dS^T Q (drel_k) and W_P^T dO (drel_v). At L = 2048, K = 64 they
-# are 6.3% of the flops above; FlexAttention's score_mod computes only a part of the first.
+# are 6.3% of the flops above. (5) computes the first (QE, before its score_mod), not the second.
 REL_MATMULS = {"fwd": 2, "fwd+bwd": 7}
 PEAK_SHAPES = ((1024, 1024, 1024), (2048, 64, 2048), (2048, 2048, 64))  # (m, k, n) of m x k @ k x n
 
