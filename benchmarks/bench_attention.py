@@ -273,10 +273,14 @@ def attention_flop(mode: str, length: int) -> float:
     return MATMULS[mode] * 2.0 * BATCH * HEADS * length * length * DIM
 
 
+def band_width(length: int, max_distance: int) -> int:
+    """Buckets a query row can reach, the band matmuls' width: 2K+1, or 2L-1 when K >= L."""
+    return min(2 * max_distance + 1, 2 * length - 1)
+
+
 def relative_flop(mode: str, length: int, max_distance: int) -> float:
     """Floating-point operations of the relative terms' band matmuls (:data:`REL_MATMULS`)."""
-    band = min(2 * max_distance + 1, 2 * length - 1)
-    return REL_MATMULS[mode] * 2.0 * BATCH * HEADS * length * band * DIM
+    return REL_MATMULS[mode] * 2.0 * BATCH * HEADS * length * band_width(length, max_distance) * DIM
 
 
 def _mm_rates(threads: int) -> dict:
@@ -453,8 +457,8 @@ def roofline_note(mode: str, baseline_ms: float | None, ours_ms: float | None,
     rel = relative_flop(mode, TARGET_L, max_distance)
     shaw_ms = (flop + rel) / (peak_gflops * 1e9) * 1e3
     shaw_bound = baseline_ms / shaw_ms
-    band = min(2 * max_distance + 1, 2 * TARGET_L - 1)
-    note += (f"; with Shaw's {REL_MATMULS[mode]} band matmuls of L x {band} x D "
+    note += (f"; with Shaw's {REL_MATMULS[mode]} band matmuls of "
+             f"L x {band_width(TARGET_L, max_distance)} x D "
              f"({rel / 1e9:.2f} GFLOP) too, >= {shaw_ms:.1f} ms: at most {shaw_bound:.2f}x, "
              f"ours at {100 * shaw_ms / ours_ms:.0f}% of that floor")
     return bound, shaw_bound, note
