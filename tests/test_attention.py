@@ -781,6 +781,33 @@ def test_rel_attention_nan_propagates(backend, where):
     assert out.isnan().any() and not out.isnan().all()
 
 
+
+@pytest.mark.parametrize("nan_row", [None, 290, 263])
+def test_rel_attention_far_rows_first_tile(backend, nan_row):
+    """Query rows whose first key tile lies wholly in one clamped bucket (here rows 256-299 over
+    keys 0-127 with K = 4): the AVX2 forward takes their maximum in a pass of its own and then
+    the one-pass rows of 8, where it once took the general path. A NaN query row (290; 263, one
+    of a group of 8 that also has rows of finite logits) must still come out NaN, and the rows
+    beside it as the reference's."""
+    _attention_backend(backend)
+    g = torch.Generator().manual_seed(21)
+    lq, lk, d, h = 300, 600, 16, 2
+    q, k, v = (torch.randn(1, h, n, d, generator=g, dtype=torch.float64) for n in (lq, lk, lk))
+    rk, rv = (torch.randn(9, d, generator=g, dtype=torch.float64) for _ in range(2))
+    if nan_row is not None:
+        q[0, 1, nan_row, 5] = float("nan")
+    kw = dict(max_distance=4, causal=False, q_offset=0, k_offset=0, key_padding_mask=None)
+    tensors = (q, k, v, rk, rv)
+    exp_out, exp_lse = ref.shaw_attention(*tensors, **kw, return_lse=True)
+    out, lse = _call(backend, tuple(x.float() for x in tensors), kw)
+    out, lse = out.cpu(), lse.cpu()
+    nan = exp_out.isnan().any(-1, keepdim=True).expand_as(out)
+    assert torch.equal(out.isnan(), nan)
+    assert nan.any() == (nan_row is not None)
+    assert_close(out.nan_to_num(0.0), exp_out.nan_to_num(0.0), torch.float32)
+    keep = ~nan[..., 0]
+    assert_close(lse[keep], exp_lse.float()[keep], torch.float32)
+
 # ---------------------------------------------------------------------------------------- rel_q
 # The key-side table (DeBERTa's position-to-content term, k_j . rel_q[b] before the scale):
 # every kernel path as for the bias, alone and with the other tables.

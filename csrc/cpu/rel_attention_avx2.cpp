@@ -882,6 +882,19 @@ inline float max_or_nan(__m256 mx, __m256 nan) {
 float max_row(const float* x, int64_t n) {
   __m256 mx = _mm256_set1_ps(kNegInf), nan = _mm256_setzero_ps();
   int64_t i = 0;
+#if defined(__AVX512F__)
+  if (n >= 16) {  // 16 at a time (a maximum is exact: the same whatever the order)
+    __m512 mx16 = _mm512_set1_ps(kNegInf);
+    __mmask16 nan16 = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      mx16 = _mm512_max_ps(mx16, v);
+      nan16 = static_cast<__mmask16>(nan16 | _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q));
+    }
+    if (nan16 != 0) return std::numeric_limits<float>::quiet_NaN();
+    mx = _mm256_max_ps(_mm512_castps512_ps256(mx16), _mm512_extractf32x8_ps(mx16, 1));
+  }
+#endif
   for (; i + 8 <= n; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i);
     mx = _mm256_max_ps(mx, v);
@@ -1048,28 +1061,6 @@ inline float exp_sum_row(float* sr, int64_t nk, float shift) {
 // exceeds m by more than kStaleMax (so P <= 2^kStaleMax: no overflow in P, the sums or P V).
 constexpr float kStaleMax = 8.f;
 
-template <bool kMasked>
-inline bool exp_sum_row_stale_(float* sr, int64_t nk, int64_t vis, float c_minus_m, float& sum) {
-  const __m256 vc = _mm256_set1_ps(c_minus_m), ninf = _mm256_set1_ps(kNegInf);
-  const __m256 lim = _mm256_set1_ps(kStaleMax);
-  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  __m256 acc = _mm256_setzero_ps(), over = _mm256_setzero_ps();
-  for (int64_t j = 0; j < nk; j += 8) {
-    __m256 x = _mm256_add_ps(_mm256_loadu_ps(sr + j), vc);
-    if constexpr (kMasked) {
-      const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(vis - j)), idx);
-      x = _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(keep));
-    }
-    over = _mm256_or_ps(over, _mm256_cmp_ps(x, lim, _CMP_GT_OQ));
-    const __m256 e = exp2_256(x);
-    _mm256_storeu_ps(sr + j, e);
-    acc = _mm256_add_ps(acc, e);
-  }
-  if (_mm256_movemask_ps(over) != 0) return false;
-  sum = hsum(acc);
-  return true;
-}
-
 // The 8-key chunks of a row from key j (the first of them an even chunk) to nk, a multiple of 8:
 // chunk(j, odd) for each, odd telling the odd chunks from the even. The one-pass rows below sum
 // the two apart, the halves of the AVX-512 build's 16-lane sums, so both builds add the same
@@ -1085,6 +1076,59 @@ inline void for_chunk_pairs(int64_t j, int64_t nk, F&& chunk) {
 
 // Whole rows of 8-lane chunks with every key visible (the common case) need no lane mask.
 inline bool unmasked(int64_t nk, int64_t vis) { return vis >= nk && nk % 8 == 0; }
+
+// The 8-lane chunks that cover nk keys (the s / dp rows are BK wide: whole chunks stay inside).
+inline int64_t chunk_end(int64_t nk) { return (nk + 7) / 8 * 8; }
+
+// Forward, the one pass of exp_sum_row_stale for a single row (kMasked: keys from vis are -inf):
+// its sums of the even and the odd 8-key chunks (for_chunk_pairs) as exp_sum_rows8_stale keeps
+// them, so that the AVX-512 build can take 16 keys at a time (the halves of its sum) and still
+// add the same numbers in the same order as the AVX2 build. Rows of band tiles that sit in one
+// clamped bucket take this (a clamped tile's rows take exp_sum_rows8_stale).
+template <bool kMasked>
+inline bool exp_sum_row_stale_(float* sr, int64_t nk, int64_t vis, float c_minus_m, float& sum) {
+  const int64_t n8 = chunk_end(nk);
+  const __m256 vc = _mm256_set1_ps(c_minus_m), ninf = _mm256_set1_ps(kNegInf);
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, mx = ninf;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  {
+    const __m512 vc16 = _mm512_set1_ps(c_minus_m), ninf16 = _mm512_set1_ps(kNegInf);
+    const __m512i idx16 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 a16 = _mm512_setzero_ps(), mx16 = ninf16;
+    for (; j + 16 <= n8; j += 16) {
+      __m512 x = _mm512_add_ps(_mm512_loadu_ps(sr + j), vc16);
+      if constexpr (kMasked) {
+        const __mmask16 keep = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int>(vis - j)), idx16);
+        x = _mm512_mask_blend_ps(keep, ninf16, x);
+      }
+      mx16 = _mm512_max_ps(x, mx16);
+      const __m512 e = exp2_512(x);
+      _mm512_storeu_ps(sr + j, e);
+      a16 = _mm512_add_ps(a16, e);
+    }
+    a0 = _mm512_castps512_ps256(a16);
+    a1 = _mm512_extractf32x8_ps(a16, 1);
+    mx = _mm256_max_ps(_mm512_castps512_ps256(mx16), _mm512_extractf32x8_ps(mx16, 1));
+  }
+#endif
+  for_chunk_pairs(j, n8, [&](int64_t jj, bool odd) {
+    __m256& a = odd ? a1 : a0;
+    __m256 x = _mm256_add_ps(_mm256_loadu_ps(sr + jj), vc);
+    if constexpr (kMasked) {
+      const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(vis - jj)), idx);
+      x = _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(keep));
+    }
+    mx = _mm256_max_ps(x, mx);
+    const __m256 e = exp2_256(x);
+    _mm256_storeu_ps(sr + jj, e);
+    a = _mm256_add_ps(a, e);
+  });
+  if (_mm256_movemask_ps(_mm256_cmp_ps(mx, _mm256_set1_ps(kStaleMax), _CMP_GT_OQ)) != 0) return false;
+  sum = hsum(_mm256_add_ps(a0, a1));
+  return true;
+}
 
 // Forward, exp_sum_row_stale for 8 rows at once (row stride ld): rows whose keys in this tile all
 // sit in one clamped bucket and are all visible, nk a multiple of 8, every row with a running
@@ -1241,29 +1285,104 @@ class ShiftedTerm {
   const float* row_;
 };
 
+#if defined(__AVX512F__)
+// BandLanes and ShiftedTerm 16 keys at a time, for the AVX-512 build: the same lanes (as mask
+// bits) and the same terms, lane by lane.
+struct BandChunk16 {
+  __mmask16 left, right, in, keep;
+  bool inside;
+  int64_t col;
+};
+class BandLanes16 {
+ public:
+  BandLanes16(int64_t j0, int64_t vis, const RowSplit& sp)
+      : j0_(j0), sp_(sp), ia_(_mm512_set1_epi32(static_cast<int>(sp.a - j0))),
+        ie_(_mm512_set1_epi32(static_cast<int>(sp.e - j0))),
+        iv_(_mm512_set1_epi32(static_cast<int>(vis))) {}
+  BandChunk16 at(int64_t j) const {
+    const __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(j)), idx);
+    BandChunk16 c;
+    c.left = _mm512_cmpgt_epi32_mask(ia_, pos);
+    c.right = _mm512_cmpge_epi32_mask(pos, ie_);
+    c.in = static_cast<__mmask16>(~(c.left | c.right));
+    c.keep = _mm512_cmpgt_epi32_mask(iv_, pos);
+    const int64_t k = j0_ + j;
+    c.inside = k + 16 > sp_.a && k < sp_.e;
+    c.col = sp_.col0 + k;
+    return c;
+  }
+
+ private:
+  int64_t j0_;
+  RowSplit sp_;
+  __m512i ia_, ie_, iv_;
+};
+class ShiftedTerm16 {
+ public:
+  ShiftedTerm16(const BandTerm& t, float shift)
+      : lo_(_mm512_set1_ps(t.lo - shift)), hi_(_mm512_set1_ps(t.hi - shift)),
+        shift_(_mm512_set1_ps(shift)), row_(t.row) {}
+  __m512 at(const BandChunk16& c) const {
+    const __m512 x = _mm512_mask_blend_ps(c.right, lo_, hi_);
+    if (!c.inside) return x;
+    const __m512 q = row_ != nullptr ? _mm512_maskz_loadu_ps(c.in, row_ + c.col) : _mm512_setzero_ps();
+    return _mm512_mask_blend_ps(c.in, x, _mm512_sub_ps(q, shift_));
+  }
+
+ private:
+  __m512 lo_, hi_, shift_;
+  const float* row_;
+};
+#endif
+
 // Forward, exp_sum_row_stale for a band row: sr = 2^(sr + rel - m) in place, rel being tk's value
 // of each key's bucket (the key term), keys from vis on masked (0). One pass, where
 // add_rel_logits, mask_logits, max_row, exp_row and sum_row take five; returns false, as
-// exp_sum_row_stale, when a visible logit exceeds m by more than kStaleMax.
+// exp_sum_row_stale, when a visible logit exceeds m by more than kStaleMax. The sums of the even
+// and the odd 8-key chunks apart, as exp_sum_row_stale_, so that the AVX-512 build takes 16 keys
+// at a time with the AVX2 build's results.
 inline bool band_row_stale(float* sr, int64_t j0, int64_t nk, int64_t vis, const RowSplit& sp,
                            const BandTerm& tk, float m, float& sum) {
+  const int64_t n8 = chunk_end(nk);
+  const __m256 ninf = _mm256_set1_ps(kNegInf);
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, mx = ninf;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  {
+    const BandLanes16 lanes(j0, vis, sp);
+    const ShiftedTerm16 rel(tk, m);
+    const __m512 ninf16 = _mm512_set1_ps(kNegInf);
+    __m512 a16 = _mm512_setzero_ps(), mx16 = ninf16;
+    for (; j + 16 <= n8; j += 16) {
+      const BandChunk16 c = lanes.at(j);
+      const __m512 x = _mm512_mask_blend_ps(c.keep, ninf16, _mm512_add_ps(_mm512_loadu_ps(sr + j), rel.at(c)));
+      mx16 = _mm512_max_ps(x, mx16);
+      const __m512 e = exp2_512(x);
+      _mm512_storeu_ps(sr + j, e);
+      a16 = _mm512_add_ps(a16, e);
+    }
+    a0 = _mm512_castps512_ps256(a16);
+    a1 = _mm512_extractf32x8_ps(a16, 1);
+    mx = _mm256_max_ps(_mm512_castps512_ps256(mx16), _mm512_extractf32x8_ps(mx16, 1));
+  }
+#endif
   const BandLanes lanes(j0, vis, sp);
   const ShiftedTerm rel(tk, m);
-  const __m256 ninf = _mm256_set1_ps(kNegInf);
-  __m256 acc = _mm256_setzero_ps(), mx = ninf;
-  for (int64_t j = 0; j < nk; j += 8) {
-    const BandChunk c = lanes.at(j);
+  for_chunk_pairs(j, n8, [&](int64_t jj, bool odd) {
+    __m256& a = odd ? a1 : a0;
+    const BandChunk c = lanes.at(jj);
     const __m256 x =
-        _mm256_blendv_ps(ninf, _mm256_add_ps(_mm256_loadu_ps(sr + j), rel.at(c)), c.keep);
+        _mm256_blendv_ps(ninf, _mm256_add_ps(_mm256_loadu_ps(sr + jj), rel.at(c)), c.keep);
     mx = _mm256_max_ps(x, mx);
     const __m256 e = exp2_256(x);
-    _mm256_storeu_ps(sr + j, e);
-    acc = _mm256_add_ps(acc, e);
-  }
+    _mm256_storeu_ps(sr + jj, e);
+    a = _mm256_add_ps(a, e);
+  });
   if (_mm256_movemask_ps(_mm256_cmp_ps(mx, _mm256_set1_ps(kStaleMax), _CMP_GT_OQ)) != 0) {
     return false;
   }
-  sum = hsum(acc);
+  sum = hsum(_mm256_add_ps(a0, a1));
   return true;
 }
 
@@ -1272,27 +1391,61 @@ inline bool band_row_stale(float* sr, int64_t j0, int64_t nk, int64_t vis, const
 template <bool kMasked>
 inline void grad_row_uniform_(float* sr, float* dpr, int64_t nk, int64_t vis, float ck, float cv,
                               float scale, float lse2, float di, float& psum, float& dssum) {
+  const int64_t n8 = chunk_end(nk);
+  // the sums of P and dS over the even and the odd 8-key chunks (for_chunk_pairs), so that the
+  // AVX-512 build takes 16 keys at a time with the AVX2 build's results
+  __m256 p0 = _mm256_setzero_ps(), p1 = p0, g0 = p0, g1 = p0;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  {
+    const __m512 vck = _mm512_set1_ps(ck - lse2), vsc = _mm512_set1_ps(scale);
+    const __m512 vcd = _mm512_set1_ps(cv - di), ninf = _mm512_set1_ps(kNegInf);
+    const __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 ps = _mm512_setzero_ps(), ds = ps;
+    for (; j + 16 <= n8; j += 16) {
+      __m512 x = _mm512_add_ps(_mm512_loadu_ps(sr + j), vck);
+      __mmask16 keep = 0xFFFF;
+      if constexpr (kMasked) {
+        keep = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int>(vis - j)), idx);
+        x = _mm512_mask_blend_ps(keep, ninf, x);
+      }
+      const __m512 pj = exp2_512(x);
+      const __m512 pd = _mm512_mul_ps(pj, _mm512_add_ps(_mm512_loadu_ps(dpr + j), vcd));
+      // masked lanes: 0, whatever the lanes past nk hold
+      const __m512 g = kMasked ? _mm512_maskz_mul_ps(keep, vsc, pd) : _mm512_mul_ps(vsc, pd);
+      _mm512_storeu_ps(sr + j, pj);
+      _mm512_storeu_ps(dpr + j, g);
+      ps = _mm512_add_ps(ps, pj);
+      ds = _mm512_add_ps(ds, g);
+    }
+    p0 = _mm512_castps512_ps256(ps);
+    p1 = _mm512_extractf32x8_ps(ps, 1);
+    g0 = _mm512_castps512_ps256(ds);
+    g1 = _mm512_extractf32x8_ps(ds, 1);
+  }
+#endif
   const __m256 vck = _mm256_set1_ps(ck - lse2), vsc = _mm256_set1_ps(scale);
   const __m256 vcd = _mm256_set1_ps(cv - di), ninf = _mm256_set1_ps(kNegInf);
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  __m256 ps = _mm256_setzero_ps(), ds = _mm256_setzero_ps();
-  for (int64_t j = 0; j < nk; j += 8) {
-    __m256 x = _mm256_add_ps(_mm256_loadu_ps(sr + j), vck);
+  for_chunk_pairs(j, n8, [&](int64_t jj, bool odd) {
+    __m256 x = _mm256_add_ps(_mm256_loadu_ps(sr + jj), vck);
     __m256 keep;
     if constexpr (kMasked) {
-      keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(vis - j)), idx));
+      keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(vis - jj)), idx));
       x = _mm256_blendv_ps(ninf, x, keep);
     }
     const __m256 pj = exp2_256(x);
-    __m256 g = _mm256_mul_ps(vsc, _mm256_mul_ps(pj, _mm256_add_ps(_mm256_loadu_ps(dpr + j), vcd)));
+    __m256 g = _mm256_mul_ps(vsc, _mm256_mul_ps(pj, _mm256_add_ps(_mm256_loadu_ps(dpr + jj), vcd)));
     if constexpr (kMasked) g = _mm256_and_ps(keep, g);  // 0, whatever the lanes past nk hold
-    _mm256_storeu_ps(sr + j, pj);
-    _mm256_storeu_ps(dpr + j, g);
+    _mm256_storeu_ps(sr + jj, pj);
+    _mm256_storeu_ps(dpr + jj, g);
+    __m256& ps = odd ? p1 : p0;
+    __m256& ds = odd ? g1 : g0;
     ps = _mm256_add_ps(ps, pj);
     ds = _mm256_add_ps(ds, g);
-  }
-  psum += hsum(ps);
-  dssum += hsum(ds);
+  });
+  psum += hsum(_mm256_add_ps(p0, p1));
+  dssum += hsum(_mm256_add_ps(g0, g1));
 }
 
 // Backward, grad_row_uniform for 8 rows at once (row stride BK) of a tile whose rows all sit in
@@ -1380,47 +1533,90 @@ inline void grad_row_uniform(float* sr, float* dpr, int64_t nk, int64_t vis, flo
 // the key / value term of each key's bucket; P summed per bucket into pm, dS into dm. The
 // general path takes add_rel_logits twice, mask_logits, exp_row, softmax_grad_row and
 // add_bucket_mass twice (B = 1, H = 8, D = 64, K = 64, 2 threads, alternating runs, medians of
-// forward+backward: L = 512 11.8 -> 11.5 ms, L = 2048 126.6 -> 125.2 ms). Only 8-lane
-// arithmetic, so the AVX-512 build gives bitwise the same.
+// forward+backward: L = 512 11.8 -> 11.5 ms, L = 2048 126.6 -> 125.2 ms). The AVX-512 build takes
+// 16 keys at a time, with the sums split into even and odd chunks as exp_sum_row_stale_ does:
+// bitwise the AVX2 build's results.
 inline void grad_band_row(float* sr, float* dpr, int64_t j0, int64_t nk, int64_t vis,
                           const RowSplit& sp, const BandTerm& tk, const BandTerm& tv, float scale,
                           float lse2, float di, const BandMass& pm, const BandMass& dm) {
+  const int64_t n8 = chunk_end(nk);
+  // the clamped buckets' sums of P and dS over the even and the odd 8-key chunks
+  // (for_chunk_pairs): [0] / [1] bucket 0, [2] / [3] bucket 2K
+  __m256 ps[4], ds[4];
+  for (int u = 0; u < 4; ++u) ps[u] = ds[u] = _mm256_setzero_ps();
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  {  // 16 keys at a time: the halves of each sum are its even and odd chunks' parts
+    const BandLanes16 lanes(j0, vis, sp);
+    const ShiftedTerm16 rk(tk, lse2), rv(tv, di);
+    const __m512 vsc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(kNegInf);
+    __m512 p_lo = _mm512_setzero_ps(), p_hi = p_lo, d_lo = p_lo, d_hi = p_lo;
+    auto add_band = [](float* row, __mmask16 in, __m512 x) {
+      _mm512_mask_storeu_ps(row, in, _mm512_add_ps(_mm512_maskz_loadu_ps(in, row), x));
+    };
+    for (; j + 16 <= n8; j += 16) {
+      const BandChunk16 c = lanes.at(j);
+      const __m512 x = _mm512_add_ps(_mm512_loadu_ps(sr + j), rk.at(c));
+      const __m512 pj = exp2_512(_mm512_mask_blend_ps(c.keep, ninf, x));
+      const __m512 dpv = _mm512_add_ps(_mm512_loadu_ps(dpr + j), rv.at(c));
+      const __m512 g = _mm512_maskz_mul_ps(c.keep, vsc, _mm512_mul_ps(pj, dpv));
+      _mm512_storeu_ps(sr + j, pj);
+      _mm512_storeu_ps(dpr + j, g);
+      if (pm.row != nullptr) {
+        p_lo = _mm512_add_ps(p_lo, _mm512_maskz_mov_ps(c.left, pj));
+        p_hi = _mm512_add_ps(p_hi, _mm512_maskz_mov_ps(c.right, pj));
+        if (c.inside) add_band(pm.row + c.col, c.in, pj);
+      }
+      if (dm.row != nullptr) {
+        d_lo = _mm512_add_ps(d_lo, _mm512_maskz_mov_ps(c.left, g));
+        d_hi = _mm512_add_ps(d_hi, _mm512_maskz_mov_ps(c.right, g));
+        if (c.inside) add_band(dm.row + c.col, c.in, g);
+      }
+    }
+    const __m512 p16[2] = {p_lo, p_hi}, d16[2] = {d_lo, d_hi};
+    for (int u = 0; u < 2; ++u) {
+      ps[2 * u] = _mm512_castps512_ps256(p16[u]);
+      ps[2 * u + 1] = _mm512_extractf32x8_ps(p16[u], 1);
+      ds[2 * u] = _mm512_castps512_ps256(d16[u]);
+      ds[2 * u + 1] = _mm512_extractf32x8_ps(d16[u], 1);
+    }
+  }
+#endif
   const BandLanes lanes(j0, vis, sp);
   const ShiftedTerm rk(tk, lse2), rv(tv, di);
   const __m256 vsc = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(kNegInf);
-  __m256 p_lo = _mm256_setzero_ps(), p_hi = p_lo, d_lo = p_lo, d_hi = p_lo;
   // the band row's columns of the chunk's keys: a masked load, add and store (inside lanes only)
   auto add_band = [](float* row, __m256i in, __m256 x) {
     _mm256_maskstore_ps(row, in, _mm256_add_ps(_mm256_maskload_ps(row, in), x));
   };
-  for (int64_t j = 0; j < nk; j += 8) {
-    const BandChunk c = lanes.at(j);
-    const __m256 x = _mm256_add_ps(_mm256_loadu_ps(sr + j), rk.at(c));
+  for_chunk_pairs(j, n8, [&](int64_t jj, bool odd) {
+    const BandChunk c = lanes.at(jj);
+    const __m256 x = _mm256_add_ps(_mm256_loadu_ps(sr + jj), rk.at(c));
     const __m256 pj = exp2_256(_mm256_blendv_ps(ninf, x, c.keep));
-    const __m256 dpv = _mm256_add_ps(_mm256_loadu_ps(dpr + j), rv.at(c));
+    const __m256 dpv = _mm256_add_ps(_mm256_loadu_ps(dpr + jj), rv.at(c));
     // masked lanes: 0, whatever the lanes past nk hold
     const __m256 g = _mm256_and_ps(c.keep, _mm256_mul_ps(vsc, _mm256_mul_ps(pj, dpv)));
-    _mm256_storeu_ps(sr + j, pj);
-    _mm256_storeu_ps(dpr + j, g);
+    _mm256_storeu_ps(sr + jj, pj);
+    _mm256_storeu_ps(dpr + jj, g);
     const __m256 lf = _mm256_castsi256_ps(c.left), rf = _mm256_castsi256_ps(c.right);
     if (pm.row != nullptr) {
-      p_lo = _mm256_add_ps(p_lo, _mm256_and_ps(lf, pj));
-      p_hi = _mm256_add_ps(p_hi, _mm256_and_ps(rf, pj));
+      ps[odd] = _mm256_add_ps(ps[odd], _mm256_and_ps(lf, pj));
+      ps[2 + odd] = _mm256_add_ps(ps[2 + odd], _mm256_and_ps(rf, pj));
       if (c.inside) add_band(pm.row + c.col, c.in, pj);
     }
     if (dm.row != nullptr) {
-      d_lo = _mm256_add_ps(d_lo, _mm256_and_ps(lf, g));
-      d_hi = _mm256_add_ps(d_hi, _mm256_and_ps(rf, g));
+      ds[odd] = _mm256_add_ps(ds[odd], _mm256_and_ps(lf, g));
+      ds[2 + odd] = _mm256_add_ps(ds[2 + odd], _mm256_and_ps(rf, g));
       if (c.inside) add_band(dm.row + c.col, c.in, g);
     }
-  }
+  });
   if (pm.row != nullptr) {
-    *pm.lo += hsum(p_lo);
-    *pm.hi += hsum(p_hi);
+    *pm.lo += hsum(_mm256_add_ps(ps[0], ps[1]));
+    *pm.hi += hsum(_mm256_add_ps(ps[2], ps[3]));
   }
   if (dm.row != nullptr) {
-    *dm.lo += hsum(d_lo);
-    *dm.hi += hsum(d_hi);
+    *dm.lo += hsum(_mm256_add_ps(ds[0], ds[1]));
+    *dm.hi += hsum(_mm256_add_ps(ds[2], ds[3]));
   }
 }
 
@@ -1447,6 +1643,26 @@ void load_band(DType d, const char* table, int64_t dim, const Band& band, float*
   if (rows_t != nullptr) transpose(rows, dim, band.n, dim, rows_t, band.n);
 }
 
+// Which table's band a pair of load_band buffers holds. Query tiles away from the sequence's
+// ends all reach the whole inner band [1, 2K - 1], and consecutive work items are tiles of one
+// head (tables shared by the heads: of every head), so most tiles find their band loaded already
+// (L = 512, H = 8, D = 64, K = 64: the copy and transpose took 2% of the forward).
+class BandCache {
+ public:
+  // load_band unless this cache last loaded the same band of the same table into these buffers
+  void load(DType d, const char* table, int64_t dim, const Band& band, float* rows, float* rows_t) {
+    if (table == table_ && band.lo == lo_ && band.n == n_) return;
+    load_band(d, table, dim, band, rows, rows_t);
+    table_ = table;
+    lo_ = band.lo;
+    n_ = band.n;
+  }
+
+ private:
+  const char* table_ = nullptr;
+  int64_t lo_ = -1, n_ = -1;
+};
+
 // The relative term of mq rows x (Q, or dO in the backward) against a table, e0 / e1 being its
 // clamped rows 0 and 2K as float: lo[r] = x_r . e0, hi[r] = x_r . e1 (table_ends), and over the
 // band of inside buckets xe[r, c] = x_r . table[band.lo + c] (table_band); the band rows are left
@@ -1460,18 +1676,18 @@ void table_ends(const float* x, int64_t mq, int64_t D, const float* e0, const fl
 }
 
 void table_band(DType d, const char* table, int64_t D, const Band& band, const float* x,
-                int64_t mq, float* xe, float* band_rows, float* band_t) {
+                int64_t mq, float* xe, float* band_rows, float* band_t, BandCache& cache) {
   if (band.n > 0) {
-    load_band(d, table, D, band, band_rows, band_t);
+    cache.load(d, table, D, band, band_rows, band_t);
     gemm0(mq, band.n, D, x, D, band_t, band.n, xe, band.n);
   }
 }
 
 void table_terms(DType d, const char* table, int64_t D, const Band& band, const float* x,
                  int64_t mq, const float* e0, const float* e1, float* lo, float* hi, float* xe,
-                 float* band_rows, float* band_t) {
+                 float* band_rows, float* band_t, BandCache& cache) {
   table_ends(x, mq, D, e0, e1, lo, hi);
-  table_band(d, table, D, band, x, mq, xe, band_rows, band_t);
+  table_band(d, table, D, band, x, mq, xe, band_rows, band_t, cache);
 }
 
 // The relative terms' band matmuls by the same dots (bfloat16 tables, D even). Table rows are
@@ -1745,6 +1961,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
   float* band_kt = buf.take(D * max_band);
   float* qe = buf.take(TQ * max_band);
   float* band_v = buf.take(max_band * D);
+  BandCache band_k_cache, band_v_cache;  // what band_k / band_kt and band_v hold
   float* w = buf.take(TQ * max_band);
   float* mref = buf.take(TQ * n_ktiles);
   float* ek0 = buf.take(D);
@@ -1785,7 +2002,8 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
         table_ends(qs, mq, D, ek0, ek1, qe_lo, qe_hi);
         band_dots(h16.rel_k, D, band, q_bf, D, mq, scale2, qe, band_pk);
       } else {
-        table_terms(p.dtype, hd.rel_k, D, band, qs, mq, ek0, ek1, qe_lo, qe_hi, qe, band_k, band_kt);
+        table_terms(p.dtype, hd.rel_k, D, band, qs, mq, ek0, ek1, qe_lo, qe_hi, qe, band_k, band_kt,
+                    band_k_cache);
       }
     }
     if (hd.rel_bias) {  // and the bias, in QE's units
@@ -1978,8 +2196,18 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
         const float* c = key_term ? (side == 1 ? qe_lo : qe_hi) : nullptr;
         float* ws = hd.rel_v ? (side == 1 ? w_lo : w_hi) : nullptr;
         for (; r + 8 <= mq; r += 8) {
+          // A row's first visible tile: its maximum first (max(s) + c is max(s + c), rounding
+          // being monotonic), so that it too takes the one pass below instead of the two of the
+          // general path (logits_row_uniform, exp_sum_row). Rows whose maximum is not finite
+          // (NaN logits) are left to the general path.
           bool started = true;  // every row has a running maximum
-          for (int u = 0; u < 8; ++u) started = started && m[r + u] != kNegInf;
+          for (int u = 0; u < 8; ++u) {
+            if (m[r + u] == kNegInf) {
+              const float mx = max_row(s + (r + u) * TK, nk) + (c != nullptr ? c[r + u] : 0.f);
+              if (std::isfinite(mx)) m[r + u] = mx;
+            }
+            started = started && m[r + u] != kNegInf;
+          }
           int over = 0;
           if (started && drop_on) {  // the rows' dropout masks, applied in the same pass
             const RowDropout drops[8] = {
@@ -2042,7 +2270,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       if (bdot) {  // W rounded to bfloat16, as P
         band_acc_dots(h16.rel_v, D, band, w, mq, acc, D, w_bf, band_pk);
       } else if (band.n > 0) {
-        load_band(p.dtype, hd.rel_v, D, band, band_v, nullptr);
+        band_v_cache.load(p.dtype, hd.rel_v, D, band, band_v, nullptr);
         gemm(mq, D, band.n, w, band.n, band_v, D, acc, D);
       }
       load_row(p.dtype, hd.rel_v, ek0, D);
@@ -2223,6 +2451,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
   float* band_kt = buf.take(D * max_band);
   float* band_v = buf.take(max_band * D);
   float* band_vt = buf.take(D * max_band);
+  BandCache band_k_cache, band_v_cache;  // what band_k / band_kt and band_v / band_vt hold
   float* qe = buf.take(BQ * max_band);
   float* de = buf.take(BQ * max_band);
   float* wds = buf.take(BQ * max_band);
@@ -2410,7 +2639,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
           if (hd.rel_k && bdot) {
             band_dots(h16.rel_k, D, band, q_bf, D, mq, scale2, qe, band_pk);
           } else if (hd.rel_k) {
-            table_band(p.dtype, hd.rel_k, D, band, qs, mq, qe, band_k, band_kt);
+            table_band(p.dtype, hd.rel_k, D, band, qs, mq, qe, band_k, band_kt, band_k_cache);
           }
           if (hd.rel_bias) bias_band(p.dtype, hd.rel_bias, band, mq, hd.rel_k != nullptr, qe, band_row);
           const int64_t ld_qe = key_term_stride(hd, band);  // and of wds
@@ -2419,7 +2648,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
             if (bdot) {
               band_dots(h16.rel_v, D, band, do_bf, D, mq, 1.f, de, band_pk);
             } else {
-              table_band(p.dtype, hd.rel_v, D, band, dop, mq, de, band_v, band_vt);
+              table_band(p.dtype, hd.rel_v, D, band, dop, mq, de, band_v, band_vt, band_v_cache);
             }
             fill_f32(wp, 0.f, mq * band.n);
           }
