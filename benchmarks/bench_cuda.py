@@ -7,8 +7,11 @@ forward and forward + backward (w.r.t. q, k, v and the tables / bias):
 * ``ours_shaw`` -- ``rel_attention`` with Shaw's key and value tables (shared, K=64);
 * ``ours_keys`` -- the key table alone (what FlexAttention can express);
 * ``ours_bias`` -- a per-head scalar bias per bucket, T5-style (K=128, ``rel_bias``);
-* ``flex_keys`` / ``flex_bias`` -- FlexAttention (compiled) with a ``score_mod`` reading the same
-  key table (``q . rel_k[bucket]``) or bias; FlexAttention cannot express the value table;
+* ``ours_c2p_p2c`` -- the key table and the key-side table ``rel_q`` (DeBERTa's content-to-position
+  and position-to-content terms, shared tables, K=64);
+* ``flex_keys`` / ``flex_bias`` / ``flex_c2p_p2c`` -- FlexAttention (compiled) with a ``score_mod``
+  reading the same key table (``q . rel_k[bucket]``), bias, or both key tables
+  (``q . rel_k[bucket] + k . rel_q[bucket]``); FlexAttention cannot express the value table;
 * ``eager_shaw`` -- ``reference.shaw_attention_gather`` (``[L, L]`` logits; skipped above
   ``--eager-max-l``);
 * ``sdpa_bias`` -- ``F.scaled_dot_product_attention`` with the bias gathered to ``[1, H, L, L]``;
@@ -45,6 +48,7 @@ def _inputs(args, length: int, train: bool):
     b, h, d = args.batch, args.heads, args.dim
     return dict(q=t(b, h, length, d), k=t(b, h, length, d), v=t(b, h, length, d),
                 rel_k=t(2 * args.k + 1, d, scale=0.5), rel_v=t(2 * args.k + 1, d, scale=0.5),
+                rel_q=t(2 * args.k + 1, d, scale=0.5),
                 bias=t(h, 2 * args.bias_k + 1))
 
 
@@ -54,10 +58,14 @@ def _form(name: str, x: dict, args, length: int):
     from relpos_ext import reference
 
     q, k, v, rk, rv, bias = x["q"], x["k"], x["v"], x["rel_k"], x["rel_v"], x["bias"]
+    rq = x["rel_q"]
     if name == "ours_shaw":
         return lambda: relpos_ext.rel_attention(q, k, v, rk, rv, args.k), [q, k, v, rk, rv]
     if name == "ours_keys":
         return lambda: relpos_ext.rel_attention(q, k, v, rk, None, args.k), [q, k, v, rk]
+    if name == "ours_c2p_p2c":
+        return (lambda: relpos_ext.rel_attention(q, k, v, rk, None, args.k, rel_q=rq),
+                [q, k, v, rk, rq])
     if name == "ours_bias":
         return (lambda: relpos_ext.rel_attention(q, k, v, None, None, args.bias_k, rel_bias=bias),
                 [q, k, v, bias])
@@ -86,6 +94,21 @@ def _form(name: str, x: dict, args, length: int):
 
         compiled = torch.compile(keys, fullgraph=True)
         return lambda: compiled(q, k, v, rk), [q, k, v, rk]
+    if name == "flex_c2p_p2c":  # q rel_k^T and k rel_q^T [B, H, L, 2K+1] first, both gathered
+        kk = args.k
+
+        def both(q, k, v, rk, rq):
+            qe = torch.matmul(q, rk.transpose(-1, -2))
+            ke = torch.matmul(k, rq.transpose(-1, -2))
+
+            def key_terms(score, b, h, qi, ki):
+                bucket = torch.clamp(ki - qi, -kk, kk) + kk
+                return score + (qe[b, h, qi, bucket] + ke[b, h, ki, bucket]) * scale
+
+            return flex_attention(q, k, v, score_mod=key_terms)
+
+        compiled = torch.compile(both, fullgraph=True)
+        return lambda: compiled(q, k, v, rk, rq), [q, k, v, rk, rq]
     kb = args.bias_k
 
     def bias_term(score, b, h, qi, ki):
@@ -123,8 +146,8 @@ def measure(name: str, mode: str, length: int, args) -> dict:
             "first_call_s": first_s}
 
 
-FORMS = ("ours_shaw", "ours_keys", "ours_bias", "flex_keys", "flex_bias", "eager_shaw",
-         "sdpa_bias", "sdpa")
+FORMS = ("ours_shaw", "ours_keys", "ours_bias", "ours_c2p_p2c", "flex_keys", "flex_bias",
+         "flex_c2p_p2c", "eager_shaw", "sdpa_bias", "sdpa")
 
 
 def main(argv: list[str] | None = None) -> int:

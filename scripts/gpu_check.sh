@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, as one call on a lent GPU machine (no CI machine has one; README "How
+# CUDA code is verified here"): build relpos_ext against that machine's own torch for one
+# architecture, run the test suite's `cuda` backend, and time benchmarks/bench_cuda.py.
+#
+#   bash scripts/gpu_check.sh --prebuild     # here, before the call: .gpu/objs, .gpu/whl
+#   bash scripts/gpu_check.sh                # there (the device tool: carry .gpu)
+#
+# --prebuild compiles csrc/cuda/*.cu for RELPOS_GPU_ARCH (default 90) with this machine's nvcc
+# into .gpu/objs (the .cu files include no torch header, so the objects do not depend on the torch
+# they are linked with), and downloads the wheels the GPU machine's image may lack (expecttest for
+# torch.library.opcheck; cmake >= 4, which the build wants) into .gpu/whl. On the GPU machine
+# scripts/gpu_nvcc_cache.sh then copies those objects instead of running nvcc, which saves about
+# three minutes of the lent time; without .gpu/objs the .cu files are compiled there.
+#
+# Writes logs, the junit XML and bench_cuda's JSON under $OUT (default build/gpu-out) and prints a
+# summary last. Stage time limits: RELPOS_GPU_TEST_S (default 240), RELPOS_GPU_BENCH_S (200);
+# RELPOS_GPU_BENCH_ARGS: more arguments for bench_cuda.py (e.g. --forms ...).
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+arch=${RELPOS_GPU_ARCH:-90}
+
+if [ "${1:-}" = --prebuild ]; then
+  set -e
+  mkdir -p .gpu/objs .gpu/whl
+  grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+  nvcc=${CUDA_HOME:-/usr/local/cuda}/bin/nvcc
+  for f in csrc/cuda/*.cu; do
+    echo "== nvcc $f (sm_$arch)"
+    "$nvcc" -Icsrc --expt-relaxed-constexpr --expt-extended-lambda -O3 -DNDEBUG -std=c++20 \
+      "--generate-code=arch=compute_$arch,code=[sm_$arch]" -Xcompiler=-fPIC \
+      -c "$f" -o ".gpu/objs/$(basename "$f").o" &
+  done
+  wait
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .gpu/whl expecttest==0.3.0 cmake==4.1.2
+  du -sh .gpu
+  exit 0
+fi
+
+out=${OUT:-$root/build/gpu-out}
+mkdir -p "$out"
+py=python3
+summary=()
+stage() { echo; echo "== $* ($(date +%T))"; }
+
+stage machine
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
+nproc
+$py -c "import sys, torch; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+
+stage wheels
+if compgen -G ".gpu/whl/*.whl" > /dev/null; then
+  need=()
+  $py -c "import expecttest" 2>/dev/null || need+=(.gpu/whl/expecttest-*.whl)
+  cmake_major=$(cmake --version 2>/dev/null | head -1 | sed -E 's/[^0-9]*([0-9]+).*/\1/')
+  [ "${cmake_major:-0}" -ge 4 ] || need+=(.gpu/whl/cmake-*.whl)
+  if [ ${#need[@]} -gt 0 ]; then
+    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "${need[@]}"
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
+  fi
+fi
+cmake --version | head -1
+
+stage build
+launcher=()
+if compgen -G ".gpu/objs/*.o" > /dev/null; then
+  export RELPOS_GPU_OBJS=$root/.gpu/objs
+  launcher=("-Ccmake.define.CMAKE_CUDA_COMPILER_LAUNCHER=$root/scripts/gpu_nvcc_cache.sh")
+fi
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+t0=$SECONDS
+if ! $py -m pip install --no-build-isolation --no-deps -v . -Cbuild-dir=/tmp/relpos-gpu-build \
+    -Ccmake.define.RELPOS_CUDA_ARCHS="$arch" -Ccmake.define.RELPOS_REQUIRE_CUDA=ON "${launcher[@]}" \
+    > "$out/build.log" 2>&1; then
+  tail -n 60 "$out/build.log"
+  echo "== build FAILED"
+  exit 1
+fi
+grep -E "gpu_nvcc_cache|relpos_ext:" "$out/build.log" | sed 's/^ *//'
+summary+=("build: $((SECONDS - t0)) s")
+(cd /tmp && $py -c "import relpos_ext; print(relpos_ext.build_info())")
+
+stage tests
+t0=$SECONDS
+workers=$(( $(nproc) > 12 ? 12 : $(nproc) ))
+xdist=()
+$py -c "import xdist" 2>/dev/null && xdist=(-n "$workers")
+timeout "${RELPOS_GPU_TEST_S:-240}" $py -m pytest tests/test_attention.py tests/test_ops.py \
+  tests/test_positions.py tests/test_autograd_compile.py tests/test_errors.py tests/test_nn_compat.py \
+  -q -p no:cacheprovider -rfE -k "cuda and not emu" "${xdist[@]}" --junitxml="$out/junit.xml" \
+  > "$out/pytest.log" 2>&1
+rc=$?
+grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -40
+tail -n 3 "$out/pytest.log"
+summary+=("tests: rc $rc, $((SECONDS - t0)) s: $(tail -n 1 "$out/pytest.log")")
+
+stage bench
+t0=$SECONDS
+# shellcheck disable=SC2086  # RELPOS_GPU_BENCH_ARGS: extra arguments, split on spaces
+timeout "${RELPOS_GPU_BENCH_S:-200}" $py benchmarks/bench_cuda.py --min-run-time 0.2 \
+  --out "$out/bench_cuda.json" ${RELPOS_GPU_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
+summary+=("bench: rc ${PIPESTATUS[0]}, $((SECONDS - t0)) s")
+
+stage summary
+printf '%s\n' "${summary[@]}"
