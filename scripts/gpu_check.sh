@@ -15,7 +15,8 @@
 #
 # Writes logs, the junit XML and bench_cuda's JSON under $OUT (default build/gpu-out) and prints a
 # summary last. Stage time limits: RELPOS_GPU_TEST_S (default 240), RELPOS_GPU_BENCH_S (200);
-# RELPOS_GPU_BENCH_ARGS: more arguments for bench_cuda.py (e.g. --forms ...).
+# RELPOS_GPU_BENCH_ARGS: more arguments for bench_cuda.py (e.g. --forms ...); RELPOS_GPU_TEST_FILES
+# and RELPOS_GPU_TEST_K: which test files, and pytest's -k (default: the `cuda` backend's tests).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -88,10 +89,11 @@ t0=$SECONDS
 workers=$(( $(nproc) > 12 ? 12 : $(nproc) ))
 xdist=()
 $py -c "import xdist" 2>/dev/null && xdist=(-n "$workers")
-timeout "${RELPOS_GPU_TEST_S:-240}" $py -m pytest tests/test_attention.py tests/test_ops.py \
-  tests/test_positions.py tests/test_autograd_compile.py tests/test_errors.py tests/test_nn_compat.py \
-  -q -p no:cacheprovider -rfE -k "cuda and not emu" "${xdist[@]}" --junitxml="$out/junit.xml" \
-  > "$out/pytest.log" 2>&1
+# shellcheck disable=SC2086  # RELPOS_GPU_TEST_FILES: a space-separated list
+timeout "${RELPOS_GPU_TEST_S:-240}" $py -m pytest ${RELPOS_GPU_TEST_FILES:-tests/test_attention.py \
+  tests/test_ops.py tests/test_positions.py tests/test_autograd_compile.py tests/test_errors.py \
+  tests/test_nn_compat.py} -q -p no:cacheprovider -rfE -k "${RELPOS_GPU_TEST_K:-cuda and not emu}" \
+  "${xdist[@]}" --junitxml="$out/junit.xml" > "$out/pytest.log" 2>&1
 rc=$?
 grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -40
 tail -n 3 "$out/pytest.log"

@@ -233,6 +233,65 @@ def test_rel_attention_backward(backend, dtype, name):
     _check_backward(backend, dtype, CASES[name])
 
 
+# Shapes the CUDA tensor-core forward takes (csrc/cuda/rel_attention_tc.cuh: float16/bfloat16,
+# D = 64 or 128; CASES has few): several 64-row query tiles and 64-key tiles, tile pairs inside,
+# across and beyond the band on both sides, a partial last tile, masks checked per element. Every
+# backend runs them. The tuple is CASES's.
+TC_CASES = {
+    "two_sided": (1, 2, 2, 130, 200, 64, 5, 0, 0, False, False, False, True, True),
+    "causal_padding_gqa": (2, 4, 2, 100, 140, 64, 20, 0, 0, True, True, True, True, True),
+    "D128_offsets": (1, 2, 1, 70, 90, 128, 40, 3, 1, True, False, False, True, True),
+    "K0": (1, 1, 1, 70, 130, 64, 0, 0, 0, False, False, False, True, True),
+    "K_ge_L": (1, 1, 1, 70, 80, 64, 200, 0, 0, False, False, False, True, True),
+    "only_rel_k": (1, 1, 1, 80, 200, 64, 40, 0, 0, False, False, True, True, False),
+    "only_rel_v": (1, 1, 1, 80, 200, 64, 40, 0, 0, False, False, True, False, True),
+    "decode": (1, 2, 2, 3, 300, 64, 8, 297, 0, False, True, False, True, True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", list(TC_CASES))
+def test_rel_attention_forward_tensor_core_shapes(backend, dtype, name):
+    _attention_backend(backend)
+    _check_forward(backend, dtype, TC_CASES[name])
+
+
+TC_EXTRAS = {
+    "window": ("two_sided", {"window_left": 30, "window_right": 70}),
+    "attn_mask": ("two_sided", {"attn_mask": "band"}),
+    "rel_bias": ("two_sided", {"rel_bias": "per_head"}),
+    "dropout": ("two_sided", {"dropout_p": 0.3, "dropout_seed": 2**40 + 7}),
+    "bias_dropout_causal_padding_gqa": ("causal_padding_gqa",
+                                        {"rel_bias": "shared", "dropout_p": 0.2,
+                                         "dropout_seed": 12345}),
+    "rel_q": ("two_sided", {"rel_q": "per_head"}),
+    "rel_q_K0": ("K0", {"rel_q": "shared"}),
+    "rel_q_bias_causal_padding_gqa": ("causal_padding_gqa", {"rel_q": "shared", "rel_bias": "per_head"}),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", list(TC_EXTRAS))
+def test_rel_attention_tensor_core_options(backend, dtype, name):
+    """The options the tensor-core forward handles beyond the tables (masks checked per element,
+    rel_bias along the skew, dropout, the key-side table rel_q), and the backward from its out
+    and lse."""
+    _attention_backend(backend)
+    case_name, extra = TC_EXTRAS[name]
+    case = TC_CASES[case_name]
+    extra = dict(extra)
+    if extra.get("attn_mask") == "band":  # hides a diagonal band and the whole last key tile
+        i = torch.arange(case[3])[:, None]
+        j = torch.arange(case[4])[None, :]
+        extra["attn_mask"] = ((j - i).abs() < 3) | (j >= 192)
+    if "rel_bias" in extra:
+        extra["rel_bias"] = random_bias(case, extra["rel_bias"] == "per_head").to(dtype)
+    if "rel_q" in extra:
+        extra["rel_q"] = random_rel_q(case, extra["rel_q"] == "per_head").to(dtype)
+    _check_forward(backend, dtype, case, extra)
+    _check_backward(backend, dtype, case, extra)
+
+
 def test_rel_attention_wide_logits(backend):
     """Queries scaled by 20 spread a row's logits over hundreds of units, so that many
     probabilities and dS entries fall below float32's normal range. The AVX2 kernels flush those
@@ -694,9 +753,12 @@ def test_rel_attention_low_precision_rounds_float32_once(backend, dtype, name, m
     once to the dtype. The backward is handed the rounded `out` in both runs, as it reads D_i =
     dO_i . O_i from it (FlashAttention does the same; against a float64 reference this rounding
     dominates gradients that cancel, such as a K = 0 table's). The AVX-512 forward's bfloat16
-    dot products (test_rel_attention_bf16_dot) are switched off here."""
+    dot products (test_rel_attention_bf16_dot) are switched off here, and so is the CUDA
+    tensor-core forward, which rounds the probabilities to the dtype for its products as
+    FlashAttention does (the tensor_core tests compare it with the reference)."""
     _attention_backend(backend)
     monkeypatch.setenv("RELPOS_CPU_BF16_DOT", "0")
+    monkeypatch.setenv("RELPOS_CUDA_TC", "0")
     case = CASES[name] if name in CASES else random_long_case(100 + int(name[4:]), 4_000_000)
     tensors, kw = make_inputs(case, dtype)
     out, lse = _call(backend, tensors, kw)

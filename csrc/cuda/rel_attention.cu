@@ -37,6 +37,7 @@ int64_t acc_size(DType d) { return d == DType::Float64 ? 8 : 4; }
 
 void launch_rel_attention(const RelAttentionParams& p, Stream stream) {
   if (p.batch * p.heads * p.q_len == 0) return;
+  if (launch_rel_attention_tc(p, stream)) return;
   dispatch_dtype(p.dtype, [&]<typename T>() {
     dispatch_head_dim(p.dim, [&]<int kDC>() {
       using Tl = AttnTile<acc_t<T>, kDC>;

@@ -1,0 +1,131 @@
+// Tensor-core matrix products for the kernels that use them (rel_attention_tc.cuh): one warp-wide
+// D += A B on a 16 x 8 x 16 tile with bfloat16 or float16 operands and float32 accumulators (PTX
+// mma.sync.aligned.m16n8k16.row.col, sm_80 and newer), and the 32-bit shared-memory accesses that
+// feed it.
+//
+// Fragment layout (PTX ISA, "Matrix fragments for mma.m16n8k16"), lane = 4 g + t (g = lane / 4,
+// t = lane % 4); a register holds two consecutive elements, the lower index in the low 16 bits:
+//   A (16 x 16, row-major)  a[0] = A[g][2t, 2t+1]       a[1] = A[g+8][2t, 2t+1]
+//                           a[2] = A[g][2t+8, 2t+9]     a[3] = A[g+8][2t+8, 2t+9]
+//   B (16 x 8, "col")       b[0] = B[2t, 2t+1][g]       b[1] = B[2t+8, 2t+9][g]
+//   C, D (16 x 8, float)    d[0], d[1] = D[g][2t, 2t+1]  d[2], d[3] = D[g+8][2t, 2t+1]
+// So the accumulators of two n-tiles side by side are, packed in pairs, the A fragment of the
+// next product (FlashAttention-2's register reuse of P).
+//
+// Under the emulator (RELPOS_CUDA_EMU, which has no inline PTX) mma_16816 computes the same
+// product from that layout: every lane leaves its fragments in a per-warp table, a __syncwarp,
+// each lane computes its four sums in float32, another __syncwarp. A kernel whose fragments do not
+// follow the layout gets wrong results under the emulator too.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "cuda/dtype.cuh"
+
+namespace relpos::cuda {
+
+// 32 bits (two 16-bit elements) from / to shared memory, 4-byte aligned. The emulator's host
+// build goes through memcpy, which strict aliasing allows.
+template <typename T>
+RELPOS_DEVICE uint32_t ld32(const T* p) {
+#if defined(RELPOS_CUDA_EMU)
+  uint32_t u;
+  std::memcpy(&u, p, 4);
+  return u;
+#else
+  return *reinterpret_cast<const uint32_t*>(p);
+#endif
+}
+template <typename T>
+RELPOS_DEVICE void st32(T* p, uint32_t u) {
+#if defined(RELPOS_CUDA_EMU)
+  std::memcpy(static_cast<void*>(p), &u, 4);
+#else
+  *reinterpret_cast<uint32_t*>(p) = u;
+#endif
+}
+
+template <typename T>
+RELPOS_DEVICE uint16_t bits16(T x) {
+  uint16_t u;
+  std::memcpy(&u, &x, 2);
+  return u;
+}
+template <typename T>
+RELPOS_DEVICE T from_bits16(uint16_t u) {
+  T x;
+  std::memcpy(static_cast<void*>(&x), &u, 2);
+  return x;
+}
+
+// (lo, hi) rounded to T and packed: lo in the low half.
+template <typename T>
+RELPOS_DEVICE uint32_t pack2(float lo, float hi) {
+  return static_cast<uint32_t>(bits16(from_float<T>(lo))) |
+         (static_cast<uint32_t>(bits16(from_float<T>(hi))) << 16);
+}
+
+#if defined(RELPOS_CUDA_EMU)
+template <typename T>
+inline float unpack_half(uint32_t u, int hi) {
+  return to_float(from_bits16<T>(static_cast<uint16_t>(hi ? u >> 16 : u & 0xffffu)));
+}
+
+template <typename T>
+inline void mma_16816_emu(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  struct Frag {
+    uint32_t a[4], b[2];
+  };
+  // [warp][lane] of the block this OS thread runs (blocks run one after another on it).
+  thread_local Frag frags[32][32];
+  const unsigned tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  Frag* w = frags[tid / 32];
+  const int lane = static_cast<int>(tid % 32), g = lane / 4, t = lane % 4;
+  w[lane] = Frag{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}};
+  __syncwarp();
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + (e >= 2 ? 8 : 0), col = 2 * t + (e & 1);
+    float acc = 0;
+    for (int k = 0; k < 16; ++k) {
+      const int tk = (k % 8) / 2, hi = k & 1;
+      const float av = unpack_half<T>(w[(row % 8) * 4 + tk].a[(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], hi);
+      const float bv = unpack_half<T>(w[col * 4 + tk].b[k >= 8 ? 1 : 0], hi);
+      acc += av * bv;
+    }
+    d[e] += acc;
+  }
+  __syncwarp();  // no lane overwrites its fragments before every lane has read them
+}
+#endif
+
+// d += A B (16 x 8 x 16), fragments as above; T is __nv_bfloat16 or __half. All 32 lanes call it.
+template <typename T>
+RELPOS_DEVICE void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>,
+                "mma_16816: bfloat16 or float16 operands");
+#if defined(RELPOS_CUDA_EMU)
+  mma_16816_emu<T>(d, a, b);
+#elif defined(__CUDA_ARCH__)
+#if __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+#else
+  __trap();  // the launcher takes the tensor-core kernels on compute capability 8.0 and newer only
+#endif
+#endif
+}
+
+}  // namespace relpos::cuda

@@ -1,0 +1,487 @@
+// Fused Shaw attention forward on tensor cores (bfloat16 / float16, float32 accumulation), the
+// FlashAttention-2 scheme (Dao 2023) with the relative terms of rel_attention.cuh done as matrix
+// products too. The maths and the op's contract are rel_attention.cuh's; the launcher
+// (rel_attention_tc.cu) takes this kernel only for what it covers (head dim 64 or 128, 64 with
+// rel_q, 16-byte aligned tensors, compute capability >= 8.0) and the SIMT kernel for the rest;
+// the backward is the SIMT one, from this kernel's out and lse.
+//
+// A block of 4 warps owns 64 query rows (16 per warp, as the A operand of mma_16816, whose
+// fragments of Q stay in registers up to D = 64, and are read from shared memory at each use
+// beyond, to stay within 255 registers without spilling) and walks key tiles of 64: S = Q K^T and O += P V on tensor
+// cores, the online softmax on the S accumulators (a thread holds two rows, g and g + 8, and the
+// four lanes of a row combine with two shuffles), P reused from registers as the A operand.
+//
+// Relative terms. For a (query tile, key tile) pair, with c = (j - j0) - (i - i0) + 63 in
+// [0, 127), the distance is (k_offset + j0) - (q_offset + i0) - 63 + c: the bucket of every (i, j)
+// is a function of c alone, clamped or not. So a pair that the band reaches stages the table rows
+// of its 128 values of c (sRk, and rel_v transposed in sRvt), and then, per warp (its 16 rows meet
+// the 80 values c in [48 - 16 w, 128 - 16 w)):
+//   keys:   S_rel = Q sRk^T [16 x 80] on tensor cores, through the warp's scratch, and
+//           s_ij += S_rel[i][c(i, j)] (the skew as a gather);
+//   values: P scattered along the skew into the scratch (P'[i][c(i, j)] = p_ij, zero elsewhere),
+//           O += P' sRv [80 x D] on tensor cores.
+// A pair wholly beyond the band (every distance <= -K, or >= K) has one bucket: its key term is
+// the row's q_i . rel_k[0] (or [2K]), and its probability mass goes to a per-row running sum
+// applied as w rel_v[0] (or [2K]) at the end, as in the SIMT kernel. A rel_bias is one more
+// function of c: staged per pair (sBias, times log2 e) and added after the scale, or one constant
+// for a pair beyond the band. Dropout multiplies the probabilities that P V, P' rel_v and the
+// clamped masses take (not the normaliser l), by the mask of common/dropout.h.
+//
+// The key-side table rel_q (kRelQ, s_ij += k_j . rel_q[b(i, j)] before the scale) is a function of
+// (j, c): a pair the band reaches stages its 128 rows (sRq), warp w computes KR = K_w sRq^T for
+// its 16 keys of the tile and their 80 values of c (c in [16 w, 16 w + 80)) into sKR, and after a
+// barrier every (i, j) reads KR[j][c(i, j)]; beyond the band, k_j . rel_q[0] (or [2K]) per key.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "cuda/mma.cuh"
+#include "cuda/rel_attention.cuh"
+
+namespace relpos::cuda {
+
+template <int kD>
+struct TcTile {
+  static_assert(kD % 16 == 0 && kD <= 128, "head dim: a multiple of 16, at most 128");
+  static constexpr int kThreads = 128, kWarps = 4;
+  static constexpr int kRows = 64;       // query rows of a block, 16 per warp
+  static constexpr int kKeys = 64;       // keys of a tile
+  static constexpr int kBand = 128;      // staged table rows of a pair: c in [0, 128)
+  static constexpr int kWarpBand = 80;   // a warp's values of c (79), five k-steps of 16
+  // Row strides (elements) with 16 bytes of padding: the 8 rows x 4 words of a fragment load fall
+  // in 32 different banks.
+  static constexpr int kLdK = kD + 8;           // sQ, sK, sRk: [row][d]
+  static constexpr int kLdVt = kKeys + 8;       // sVt: [d][key]
+  static constexpr int kLdRvt = kBand + 8;      // sRvt: [d][c]
+  static constexpr int kLdScr = kWarpBand + 4;  // a warp's float scratch [16][kLdScr]
+  static constexpr int kLdP = kWarpBand + 8;    // the same scratch as P' [16][kLdP] elements
+  static constexpr size_t kScrBytes = size_t(kWarps) * 16 * kLdScr * 4;
+  static_assert(size_t(kRows) * kLdK * 2 <= kScrBytes, "sQ lives in the scratch before the loop");
+  // Q's fragments in registers (else sQ keeps its own shared memory, after everything else).
+  static constexpr bool kQRegs = kD <= 64;
+  static constexpr size_t kTileBytes =
+      2 * (size_t(kKeys) * kLdK + size_t(kD) * kLdVt + size_t(kBand) * kLdK + size_t(kD) * kLdRvt);
+  static constexpr int kLdKR = kBand + 4;  // sKR: [key][c] floats
+  // kRelQ: sRq [kBand][kLdK] elements, sKR [kKeys][kLdKR] floats, sKq [kKeys] floats.
+  static constexpr size_t kRelQBytes =
+      2 * size_t(kBand) * kLdK + 4 * (size_t(kKeys) * kLdKR + kKeys);
+  static constexpr size_t q_offset(bool rel_q) {
+    return kScrBytes + kTileBytes + kBand * 4 + (rel_q ? kRelQBytes : 0);
+  }
+  static constexpr size_t smem_bytes(bool rel_q) {
+    return q_offset(rel_q) + (kQRegs ? 0 : 2 * size_t(kRows) * kLdK);
+  }
+};
+
+// dst[r][c] (row stride ld elements) = row(r)[c] for r < rows, c < kD, 16 bytes at a time; a
+// null row(r) is zeros. row(r) must be 16-byte aligned. kTransposed: dst[c][r] instead, with
+// consecutive threads on consecutive rows r, so that a warp's 16-bit stores to one dst row fill
+// consecutive words (no bank conflicts).
+template <typename T, int kD, bool kTransposed, typename RowFn>
+RELPOS_DEVICE void tc_stage(T* dst, int ld, int rows, RowFn row) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T)), kPerRow = kD / kVec;
+  for (int idx = threadIdx.x; idx < rows * kPerRow; idx += TcTile<kD>::kThreads) {
+    const int r = kTransposed ? idx % rows : idx / kPerRow;
+    const int c = (kTransposed ? idx / rows : idx % kPerRow) * kVec;
+    const T* src = row(r);
+    const Bits16 v = src == nullptr ? zero_bits<Bits16>() : *reinterpret_cast<const Bits16*>(src + c);
+    if constexpr (kTransposed) {
+      uint16_t e[kVec];
+      std::memcpy(e, &v, sizeof(v));
+      RELPOS_UNROLL
+      for (int x = 0; x < kVec; ++x) dst[(c + x) * ld + r] = from_bits16<T>(e[x]);
+    } else {
+      *reinterpret_cast<Bits16*>(dst + r * ld + c) = v;
+    }
+  }
+}
+
+// NaN-propagating maximum (a NaN logit makes its row NaN, as in the SIMT kernel).
+RELPOS_DEVICE float tc_max(float a, float b) { return b > a || b != b ? b : a; }
+
+template <typename T, int kD, bool kRelQ>
+__global__ void __launch_bounds__(TcTile<kD>::kThreads)
+    rel_attention_tc_fwd_kernel(RelAttentionParams p) {
+  using Tl = TcTile<kD>;
+  constexpr int kNT = Tl::kKeys / 8;  // n-tiles of S
+  constexpr int kDT = kD / 8;         // n-tiles of O
+  constexpr int kDK = kD / 16;        // k-steps over the head dim
+  constexpr int kCT = Tl::kWarpBand / 8, kCK = Tl::kWarpBand / 16;  // n-tiles, k-steps over c
+  static_assert(kCT % 2 == 0);
+  RELPOS_DYNAMIC_SMEM(unsigned char, smem);
+  float* scr_all = reinterpret_cast<float*>(smem);
+  // The scratch before the key loop, or (not kQRegs) its own space.
+  T* sQ = reinterpret_cast<T*>(smem + (Tl::kQRegs ? 0 : Tl::q_offset(kRelQ)));
+  T* sK = reinterpret_cast<T*>(smem + Tl::kScrBytes);
+  T* sVt = sK + Tl::kKeys * Tl::kLdK;
+  T* sRk = sVt + kD * Tl::kLdVt;
+  T* sRvt = sRk + Tl::kBand * Tl::kLdK;
+  float* sBias = reinterpret_cast<float*>(smem + Tl::kScrBytes + Tl::kTileBytes);  // [kBand]
+  T* sRq = reinterpret_cast<T*>(sBias + Tl::kBand);               // kRelQ only
+  float* sKR = reinterpret_cast<float*>(sRq + Tl::kBand * Tl::kLdK);
+  float* sKq = sKR + Tl::kKeys * Tl::kLdKR;
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t4 = lane % 4;
+  const int64_t q_tiles = (p.q_len + Tl::kRows - 1) / Tl::kRows;
+  const int64_t bh = blockIdx.x / q_tiles, h = bh % p.heads, b = bh / p.heads;
+  const int64_t i0 = (blockIdx.x % q_tiles) * Tl::kRows;
+  const int nq = static_cast<int>(p.q_len - i0 < Tl::kRows ? p.q_len - i0 : Tl::kRows);
+  const int64_t K = p.max_distance, table_rows = num_buckets(K);
+  const int64_t kvh = b * p.kv_heads + h / (p.heads / p.kv_heads);
+  const T* q = static_cast<const T*>(p.q) + (bh * p.q_len + i0) * kD;
+  const T* k = static_cast<const T*>(p.k) + kvh * p.kv_stride;
+  const T* v = static_cast<const T*>(p.v) + kvh * p.kv_stride;
+  const T* ek = p.rel_k == nullptr ? nullptr
+                : static_cast<const T*>(p.rel_k) + (p.rel_k_per_head ? h * table_rows * kD : 0);
+  const T* ev = p.rel_v == nullptr ? nullptr
+                : static_cast<const T*>(p.rel_v) + (p.rel_v_per_head ? h * table_rows * kD : 0);
+  const T* eq = !kRelQ ? nullptr
+                : static_cast<const T*>(p.rel_q) + (p.rel_q_per_head ? h * table_rows * kD : 0);
+  const T* eb = p.rel_bias == nullptr ? nullptr
+                : static_cast<const T*>(p.rel_bias) + (p.rel_bias_per_head ? h * table_rows : 0);
+  const float scale2 = static_cast<float>(p.scale * kLog2e);  // logits in base 2
+  // A bias beyond the band on either side, in base 2.
+  const float blo = eb == nullptr ? 0.f : to_float(eb[0]) * static_cast<float>(kLog2e);
+  const float bhi = eb == nullptr ? 0.f : to_float(eb[table_rows - 1]) * static_cast<float>(kLog2e);
+  uint32_t drop_key[2] = {0, 0};  // the dropout row keys of rows g and g + 8
+  RELPOS_UNROLL
+  for (int r = 0; r < 2; ++r) drop_key[r] = attn_dropout_key(p, bh, i0 + warp * 16 + g + 8 * r);
+
+  tc_stage<T, kD, false>(sQ, Tl::kLdK, Tl::kRows,
+                         [&](int r) { return r < nq ? q + static_cast<int64_t>(r) * kD : nullptr; });
+  __syncthreads();
+  const T* qw = sQ + warp * 16 * Tl::kLdK;  // the warp's rows
+  // The A fragment of k-step kk of the warp's 16 rows of Q.
+  auto q_frag_smem = [&](int kk, uint32_t (&a)[4]) {
+    const T* x = qw + g * Tl::kLdK + kk * 16 + 2 * t4;
+    a[0] = ld32(x);
+    a[1] = ld32(x + 8 * Tl::kLdK);
+    a[2] = ld32(x + 8);
+    a[3] = ld32(x + 8 * Tl::kLdK + 8);
+  };
+  uint32_t qf[Tl::kQRegs ? kDK : 1][4];
+  if constexpr (Tl::kQRegs) {
+    RELPOS_UNROLL
+    for (int kk = 0; kk < kDK; ++kk) q_frag_smem(kk, qf[kk]);
+  }
+  auto q_frag = [&](int kk, uint32_t (&a)[4]) {
+    if constexpr (Tl::kQRegs) {
+      a[0] = qf[kk][0];
+      a[1] = qf[kk][1];
+      a[2] = qf[kk][2];
+      a[3] = qf[kk][3];
+    } else {
+      q_frag_smem(kk, a);
+    }
+  };
+  // q_i . rel_k[0] and q_i . rel_k[2K] of this thread's rows g and g + 8 ([0] and [1]): lane
+  // 2 r + x computes row r's dot with rel_k[x ? 2K : 0].
+  float qlo[2] = {0, 0}, qhi[2] = {0, 0};
+  if (ek != nullptr) {
+    const T* qr = qw + (lane / 2) * Tl::kLdK;
+    const T* e = ek + (lane % 2 ? (table_rows - 1) * kD : 0);
+    float s = 0;
+    for (int d = 0; d < kD; ++d) s += to_float(qr[d]) * to_float(e[d]);
+    RELPOS_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      qlo[r] = __shfl_sync(0xffffffffu, s, 2 * (g + 8 * r));
+      qhi[r] = __shfl_sync(0xffffffffu, s, 2 * (g + 8 * r) + 1);
+    }
+  }
+
+  float o[kDT][4], m[2], l[2], wlo[2], whi[2];
+  RELPOS_UNROLL
+  for (int nt = 0; nt < kDT; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0;
+  RELPOS_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    m[r] = -INFINITY;
+    l[r] = wlo[r] = whi[r] = 0;
+  }
+  // Masks checked per element (the causal limit and the key range are checked per tile below).
+  const bool elem_masks = p.key_padding_mask != nullptr || p.attn_mask != nullptr ||
+                          p.q_segment_ids != nullptr || p.window_left >= 0 || p.window_right >= 0;
+  float* scr = scr_all + warp * 16 * Tl::kLdScr;
+  T* pw = reinterpret_cast<T*>(scr);
+  const int cw = Tl::kKeys - 16 - 16 * warp;  // the warp's first c: 63 - (16 w + 15)
+
+  const int64_t key_end = attn_key_end(p, i0, nq);
+  for (int64_t j0 = attn_key_begin(p, i0) / Tl::kKeys * Tl::kKeys; j0 < key_end; j0 += Tl::kKeys) {
+    const int nk = static_cast<int>(p.k_len - j0 < Tl::kKeys ? p.k_len - j0 : Tl::kKeys);
+    if (has_tile_masks(p) && attn_tile_hidden<Tl>(p, b, h, i0, nq, j0, nk)) continue;
+    const int64_t dbase = (p.k_offset + j0) - (p.q_offset + i0) - (Tl::kKeys - 1);
+    const bool all_lo = dbase + 2 * (Tl::kKeys - 1) <= -K;  // every distance <= -K: bucket 0
+    const bool all_hi = dbase >= K;                          // every distance >= K: bucket 2K
+    const bool band = !all_lo && !all_hi;
+    __syncthreads();  // the previous tile's readers of sK, sVt, sRk, sRvt and the scratch are done
+    tc_stage<T, kD, false>(sK, Tl::kLdK, Tl::kKeys, [&](int r) {
+      return r < nk ? k + (j0 + r) * kD : nullptr;
+    });
+    tc_stage<T, kD, true>(sVt, Tl::kLdVt, Tl::kKeys, [&](int r) {
+      return r < nk ? v + (j0 + r) * kD : nullptr;
+    });
+    if (band && ek != nullptr) {
+      tc_stage<T, kD, false>(sRk, Tl::kLdK, Tl::kBand,
+                             [&](int c) { return ek + clamp_bucket(dbase + c, K) * kD; });
+    }
+    if (band && ev != nullptr) {
+      tc_stage<T, kD, true>(sRvt, Tl::kLdRvt, Tl::kBand,
+                            [&](int c) { return ev + clamp_bucket(dbase + c, K) * kD; });
+    }
+    if (band && eb != nullptr) {
+      for (int c = threadIdx.x; c < Tl::kBand; c += Tl::kThreads) {
+        sBias[c] = to_float(eb[clamp_bucket(dbase + c, K)]) * static_cast<float>(kLog2e);
+      }
+    }
+    if constexpr (kRelQ) {
+      if (band) {
+        tc_stage<T, kD, false>(sRq, Tl::kLdK, Tl::kBand,
+                               [&](int c) { return eq + clamp_bucket(dbase + c, K) * kD; });
+      } else if (threadIdx.x < Tl::kKeys) {  // k_j . rel_q[0] (or [2K]) of the tile's keys
+        const int jj = threadIdx.x;
+        float x = 0;
+        if (jj < nk) {
+          const T* kr = k + (j0 + jj) * kD;
+          const T* e = eq + (all_lo ? 0 : (table_rows - 1) * kD);
+          for (int d = 0; d < kD; ++d) x += to_float(kr[d]) * to_float(e[d]);
+        }
+        sKq[jj] = x;
+      }
+    }
+    __syncthreads();
+
+    // S = Q K^T
+    float s[kNT][4];
+    RELPOS_UNROLL
+    for (int nt = 0; nt < kNT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0;
+    RELPOS_UNROLL
+    for (int kk = 0; kk < kDK; ++kk) {
+      uint32_t af[4];
+      q_frag(kk, af);
+      RELPOS_UNROLL
+      for (int nt = 0; nt < kNT; ++nt) {
+        const T* bp = sK + (nt * 8 + g) * Tl::kLdK + kk * 16 + 2 * t4;
+        const uint32_t bf[2] = {ld32(bp), ld32(bp + 8)};
+        mma_16816<T>(s[nt], af, bf);
+      }
+    }
+    // + k_j . rel_q[b(i, j)]: KR for the warp's 16 keys and 80 values of c, then (after every
+    // warp's) the gather along the skew; one value per key beyond the band.
+    if constexpr (kRelQ) {
+      if (band) {
+        constexpr int kHalf = kCT / 2;
+        RELPOS_UNROLL
+        for (int half = 0; half < 2; ++half) {
+          float kr[kHalf][4];
+          RELPOS_UNROLL
+          for (int n = 0; n < kHalf; ++n) kr[n][0] = kr[n][1] = kr[n][2] = kr[n][3] = 0;
+          RELPOS_UNROLL
+          for (int kk = 0; kk < kDK; ++kk) {
+            const T* a = sK + (16 * warp + g) * Tl::kLdK + kk * 16 + 2 * t4;
+            const uint32_t af[4] = {ld32(a), ld32(a + 8 * Tl::kLdK), ld32(a + 8),
+                                    ld32(a + 8 * Tl::kLdK + 8)};
+            RELPOS_UNROLL
+            for (int n = 0; n < kHalf; ++n) {
+              const T* bp =
+                  sRq + (16 * warp + (half * kHalf + n) * 8 + g) * Tl::kLdK + kk * 16 + 2 * t4;
+              const uint32_t bf[2] = {ld32(bp), ld32(bp + 8)};
+              mma_16816<T>(kr[n], af, bf);
+            }
+          }
+          RELPOS_UNROLL
+          for (int n = 0; n < kHalf; ++n) {
+            RELPOS_UNROLL
+            for (int e = 0; e < 4; ++e) {
+              sKR[(16 * warp + g + (e / 2) * 8) * Tl::kLdKR + 16 * warp + (half * kHalf + n) * 8 +
+                  2 * t4 + e % 2] = kr[n][e];
+            }
+          }
+        }
+      }
+      __syncthreads();  // sKR rows come from every warp (sKq from the staging above)
+      RELPOS_UNROLL
+      for (int nt = 0; nt < kNT; ++nt) {
+        RELPOS_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const int jj = nt * 8 + 2 * t4 + e % 2, i = 16 * warp + g + (e / 2) * 8;
+          s[nt][e] += band ? sKR[jj * Tl::kLdKR + jj - i + Tl::kKeys - 1] : sKq[jj];
+        }
+      }
+    }
+    // + q_i . rel_k[b(i, j)]
+    if (ek != nullptr && band) {
+      // S_rel in two halves of the warp's c (fewer live registers), each through the scratch.
+      constexpr int kHalf = kCT / 2;
+      RELPOS_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        float sr[kHalf][4];
+        RELPOS_UNROLL
+        for (int n = 0; n < kHalf; ++n) sr[n][0] = sr[n][1] = sr[n][2] = sr[n][3] = 0;
+        RELPOS_UNROLL
+        for (int kk = 0; kk < kDK; ++kk) {
+          uint32_t af[4];
+          q_frag(kk, af);
+          RELPOS_UNROLL
+          for (int n = 0; n < kHalf; ++n) {
+            const T* bp = sRk + (cw + (half * kHalf + n) * 8 + g) * Tl::kLdK + kk * 16 + 2 * t4;
+            const uint32_t bf[2] = {ld32(bp), ld32(bp + 8)};
+            mma_16816<T>(sr[n], af, bf);
+          }
+        }
+        RELPOS_UNROLL
+        for (int n = 0; n < kHalf; ++n) {
+          RELPOS_UNROLL
+          for (int e = 0; e < 4; ++e) {
+            scr[(g + (e / 2) * 8) * Tl::kLdScr + (half * kHalf + n) * 8 + 2 * t4 + e % 2] = sr[n][e];
+          }
+        }
+      }
+      __syncwarp();
+      RELPOS_UNROLL
+      for (int nt = 0; nt < kNT; ++nt) {
+        RELPOS_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const int r = g + (e / 2) * 8, jj = nt * 8 + 2 * t4 + e % 2;
+          s[nt][e] += scr[r * Tl::kLdScr + jj - r + 15];
+        }
+      }
+      __syncwarp();  // the scratch is read before P' overwrites it
+    } else if (ek != nullptr) {
+      RELPOS_UNROLL
+      for (int nt = 0; nt < kNT; ++nt) {
+        RELPOS_UNROLL
+        for (int e = 0; e < 4; ++e) s[nt][e] += all_lo ? qlo[e / 2] : qhi[e / 2];
+      }
+    }
+
+    // Scale to base 2, mask, online softmax.
+    const bool full = j0 + Tl::kKeys <= p.k_len && !elem_masks &&
+                      (!p.causal || p.k_offset + j0 + Tl::kKeys - 1 <= p.q_offset + i0);
+    float mt[2] = {-INFINITY, -INFINITY};
+    RELPOS_UNROLL
+    for (int nt = 0; nt < kNT; ++nt) {
+      RELPOS_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        float x = s[nt][e] * scale2;
+        if (eb != nullptr) {  // + rel_bias[b] * log2 e, after the scale
+          const int r = g + (e / 2) * 8, jj = nt * 8 + 2 * t4 + e % 2;
+          x += band ? sBias[cw + jj - r + 15] : (all_lo ? blo : bhi);
+        }
+        if (!full) {
+          const int64_t i = i0 + warp * 16 + g + (e / 2) * 8, j = j0 + nt * 8 + 2 * t4 + e % 2;
+          if (!attn_visible(p, b, h, i, j)) x = -INFINITY;
+        }
+        s[nt][e] = x;
+        mt[e / 2] = tc_max(mt[e / 2], x);
+      }
+    }
+    float alpha[2];
+    RELPOS_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      mt[r] = tc_max(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 1));
+      mt[r] = tc_max(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 2));
+      const float mn = tc_max(m[r], mt[r]);
+      alpha[r] = mn == -INFINITY ? 1.f : exp2f(m[r] - mn);
+      m[r] = mn;
+    }
+    // rs: the row sums for l; rd: after dropout, for the clamped masses (s keeps the latter).
+    float rs[2] = {0, 0}, rd[2] = {0, 0};
+    RELPOS_UNROLL
+    for (int nt = 0; nt < kNT; ++nt) {
+      RELPOS_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const float mn = m[e / 2];
+        float pr = mn == -INFINITY ? 0.f : exp2f(s[nt][e] - mn);
+        rs[e / 2] += pr;
+        if (p.dropout.on) pr *= attn_dropout<float>(p, drop_key[e / 2], j0 + nt * 8 + 2 * t4 + e % 2);
+        s[nt][e] = pr;
+        rd[e / 2] += pr;
+      }
+    }
+    RELPOS_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      l[r] = l[r] * alpha[r] + rs[r];
+      wlo[r] = wlo[r] * alpha[r] + (all_lo ? rd[r] : 0.f);
+      whi[r] = whi[r] * alpha[r] + (all_hi ? rd[r] : 0.f);
+    }
+    RELPOS_UNROLL
+    for (int nt = 0; nt < kDT; ++nt) {
+      o[nt][0] *= alpha[0];
+      o[nt][1] *= alpha[0];
+      o[nt][2] *= alpha[1];
+      o[nt][3] *= alpha[1];
+    }
+
+    // O += P V, P from the S registers.
+    RELPOS_UNROLL
+    for (int kk = 0; kk < Tl::kKeys / 16; ++kk) {
+      const uint32_t pf[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                              pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      RELPOS_UNROLL
+      for (int nt = 0; nt < kDT; ++nt) {
+        const T* bp = sVt + (nt * 8 + g) * Tl::kLdVt + kk * 16 + 2 * t4;
+        const uint32_t bf[2] = {ld32(bp), ld32(bp + 8)};
+        mma_16816<T>(o[nt], pf, bf);
+      }
+    }
+    // + P' rel_v[b(i, j)]: P along the skew in the scratch, then one more product.
+    if (ev != nullptr && band) {
+      for (int idx = lane; idx < 16 * Tl::kLdP / 2; idx += 32) st32(pw + 2 * idx, 0u);
+      __syncwarp();
+      RELPOS_UNROLL
+      for (int nt = 0; nt < kNT; ++nt) {
+        RELPOS_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const int r = g + (e / 2) * 8, jj = nt * 8 + 2 * t4 + e % 2;
+          pw[r * Tl::kLdP + jj - r + 15] = from_float<T>(s[nt][e]);
+        }
+      }
+      __syncwarp();
+      RELPOS_UNROLL
+      for (int kk = 0; kk < kCK; ++kk) {
+        const T* ap = pw + g * Tl::kLdP + kk * 16 + 2 * t4;
+        const uint32_t af[4] = {ld32(ap), ld32(ap + 8 * Tl::kLdP), ld32(ap + 8),
+                                ld32(ap + 8 * Tl::kLdP + 8)};
+        RELPOS_UNROLL
+        for (int nt = 0; nt < kDT; ++nt) {
+          const T* bp = sRvt + (nt * 8 + g) * Tl::kLdRvt + cw + kk * 16 + 2 * t4;
+          const uint32_t bf[2] = {ld32(bp), ld32(bp + 8)};
+          mma_16816<T>(o[nt], af, bf);
+        }
+      }
+    }
+  }
+
+  // out = (O + w_lo rel_v[0] + w_hi rel_v[2K]) / l; rows without a visible key: 0 and lse = +inf.
+  T* out = static_cast<T*>(p.out) + (bh * p.q_len + i0) * kD;
+  float* lse = static_cast<float*>(p.lse) + bh * p.q_len + i0;
+  RELPOS_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    RELPOS_UNROLL
+    for (int x = 1; x <= 2; x *= 2) {
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], x);
+      wlo[r] += __shfl_xor_sync(0xffffffffu, wlo[r], x);
+      whi[r] += __shfl_xor_sync(0xffffffffu, whi[r], x);
+    }
+    const int row = warp * 16 + g + 8 * r;
+    if (row >= nq) continue;
+    const bool empty = m[r] == -INFINITY || l[r] == 0.f;
+    const float inv = empty ? 0.f : 1.f / l[r];
+    RELPOS_UNROLL
+    for (int nt = 0; nt < kDT; ++nt) {
+      const int d = nt * 8 + 2 * t4;
+      float o0 = o[nt][2 * r], o1 = o[nt][2 * r + 1];
+      if (ev != nullptr) {
+        const T* e0 = ev;
+        const T* e1 = ev + (table_rows - 1) * kD;
+        o0 += wlo[r] * to_float(e0[d]) + whi[r] * to_float(e1[d]);
+        o1 += wlo[r] * to_float(e0[d + 1]) + whi[r] * to_float(e1[d + 1]);
+      }
+      st32(out + row * kD + d, empty ? 0u : pack2<T>(o0 * inv, o1 * inv));
+    }
+    if (t4 == 0) lse[row] = empty ? INFINITY : m[r] * static_cast<float>(kLn2) + logf(l[r]);
+  }
+}
+
+}  // namespace relpos::cuda
