@@ -234,9 +234,9 @@ def test_rel_attention_backward(backend, dtype, name):
 
 
 # Shapes the CUDA tensor-core forward takes (csrc/cuda/rel_attention_tc.cuh: float16/bfloat16,
-# D = 64 or 128; CASES has few): several 64-row query tiles and 64-key tiles, tile pairs inside,
-# across and beyond the band on both sides, a partial last tile, masks checked per element. Every
-# backend runs them. The tuple is CASES's.
+# D a multiple of 8 up to 128; CASES has few): several 64-row query tiles and 64-key tiles, tile
+# pairs inside, across and beyond the band on both sides, a partial last tile. Every backend runs
+# them. The tuple is CASES's.
 TC_CASES = {
     "two_sided": (1, 2, 2, 130, 200, 64, 5, 0, 0, False, False, False, True, True),
     "causal_padding_gqa": (2, 4, 2, 100, 140, 64, 20, 0, 0, True, True, True, True, True),
@@ -246,6 +246,11 @@ TC_CASES = {
     "only_rel_k": (1, 1, 1, 80, 200, 64, 40, 0, 0, False, False, True, True, False),
     "only_rel_v": (1, 1, 1, 80, 200, 64, 40, 0, 0, False, False, True, False, True),
     "decode": (1, 2, 2, 3, 300, 64, 8, 297, 0, False, True, False, True, True),
+    # head dims zero-padded to the kernel's 32, 96 and 128
+    "D24_causal": (1, 2, 2, 100, 100, 24, 10, 0, 0, False, True, False, True, True),
+    "D40_offsets": (1, 2, 1, 70, 140, 40, 12, 5, 2, True, False, True, True, True),
+    "D80_gqa": (2, 4, 2, 70, 130, 80, 30, 0, 0, True, False, True, True, True),
+    "D120": (1, 1, 1, 65, 70, 120, 6, 0, 0, False, True, False, True, True),
 }
 
 
@@ -266,7 +271,9 @@ TC_EXTRAS = {
                                          "dropout_seed": 12345}),
     "rel_q": ("two_sided", {"rel_q": "per_head"}),
     "rel_q_K0": ("K0", {"rel_q": "shared"}),
-    "rel_q_bias_causal_padding_gqa": ("causal_padding_gqa", {"rel_q": "shared", "rel_bias": "per_head"}),
+    "rel_q_bias_causal_padding_gqa": ("causal_padding_gqa",
+                                      {"rel_q": "shared", "rel_bias": "per_head"}),
+    "rel_q_D40": ("D40_offsets", {"rel_q": "per_head"}),
 }
 
 

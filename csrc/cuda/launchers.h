@@ -28,8 +28,8 @@ void launch_rel_logits(const RelLogitsParams& p, Stream stream);
 void launch_bucket_sum(const BucketSumParams& p, Stream stream);
 void launch_rel_attention(const RelAttentionParams& p, Stream stream);
 // The tensor-core forward (rel_attention_tc.cu): launches and returns true when it covers p
-// (bfloat16/float16, head dim 64 or 128, 64 with rel_q, 16-byte aligned tensors,
-// compute capability >= 8.0, RELPOS_CUDA_TC not 0); false, launching nothing, otherwise.
+// (bfloat16/float16, head dim a multiple of 8 up to 128, up to 64 with rel_q, 16-byte aligned
+// tensors, compute capability >= 8.0, RELPOS_CUDA_TC not 0); false, launching nothing, otherwise.
 bool launch_rel_attention_tc(const RelAttentionParams& p, Stream stream);
 // The backward needs rel_attention_backward_workspace_bytes(p) bytes of device scratch (per query
 // row: D_i = dO_i . O_i and the clamped-bucket dots), allocated by the glue, uninitialised.

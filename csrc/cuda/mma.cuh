@@ -90,7 +90,8 @@ inline void mma_16816_emu(float (&d)[4], const uint32_t (&a)[4], const uint32_t 
     float acc = 0;
     for (int k = 0; k < 16; ++k) {
       const int tk = (k % 8) / 2, hi = k & 1;
-      const float av = unpack_half<T>(w[(row % 8) * 4 + tk].a[(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], hi);
+      const int ai = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+      const float av = unpack_half<T>(w[(row % 8) * 4 + tk].a[ai], hi);
       const float bv = unpack_half<T>(w[col * 4 + tk].b[k >= 8 ? 1 : 0], hi);
       acc += av * bv;
     }

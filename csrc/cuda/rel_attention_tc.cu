@@ -46,11 +46,13 @@ void launch_tc(const RelAttentionParams& p, Stream stream) {
 bool launch_rel_attention_tc(const RelAttentionParams& p, Stream stream) {
   const bool bf16 = p.dtype == DType::BFloat16;
   if (!bf16 && p.dtype != DType::Float16) return false;
-  if (p.dim != 64 && p.dim != 128) return false;
+  // Head dims that are multiples of 8 up to 128, zero-padded to 32, 64, 96 or 128.
+  if (p.dim % 8 != 0 || p.dim < 8 || p.dim > 128) return false;
   const bool rel_q = p.rel_q != nullptr;
-  if (rel_q && p.dim != 64) return false;  // shared memory: 196 KB at D = 128
+  if (rel_q && p.dim > 64) return false;  // shared memory: 196 KB at D = 128
   if (p.kv_stride % 8 != 0) return false;
-  for (const void* t : {p.q, p.k, p.v, p.rel_k, p.rel_v, p.rel_q, static_cast<const void*>(p.out)}) {
+  const void* tensors[] = {p.q, p.k, p.v, p.rel_k, p.rel_v, p.rel_q, p.out};
+  for (const void* t : tensors) {
     if (!aligned16(t)) return false;
   }
   if (!tc_enabled()) return false;
@@ -58,13 +60,17 @@ bool launch_rel_attention_tc(const RelAttentionParams& p, Stream stream) {
   if (!tc_device()) return false;
 #endif
   if (p.batch * p.heads * p.q_len == 0) return true;
-  if (rel_q) {
-    bf16 ? launch_tc<__nv_bfloat16, 64, true>(p, stream) : launch_tc<__half, 64, true>(p, stream);
-  } else if (p.dim == 64) {
-    bf16 ? launch_tc<__nv_bfloat16, 64, false>(p, stream) : launch_tc<__half, 64, false>(p, stream);
+  auto go = [&]<int kD, bool kRelQ>() {
+    bf16 ? launch_tc<__nv_bfloat16, kD, kRelQ>(p, stream) : launch_tc<__half, kD, kRelQ>(p, stream);
+  };
+  if (p.dim <= 32) {
+    rel_q ? go.template operator()<32, true>() : go.template operator()<32, false>();
+  } else if (p.dim <= 64) {
+    rel_q ? go.template operator()<64, true>() : go.template operator()<64, false>();
+  } else if (p.dim <= 96) {
+    go.template operator()<96, false>();
   } else {
-    bf16 ? launch_tc<__nv_bfloat16, 128, false>(p, stream)
-         : launch_tc<__half, 128, false>(p, stream);
+    go.template operator()<128, false>();
   }
   return true;
 }

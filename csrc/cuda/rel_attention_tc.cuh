@@ -1,15 +1,17 @@
 // Fused Shaw attention forward on tensor cores (bfloat16 / float16, float32 accumulation), the
 // FlashAttention-2 scheme (Dao 2023) with the relative terms of rel_attention.cuh done as matrix
 // products too. The maths and the op's contract are rel_attention.cuh's; the launcher
-// (rel_attention_tc.cu) takes this kernel only for what it covers (head dim 64 or 128, 64 with
-// rel_q, 16-byte aligned tensors, compute capability >= 8.0) and the SIMT kernel for the rest;
-// the backward is the SIMT one, from this kernel's out and lse.
+// (rel_attention_tc.cu) takes this kernel only for what it covers (head dims that are multiples of
+// 8 up to 128, zero-padded to kD = 32, 64, 96 or 128; up to 64 with rel_q; 16-byte aligned
+// tensors; compute capability >= 8.0) and the SIMT kernel for the rest; the backward is the SIMT
+// one, from this kernel's out and lse.
 //
 // A block of 4 warps owns 64 query rows (16 per warp, as the A operand of mma_16816, whose
-// fragments of Q stay in registers up to D = 64, and are read from shared memory at each use
-// beyond, to stay within 255 registers without spilling) and walks key tiles of 64: S = Q K^T and O += P V on tensor
-// cores, the online softmax on the S accumulators (a thread holds two rows, g and g + 8, and the
-// four lanes of a row combine with two shuffles), P reused from registers as the A operand.
+// fragments of Q stay in registers up to kD = 64, and are read from shared memory at each use
+// beyond, to stay within 255 registers without spilling) and walks key tiles of 64: S = Q K^T
+// and O += P V on tensor cores, the online softmax on the S accumulators (a thread holds two
+// rows, g and g + 8, and the four lanes of a row combine with two shuffles), P reused from
+// registers as the A operand.
 //
 // Relative terms. For a (query tile, key tile) pair, with c = (j - j0) - (i - i0) + 63 in
 // [0, 127), the distance is (k_offset + j0) - (q_offset + i0) - 63 + c: the bucket of every (i, j)
@@ -43,7 +45,7 @@ namespace relpos::cuda {
 
 template <int kD>
 struct TcTile {
-  static_assert(kD % 16 == 0 && kD <= 128, "head dim: a multiple of 16, at most 128");
+  static_assert(kD % 32 == 0 && kD <= 128, "head dims padded to 32, 64, 96 or 128");
   static constexpr int kThreads = 128, kWarps = 4;
   static constexpr int kRows = 64;       // query rows of a block, 16 per warp
   static constexpr int kKeys = 64;       // keys of a tile
@@ -74,18 +76,20 @@ struct TcTile {
   }
 };
 
-// dst[r][c] (row stride ld elements) = row(r)[c] for r < rows, c < kD, 16 bytes at a time; a
-// null row(r) is zeros. row(r) must be 16-byte aligned. kTransposed: dst[c][r] instead, with
+// dst[r][c] (row stride ld elements) = row(r)[c] for r < rows, c < dim (a multiple of 8), and
+// zero for dim <= c < kD, 16 bytes at a time; a null row(r) is zeros. row(r) must be 16-byte
+// aligned. kTransposed: dst[c][r] instead, with
 // consecutive threads on consecutive rows r, so that a warp's 16-bit stores to one dst row fill
 // consecutive words (no bank conflicts).
 template <typename T, int kD, bool kTransposed, typename RowFn>
-RELPOS_DEVICE void tc_stage(T* dst, int ld, int rows, RowFn row) {
+RELPOS_DEVICE void tc_stage(T* dst, int ld, int rows, RowFn row, int dim) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T)), kPerRow = kD / kVec;
   for (int idx = threadIdx.x; idx < rows * kPerRow; idx += TcTile<kD>::kThreads) {
     const int r = kTransposed ? idx % rows : idx / kPerRow;
     const int c = (kTransposed ? idx / rows : idx % kPerRow) * kVec;
     const T* src = row(r);
-    const Bits16 v = src == nullptr ? zero_bits<Bits16>() : *reinterpret_cast<const Bits16*>(src + c);
+    const Bits16 v = src == nullptr || c >= dim ? zero_bits<Bits16>()
+                                                : *reinterpret_cast<const Bits16*>(src + c);
     if constexpr (kTransposed) {
       uint16_t e[kVec];
       std::memcpy(e, &v, sizeof(v));
@@ -128,16 +132,17 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
   const int64_t i0 = (blockIdx.x % q_tiles) * Tl::kRows;
   const int nq = static_cast<int>(p.q_len - i0 < Tl::kRows ? p.q_len - i0 : Tl::kRows);
   const int64_t K = p.max_distance, table_rows = num_buckets(K);
+  const int D = static_cast<int>(p.dim);  // a multiple of 8, at most kD: zero-padded to kD
   const int64_t kvh = b * p.kv_heads + h / (p.heads / p.kv_heads);
-  const T* q = static_cast<const T*>(p.q) + (bh * p.q_len + i0) * kD;
+  const T* q = static_cast<const T*>(p.q) + (bh * p.q_len + i0) * D;
   const T* k = static_cast<const T*>(p.k) + kvh * p.kv_stride;
   const T* v = static_cast<const T*>(p.v) + kvh * p.kv_stride;
   const T* ek = p.rel_k == nullptr ? nullptr
-                : static_cast<const T*>(p.rel_k) + (p.rel_k_per_head ? h * table_rows * kD : 0);
+                : static_cast<const T*>(p.rel_k) + (p.rel_k_per_head ? h * table_rows * D : 0);
   const T* ev = p.rel_v == nullptr ? nullptr
-                : static_cast<const T*>(p.rel_v) + (p.rel_v_per_head ? h * table_rows * kD : 0);
+                : static_cast<const T*>(p.rel_v) + (p.rel_v_per_head ? h * table_rows * D : 0);
   const T* eq = !kRelQ ? nullptr
-                : static_cast<const T*>(p.rel_q) + (p.rel_q_per_head ? h * table_rows * kD : 0);
+                : static_cast<const T*>(p.rel_q) + (p.rel_q_per_head ? h * table_rows * D : 0);
   const T* eb = p.rel_bias == nullptr ? nullptr
                 : static_cast<const T*>(p.rel_bias) + (p.rel_bias_per_head ? h * table_rows : 0);
   const float scale2 = static_cast<float>(p.scale * kLog2e);  // logits in base 2
@@ -149,7 +154,8 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
   for (int r = 0; r < 2; ++r) drop_key[r] = attn_dropout_key(p, bh, i0 + warp * 16 + g + 8 * r);
 
   tc_stage<T, kD, false>(sQ, Tl::kLdK, Tl::kRows,
-                         [&](int r) { return r < nq ? q + static_cast<int64_t>(r) * kD : nullptr; });
+                         [&](int r) { return r < nq ? q + static_cast<int64_t>(r) * D : nullptr; },
+                         D);
   __syncthreads();
   const T* qw = sQ + warp * 16 * Tl::kLdK;  // the warp's rows
   // The A fragment of k-step kk of the warp's 16 rows of Q.
@@ -180,9 +186,9 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
   float qlo[2] = {0, 0}, qhi[2] = {0, 0};
   if (ek != nullptr) {
     const T* qr = qw + (lane / 2) * Tl::kLdK;
-    const T* e = ek + (lane % 2 ? (table_rows - 1) * kD : 0);
+    const T* e = ek + (lane % 2 ? (table_rows - 1) * D : 0);
     float s = 0;
-    for (int d = 0; d < kD; ++d) s += to_float(qr[d]) * to_float(e[d]);
+    for (int d = 0; d < D; ++d) s += to_float(qr[d]) * to_float(e[d]);
     RELPOS_UNROLL
     for (int r = 0; r < 2; ++r) {
       qlo[r] = __shfl_sync(0xffffffffu, s, 2 * (g + 8 * r));
@@ -215,18 +221,18 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
     const bool band = !all_lo && !all_hi;
     __syncthreads();  // the previous tile's readers of sK, sVt, sRk, sRvt and the scratch are done
     tc_stage<T, kD, false>(sK, Tl::kLdK, Tl::kKeys, [&](int r) {
-      return r < nk ? k + (j0 + r) * kD : nullptr;
-    });
+      return r < nk ? k + (j0 + r) * D : nullptr;
+    }, D);
     tc_stage<T, kD, true>(sVt, Tl::kLdVt, Tl::kKeys, [&](int r) {
-      return r < nk ? v + (j0 + r) * kD : nullptr;
-    });
+      return r < nk ? v + (j0 + r) * D : nullptr;
+    }, D);
     if (band && ek != nullptr) {
       tc_stage<T, kD, false>(sRk, Tl::kLdK, Tl::kBand,
-                             [&](int c) { return ek + clamp_bucket(dbase + c, K) * kD; });
+                             [&](int c) { return ek + clamp_bucket(dbase + c, K) * D; }, D);
     }
     if (band && ev != nullptr) {
       tc_stage<T, kD, true>(sRvt, Tl::kLdRvt, Tl::kBand,
-                            [&](int c) { return ev + clamp_bucket(dbase + c, K) * kD; });
+                            [&](int c) { return ev + clamp_bucket(dbase + c, K) * D; }, D);
     }
     if (band && eb != nullptr) {
       for (int c = threadIdx.x; c < Tl::kBand; c += Tl::kThreads) {
@@ -236,14 +242,14 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
     if constexpr (kRelQ) {
       if (band) {
         tc_stage<T, kD, false>(sRq, Tl::kLdK, Tl::kBand,
-                               [&](int c) { return eq + clamp_bucket(dbase + c, K) * kD; });
+                               [&](int c) { return eq + clamp_bucket(dbase + c, K) * D; }, D);
       } else if (threadIdx.x < Tl::kKeys) {  // k_j . rel_q[0] (or [2K]) of the tile's keys
         const int jj = threadIdx.x;
         float x = 0;
         if (jj < nk) {
-          const T* kr = k + (j0 + jj) * kD;
-          const T* e = eq + (all_lo ? 0 : (table_rows - 1) * kD);
-          for (int d = 0; d < kD; ++d) x += to_float(kr[d]) * to_float(e[d]);
+          const T* kr = k + (j0 + jj) * D;
+          const T* e = eq + (all_lo ? 0 : (table_rows - 1) * D);
+          for (int d = 0; d < D; ++d) x += to_float(kr[d]) * to_float(e[d]);
         }
         sKq[jj] = x;
       }
@@ -332,7 +338,8 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
         for (int n = 0; n < kHalf; ++n) {
           RELPOS_UNROLL
           for (int e = 0; e < 4; ++e) {
-            scr[(g + (e / 2) * 8) * Tl::kLdScr + (half * kHalf + n) * 8 + 2 * t4 + e % 2] = sr[n][e];
+            const int c = (half * kHalf + n) * 8 + 2 * t4 + e % 2;
+            scr[(g + (e / 2) * 8) * Tl::kLdScr + c] = sr[n][e];
           }
         }
       }
@@ -393,7 +400,9 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
         const float mn = m[e / 2];
         float pr = mn == -INFINITY ? 0.f : exp2f(s[nt][e] - mn);
         rs[e / 2] += pr;
-        if (p.dropout.on) pr *= attn_dropout<float>(p, drop_key[e / 2], j0 + nt * 8 + 2 * t4 + e % 2);
+        if (p.dropout.on) {
+          pr *= attn_dropout<float>(p, drop_key[e / 2], j0 + nt * 8 + 2 * t4 + e % 2);
+        }
         s[nt][e] = pr;
         rd[e / 2] += pr;
       }
@@ -415,9 +424,10 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
     // O += P V, P from the S registers.
     RELPOS_UNROLL
     for (int kk = 0; kk < Tl::kKeys / 16; ++kk) {
-      const uint32_t pf[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                              pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      const float(&s0)[4] = s[2 * kk];
+      const float(&s1)[4] = s[2 * kk + 1];
+      const uint32_t pf[4] = {pack2<T>(s0[0], s0[1]), pack2<T>(s0[2], s0[3]),
+                              pack2<T>(s1[0], s1[1]), pack2<T>(s1[2], s1[3])};
       RELPOS_UNROLL
       for (int nt = 0; nt < kDT; ++nt) {
         const T* bp = sVt + (nt * 8 + g) * Tl::kLdVt + kk * 16 + 2 * t4;
@@ -454,7 +464,7 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
   }
 
   // out = (O + w_lo rel_v[0] + w_hi rel_v[2K]) / l; rows without a visible key: 0 and lse = +inf.
-  T* out = static_cast<T*>(p.out) + (bh * p.q_len + i0) * kD;
+  T* out = static_cast<T*>(p.out) + (bh * p.q_len + i0) * D;
   float* lse = static_cast<float*>(p.lse) + bh * p.q_len + i0;
   RELPOS_UNROLL
   for (int r = 0; r < 2; ++r) {
@@ -470,15 +480,16 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
     const float inv = empty ? 0.f : 1.f / l[r];
     RELPOS_UNROLL
     for (int nt = 0; nt < kDT; ++nt) {
+      if (nt * 8 >= D) break;  // the zero padding of D up to kD
       const int d = nt * 8 + 2 * t4;
       float o0 = o[nt][2 * r], o1 = o[nt][2 * r + 1];
       if (ev != nullptr) {
         const T* e0 = ev;
-        const T* e1 = ev + (table_rows - 1) * kD;
+        const T* e1 = ev + (table_rows - 1) * D;
         o0 += wlo[r] * to_float(e0[d]) + whi[r] * to_float(e1[d]);
         o1 += wlo[r] * to_float(e0[d + 1]) + whi[r] * to_float(e1[d + 1]);
       }
-      st32(out + row * kD + d, empty ? 0u : pack2<T>(o0 * inv, o1 * inv));
+      st32(out + row * D + d, empty ? 0u : pack2<T>(o0 * inv, o1 * inv));
     }
     if (t4 == 0) lse[row] = empty ? INFINITY : m[r] * static_cast<float>(kLn2) + logf(l[r]);
   }
