@@ -49,6 +49,7 @@ struct TcTile {
   static constexpr int kThreads = 128, kWarps = 4;
   static constexpr int kRows = 64;       // query rows of a block, 16 per warp
   static constexpr int kKeys = 64;       // keys of a tile
+  static_assert(kRows == kKeys, "c = (j - j0) - (i - i0) + 63 spans [0, 127) for 64 x 64 pairs");
   static constexpr int kBand = 128;      // staged table rows of a pair: c in [0, 128)
   static constexpr int kWarpBand = 80;   // a warp's values of c (79), five k-steps of 16
   // Row strides (elements) with 16 bytes of padding: the 8 rows x 4 words of a fragment load fall
@@ -215,7 +216,8 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
   for (int64_t j0 = attn_key_begin(p, i0) / Tl::kKeys * Tl::kKeys; j0 < key_end; j0 += Tl::kKeys) {
     const int nk = static_cast<int>(p.k_len - j0 < Tl::kKeys ? p.k_len - j0 : Tl::kKeys);
     if (has_tile_masks(p) && attn_tile_hidden<Tl>(p, b, h, i0, nq, j0, nk)) continue;
-    const int64_t dbase = (p.k_offset + j0) - (p.q_offset + i0) - (Tl::kKeys - 1);
+    // The distance at c = 0 (row i0 + 63, key j0); c adds one per step.
+    const int64_t dbase = rel_distance(i0 + Tl::kRows - 1, j0, p.q_offset, p.k_offset);
     const bool all_lo = dbase + 2 * (Tl::kKeys - 1) <= -K;  // every distance <= -K: bucket 0
     const bool all_hi = dbase >= K;                          // every distance >= K: bucket 2K
     const bool band = !all_lo && !all_hi;
