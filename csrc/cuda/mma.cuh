@@ -129,4 +129,58 @@ RELPOS_DEVICE void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32
 #endif
 }
 
+// The A fragment of the 16 x 16 tile at a (row-major, rows ld elements apart) for lane `lane`.
+template <typename T>
+RELPOS_DEVICE void load_a_frag(uint32_t (&f)[4], const T* a, int ld, int lane) {
+  const T* x = a + (lane / 4) * ld + 2 * (lane % 4);
+  f[0] = ld32(x);
+  f[1] = ld32(x + 8 * ld);
+  f[2] = ld32(x + 8);
+  f[3] = ld32(x + 8 * ld + 8);
+}
+
+// The B fragment of the 16 x 8 tile B = Bt^T, Bt at bt row-major (8 rows of n, 16 columns of k,
+// rows ld elements apart): B's "col" layout is Bt's rows.
+template <typename T>
+RELPOS_DEVICE void load_b_frag(uint32_t (&f)[2], const T* bt, int ld, int lane) {
+  const T* x = bt + (lane / 4) * ld + 2 * (lane % 4);
+  f[0] = ld32(x);
+  f[1] = ld32(x + 8);
+}
+
+template <int kN>
+RELPOS_DEVICE void zero_acc(float (&acc)[kN][4]) {
+  RELPOS_UNROLL
+  for (int n = 0; n < kN; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0;
+}
+
+// acc[n] += A Bt_n^T for n < kN over kK k-steps of 16: a(kk, f) writes the A fragment of k-step kk
+// (16 rows x 16 columns) into f; Bt_n is the 8 x 16 kK block of rows [8 n, 8 n + 8) of bt
+// (row-major, rows ld elements apart). All 32 lanes call it.
+template <typename T, int kN, int kK, typename AFrag>
+RELPOS_DEVICE void warp_mma_bt(float (&acc)[kN][4], AFrag&& a, const T* bt, int ld, int lane) {
+  RELPOS_UNROLL
+  for (int kk = 0; kk < kK; ++kk) {
+    uint32_t af[4];
+    a(kk, af);
+    RELPOS_UNROLL
+    for (int n = 0; n < kN; ++n) {
+      uint32_t bf[2];
+      load_b_frag(bf, bt + n * 8 * ld + kk * 16, ld, lane);
+      mma_16816<T>(acc[n], af, bf);
+    }
+  }
+}
+
+// dst[r][c] = the accumulators of 16 x 8 tiles side by side (row-major, rows ld floats apart).
+template <int kN>
+RELPOS_DEVICE void store_acc(float* dst, int ld, const float (&acc)[kN][4], int lane) {
+  const int g = lane / 4, t = lane % 4;
+  RELPOS_UNROLL
+  for (int n = 0; n < kN; ++n) {
+    RELPOS_UNROLL
+    for (int e = 0; e < 4; ++e) dst[(g + (e / 2) * 8) * ld + n * 8 + 2 * t + e % 2] = acc[n][e];
+  }
+}
+
 }  // namespace relpos::cuda

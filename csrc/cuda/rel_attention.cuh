@@ -91,6 +91,13 @@ RELPOS_DEVICE double exp2_acc(double x) { return exp2(x); }
 RELPOS_DEVICE float log_acc(float x) { return logf(x); }
 RELPOS_DEVICE double log_acc(double x) { return log(x); }
 
+// Head h's rows of an optional table (rel_k, rel_v, rel_q: head_elems = (2K+1) D; rel_bias:
+// 2K+1): the table itself when shared, its h-th slab when per head, null when absent.
+template <typename T>
+RELPOS_DEVICE const T* head_table(const void* t, bool per_head, int64_t h, int64_t head_elems) {
+  return t == nullptr ? nullptr : static_cast<const T*>(t) + (per_head ? h * head_elems : 0);
+}
+
 // Key j visible from query row i of head h (both in range): causal positions, the padding and
 // attention masks, the segments, the window.
 RELPOS_DEVICE bool attn_visible(const RelAttentionParams& p, int64_t b, int64_t h, int64_t i,
@@ -405,14 +412,10 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
   const int64_t kvh = b * p.kv_heads + h / (p.heads / p.kv_heads);
   const T* k = static_cast<const T*>(p.k) + kvh * p.kv_stride;
   const T* v = static_cast<const T*>(p.v) + kvh * p.kv_stride;
-  const T* ek = p.rel_k == nullptr ? nullptr
-                : static_cast<const T*>(p.rel_k) + (p.rel_k_per_head ? h * table_rows * D : 0);
-  const T* ev = p.rel_v == nullptr ? nullptr
-                : static_cast<const T*>(p.rel_v) + (p.rel_v_per_head ? h * table_rows * D : 0);
-  const T* eb = p.rel_bias == nullptr ? nullptr
-                : static_cast<const T*>(p.rel_bias) + (p.rel_bias_per_head ? h * table_rows : 0);
-  const T* eq = !kRelQ ? nullptr
-                : static_cast<const T*>(p.rel_q) + (p.rel_q_per_head ? h * table_rows * D : 0);
+  const T* ek = head_table<T>(p.rel_k, p.rel_k_per_head, h, table_rows * D);
+  const T* ev = head_table<T>(p.rel_v, p.rel_v_per_head, h, table_rows * D);
+  const T* eb = head_table<T>(p.rel_bias, p.rel_bias_per_head, h, table_rows);
+  const T* eq = kRelQ ? head_table<T>(p.rel_q, p.rel_q_per_head, h, table_rows * D) : nullptr;
   const A scale2 = static_cast<A>(p.scale * kLog2e);  // logits in base 2
   const int n_chunks = static_cast<int>((D + Tl::kDK - 1) / Tl::kDK);
 
@@ -585,10 +588,8 @@ __global__ void rel_attention_bwd_rows_kernel(RelAttentionBwdParams bp, acc_t<T>
   const T* q = static_cast<const T*>(p.q) + row * D;
   const T* o = static_cast<const T*>(p.out) + row * D;
   const T* g = static_cast<const T*>(bp.grad_out) + row * D;
-  const T* ek = p.rel_k == nullptr ? nullptr
-                : static_cast<const T*>(p.rel_k) + (p.rel_k_per_head ? h * table_rows * D : 0);
-  const T* ev = p.rel_v == nullptr ? nullptr
-                : static_cast<const T*>(p.rel_v) + (p.rel_v_per_head ? h * table_rows * D : 0);
+  const T* ek = head_table<T>(p.rel_k, p.rel_k_per_head, h, table_rows * D);
+  const T* ev = head_table<T>(p.rel_v, p.rel_v_per_head, h, table_rows * D);
   A t[kRowTerms] = {0, 0, 0, 0, 0};
   for (int64_t d = lane; d < D; d += 32) {
     const A qd = to_float(q[d]), gd = to_float(g[d]);
@@ -681,20 +682,16 @@ __device__ void bwd_dq_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws,
   const int64_t kvh = b * p.kv_heads + h / (p.heads / p.kv_heads);
   const T* k = static_cast<const T*>(p.k) + kvh * p.kv_stride;
   const T* v = static_cast<const T*>(p.v) + kvh * p.kv_stride;
-  const T* ek = p.rel_k == nullptr ? nullptr
-                : static_cast<const T*>(p.rel_k) + (p.rel_k_per_head ? h * table_rows * D : 0);
-  const T* ev = p.rel_v == nullptr ? nullptr
-                : static_cast<const T*>(p.rel_v) + (p.rel_v_per_head ? h * table_rows * D : 0);
+  const T* ek = head_table<T>(p.rel_k, p.rel_k_per_head, h, table_rows * D);
+  const T* ev = head_table<T>(p.rel_v, p.rel_v_per_head, h, table_rows * D);
   A* pk = bp.drel_k_partial == nullptr ? nullptr
           : static_cast<A*>(bp.drel_k_partial) + bh * table_rows * D;
   A* pv = bp.drel_v_partial == nullptr ? nullptr
           : static_cast<A*>(bp.drel_v_partial) + bh * table_rows * D;
-  const T* eb = !kBias ? nullptr
-                : static_cast<const T*>(p.rel_bias) + (p.rel_bias_per_head ? h * table_rows : 0);
+  const T* eb = kBias ? head_table<T>(p.rel_bias, p.rel_bias_per_head, h, table_rows) : nullptr;
   A* pb = !kBias || bp.drel_bias_partial == nullptr ? nullptr
           : static_cast<A*>(bp.drel_bias_partial) + bh * table_rows;
-  const T* eq = !kRelQ ? nullptr
-                : static_cast<const T*>(p.rel_q) + (p.rel_q_per_head ? h * table_rows * D : 0);
+  const T* eq = kRelQ ? head_table<T>(p.rel_q, p.rel_q_per_head, h, table_rows * D) : nullptr;
   const A scale = static_cast<A>(p.scale);
   const A scale2 = static_cast<A>(p.scale * kLog2e);  // the softmax is in base 2
   const int n_chunks = static_cast<int>((D + Tl::kDK - 1) / Tl::kDK);
@@ -991,14 +988,10 @@ __device__ void bwd_dkdv_tile(const RelAttentionBwdParams& bp, const acc_t<T>* w
     const int64_t bh = b * p.heads + h;
     const T* q = static_cast<const T*>(p.q) + bh * p.q_len * D;
     const T* g = static_cast<const T*>(bp.grad_out) + bh * p.q_len * D;
-    const T* ek = p.rel_k == nullptr ? nullptr
-                  : static_cast<const T*>(p.rel_k) + (p.rel_k_per_head ? h * table_rows * D : 0);
-    const T* ev = p.rel_v == nullptr ? nullptr
-                  : static_cast<const T*>(p.rel_v) + (p.rel_v_per_head ? h * table_rows * D : 0);
-    const T* eb = !kBias ? nullptr
-                  : static_cast<const T*>(p.rel_bias) + (p.rel_bias_per_head ? h * table_rows : 0);
-    const T* eq = !kRelQ ? nullptr
-                  : static_cast<const T*>(p.rel_q) + (p.rel_q_per_head ? h * table_rows * D : 0);
+    const T* ek = head_table<T>(p.rel_k, p.rel_k_per_head, h, table_rows * D);
+    const T* ev = head_table<T>(p.rel_v, p.rel_v_per_head, h, table_rows * D);
+    const T* eb = kBias ? head_table<T>(p.rel_bias, p.rel_bias_per_head, h, table_rows) : nullptr;
+    const T* eq = kRelQ ? head_table<T>(p.rel_q, p.rel_q_per_head, h, table_rows * D) : nullptr;
     A* pq = !kRelQ || bp.drel_q_partial == nullptr ? nullptr
             : static_cast<A*>(bp.drel_q_partial) + bh * table_rows * D;
     // kRelQ: sKm[r][0 / 1], key r's dS mass in bucket 0 / 2K over this head's query tiles, each

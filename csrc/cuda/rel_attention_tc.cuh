@@ -138,14 +138,10 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
   const T* q = static_cast<const T*>(p.q) + (bh * p.q_len + i0) * D;
   const T* k = static_cast<const T*>(p.k) + kvh * p.kv_stride;
   const T* v = static_cast<const T*>(p.v) + kvh * p.kv_stride;
-  const T* ek = p.rel_k == nullptr ? nullptr
-                : static_cast<const T*>(p.rel_k) + (p.rel_k_per_head ? h * table_rows * D : 0);
-  const T* ev = p.rel_v == nullptr ? nullptr
-                : static_cast<const T*>(p.rel_v) + (p.rel_v_per_head ? h * table_rows * D : 0);
-  const T* eq = !kRelQ ? nullptr
-                : static_cast<const T*>(p.rel_q) + (p.rel_q_per_head ? h * table_rows * D : 0);
-  const T* eb = p.rel_bias == nullptr ? nullptr
-                : static_cast<const T*>(p.rel_bias) + (p.rel_bias_per_head ? h * table_rows : 0);
+  const T* ek = head_table<T>(p.rel_k, p.rel_k_per_head, h, table_rows * D);
+  const T* ev = head_table<T>(p.rel_v, p.rel_v_per_head, h, table_rows * D);
+  const T* eq = kRelQ ? head_table<T>(p.rel_q, p.rel_q_per_head, h, table_rows * D) : nullptr;
+  const T* eb = head_table<T>(p.rel_bias, p.rel_bias_per_head, h, table_rows);
   const float scale2 = static_cast<float>(p.scale * kLog2e);  // logits in base 2
   // A bias beyond the band on either side, in base 2.
   const float blo = eb == nullptr ? 0.f : to_float(eb[0]) * static_cast<float>(kLog2e);
@@ -160,17 +156,10 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
   __syncthreads();
   const T* qw = sQ + warp * 16 * Tl::kLdK;  // the warp's rows
   // The A fragment of k-step kk of the warp's 16 rows of Q.
-  auto q_frag_smem = [&](int kk, uint32_t (&a)[4]) {
-    const T* x = qw + g * Tl::kLdK + kk * 16 + 2 * t4;
-    a[0] = ld32(x);
-    a[1] = ld32(x + 8 * Tl::kLdK);
-    a[2] = ld32(x + 8);
-    a[3] = ld32(x + 8 * Tl::kLdK + 8);
-  };
   uint32_t qf[Tl::kQRegs ? kDK : 1][4];
   if constexpr (Tl::kQRegs) {
     RELPOS_UNROLL
-    for (int kk = 0; kk < kDK; ++kk) q_frag_smem(kk, qf[kk]);
+    for (int kk = 0; kk < kDK; ++kk) load_a_frag(qf[kk], qw + kk * 16, Tl::kLdK, lane);
   }
   auto q_frag = [&](int kk, uint32_t (&a)[4]) {
     if constexpr (Tl::kQRegs) {
@@ -179,7 +168,7 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
       a[2] = qf[kk][2];
       a[3] = qf[kk][3];
     } else {
-      q_frag_smem(kk, a);
+      load_a_frag(a, qw + kk * 16, Tl::kLdK, lane);
     }
   };
   // q_i . rel_k[0] and q_i . rel_k[2K] of this thread's rows g and g + 8 ([0] and [1]): lane
@@ -198,8 +187,7 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
   }
 
   float o[kDT][4], m[2], l[2], wlo[2], whi[2];
-  RELPOS_UNROLL
-  for (int nt = 0; nt < kDT; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0;
+  zero_acc(o);
   RELPOS_UNROLL
   for (int r = 0; r < 2; ++r) {
     m[r] = -INFINITY;
@@ -260,19 +248,8 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
 
     // S = Q K^T
     float s[kNT][4];
-    RELPOS_UNROLL
-    for (int nt = 0; nt < kNT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0;
-    RELPOS_UNROLL
-    for (int kk = 0; kk < kDK; ++kk) {
-      uint32_t af[4];
-      q_frag(kk, af);
-      RELPOS_UNROLL
-      for (int nt = 0; nt < kNT; ++nt) {
-        const T* bp = sK + (nt * 8 + g) * Tl::kLdK + kk * 16 + 2 * t4;
-        const uint32_t bf[2] = {ld32(bp), ld32(bp + 8)};
-        mma_16816<T>(s[nt], af, bf);
-      }
-    }
+    zero_acc(s);
+    warp_mma_bt<T, kNT, kDK>(s, q_frag, sK, Tl::kLdK, lane);
     // + k_j . rel_q[b(i, j)]: KR for the warp's 16 keys and 80 values of c, then (after every
     // warp's) the gather along the skew; one value per key beyond the band.
     if constexpr (kRelQ) {
@@ -280,30 +257,16 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
         constexpr int kHalf = kCT / 2;
         RELPOS_UNROLL
         for (int half = 0; half < 2; ++half) {
+          const int c0 = 16 * warp + half * kHalf * 8;  // the half's first c
           float kr[kHalf][4];
-          RELPOS_UNROLL
-          for (int n = 0; n < kHalf; ++n) kr[n][0] = kr[n][1] = kr[n][2] = kr[n][3] = 0;
-          RELPOS_UNROLL
-          for (int kk = 0; kk < kDK; ++kk) {
-            const T* a = sK + (16 * warp + g) * Tl::kLdK + kk * 16 + 2 * t4;
-            const uint32_t af[4] = {ld32(a), ld32(a + 8 * Tl::kLdK), ld32(a + 8),
-                                    ld32(a + 8 * Tl::kLdK + 8)};
-            RELPOS_UNROLL
-            for (int n = 0; n < kHalf; ++n) {
-              const T* bp =
-                  sRq + (16 * warp + (half * kHalf + n) * 8 + g) * Tl::kLdK + kk * 16 + 2 * t4;
-              const uint32_t bf[2] = {ld32(bp), ld32(bp + 8)};
-              mma_16816<T>(kr[n], af, bf);
-            }
-          }
-          RELPOS_UNROLL
-          for (int n = 0; n < kHalf; ++n) {
-            RELPOS_UNROLL
-            for (int e = 0; e < 4; ++e) {
-              sKR[(16 * warp + g + (e / 2) * 8) * Tl::kLdKR + 16 * warp + (half * kHalf + n) * 8 +
-                  2 * t4 + e % 2] = kr[n][e];
-            }
-          }
+          zero_acc(kr);
+          warp_mma_bt<T, kHalf, kDK>(
+              kr,
+              [&](int kk, uint32_t (&a)[4]) {
+                load_a_frag(a, sK + 16 * warp * Tl::kLdK + kk * 16, Tl::kLdK, lane);
+              },
+              sRq + c0 * Tl::kLdK, Tl::kLdK, lane);
+          store_acc(sKR + 16 * warp * Tl::kLdKR + c0, Tl::kLdKR, kr, lane);
         }
       }
       __syncthreads();  // sKR rows come from every warp (sKq from the staging above)
@@ -323,27 +286,10 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
       RELPOS_UNROLL
       for (int half = 0; half < 2; ++half) {
         float sr[kHalf][4];
-        RELPOS_UNROLL
-        for (int n = 0; n < kHalf; ++n) sr[n][0] = sr[n][1] = sr[n][2] = sr[n][3] = 0;
-        RELPOS_UNROLL
-        for (int kk = 0; kk < kDK; ++kk) {
-          uint32_t af[4];
-          q_frag(kk, af);
-          RELPOS_UNROLL
-          for (int n = 0; n < kHalf; ++n) {
-            const T* bp = sRk + (cw + (half * kHalf + n) * 8 + g) * Tl::kLdK + kk * 16 + 2 * t4;
-            const uint32_t bf[2] = {ld32(bp), ld32(bp + 8)};
-            mma_16816<T>(sr[n], af, bf);
-          }
-        }
-        RELPOS_UNROLL
-        for (int n = 0; n < kHalf; ++n) {
-          RELPOS_UNROLL
-          for (int e = 0; e < 4; ++e) {
-            const int c = (half * kHalf + n) * 8 + 2 * t4 + e % 2;
-            scr[(g + (e / 2) * 8) * Tl::kLdScr + c] = sr[n][e];
-          }
-        }
+        zero_acc(sr);
+        warp_mma_bt<T, kHalf, kDK>(sr, q_frag, sRk + (cw + half * kHalf * 8) * Tl::kLdK,
+                                   Tl::kLdK, lane);
+        store_acc(scr + half * kHalf * 8, Tl::kLdScr, sr, lane);
       }
       __syncwarp();
       RELPOS_UNROLL
@@ -424,19 +370,17 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
     }
 
     // O += P V, P from the S registers.
-    RELPOS_UNROLL
-    for (int kk = 0; kk < Tl::kKeys / 16; ++kk) {
-      const float(&s0)[4] = s[2 * kk];
-      const float(&s1)[4] = s[2 * kk + 1];
-      const uint32_t pf[4] = {pack2<T>(s0[0], s0[1]), pack2<T>(s0[2], s0[3]),
-                              pack2<T>(s1[0], s1[1]), pack2<T>(s1[2], s1[3])};
-      RELPOS_UNROLL
-      for (int nt = 0; nt < kDT; ++nt) {
-        const T* bp = sVt + (nt * 8 + g) * Tl::kLdVt + kk * 16 + 2 * t4;
-        const uint32_t bf[2] = {ld32(bp), ld32(bp + 8)};
-        mma_16816<T>(o[nt], pf, bf);
-      }
-    }
+    warp_mma_bt<T, kDT, Tl::kKeys / 16>(
+        o,
+        [&](int kk, uint32_t (&a)[4]) {
+          const float(&s0)[4] = s[2 * kk];
+          const float(&s1)[4] = s[2 * kk + 1];
+          a[0] = pack2<T>(s0[0], s0[1]);
+          a[1] = pack2<T>(s0[2], s0[3]);
+          a[2] = pack2<T>(s1[0], s1[1]);
+          a[3] = pack2<T>(s1[2], s1[3]);
+        },
+        sVt, Tl::kLdVt, lane);
     // + P' rel_v[b(i, j)]: P along the skew in the scratch, then one more product.
     if (ev != nullptr && band) {
       for (int idx = lane; idx < 16 * Tl::kLdP / 2; idx += 32) st32(pw + 2 * idx, 0u);
@@ -450,18 +394,9 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
         }
       }
       __syncwarp();
-      RELPOS_UNROLL
-      for (int kk = 0; kk < kCK; ++kk) {
-        const T* ap = pw + g * Tl::kLdP + kk * 16 + 2 * t4;
-        const uint32_t af[4] = {ld32(ap), ld32(ap + 8 * Tl::kLdP), ld32(ap + 8),
-                                ld32(ap + 8 * Tl::kLdP + 8)};
-        RELPOS_UNROLL
-        for (int nt = 0; nt < kDT; ++nt) {
-          const T* bp = sRvt + (nt * 8 + g) * Tl::kLdRvt + cw + kk * 16 + 2 * t4;
-          const uint32_t bf[2] = {ld32(bp), ld32(bp + 8)};
-          mma_16816<T>(o[nt], af, bf);
-        }
-      }
+      warp_mma_bt<T, kDT, kCK>(
+          o, [&](int kk, uint32_t (&a)[4]) { load_a_frag(a, pw + kk * 16, Tl::kLdP, lane); },
+          sRvt + cw, Tl::kLdRvt, lane);
     }
   }
 
