@@ -27,6 +27,7 @@ if [ "${1:-}" = --prebuild ]; then
   mkdir -p .gpu/objs .gpu/whl
   grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
   nvcc=${CUDA_HOME:-/usr/local/cuda}/bin/nvcc
+  # The CUDA flags of CMakeLists.txt's relpos_cuda_kernels target (keep them in step).
   for f in csrc/cuda/*.cu; do
     echo "== nvcc $f (sm_$arch)"
     "$nvcc" -Icsrc --expt-relaxed-constexpr --expt-extended-lambda -O3 -DNDEBUG -std=c++20 \
