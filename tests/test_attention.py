@@ -261,6 +261,15 @@ def test_rel_attention_forward_tensor_core_shapes(backend, dtype, name):
     _check_forward(backend, dtype, TC_CASES[name])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", list(TC_CASES))
+def test_rel_attention_backward_tensor_core_shapes(backend, dtype, name):
+    """The shapes of the tensor-core forward through the backward (on CUDA the tensor-core
+    backward, csrc/cuda/rel_attention_tc_bwd.cuh, for all of them)."""
+    _attention_backend(backend)
+    _check_backward(backend, dtype, TC_CASES[name])
+
+
 TC_EXTRAS = {
     "window": ("two_sided", {"window_left": 30, "window_right": 70}),
     "attn_mask": ("two_sided", {"attn_mask": "band"}),

@@ -11,10 +11,12 @@
 #define RELPOS_DEVICE __device__ __forceinline__
 #define RELPOS_UNROLL _Pragma("unroll")
 #define RELPOS_UNROLL4 _Pragma("unroll 4")
+#define RELPOS_NO_UNROLL _Pragma("unroll 1")
 #else
 #define RELPOS_DEVICE inline
 #define RELPOS_UNROLL
 #define RELPOS_UNROLL4
+#define RELPOS_NO_UNROLL
 #endif
 
 namespace relpos::cuda {

@@ -29,11 +29,17 @@ void launch_bucket_sum(const BucketSumParams& p, Stream stream);
 void launch_rel_attention(const RelAttentionParams& p, Stream stream);
 // The tensor-core forward (rel_attention_tc.cu): launches and returns true when it covers p
 // (bfloat16/float16, head dim a multiple of 8 up to 128, up to 64 with rel_q, 16-byte aligned
-// tensors, compute capability >= 8.0, RELPOS_CUDA_TC not 0); false, launching nothing, otherwise.
+// tensors, compute capability >= 8.0, its shared memory within the device's limit, RELPOS_CUDA_TC
+// not 0); false, launching nothing, otherwise.
 bool launch_rel_attention_tc(const RelAttentionParams& p, Stream stream);
 // The backward needs rel_attention_backward_workspace_bytes(p) bytes of device scratch (per query
 // row: D_i = dO_i . O_i and the clamped-bucket dots), allocated by the glue, uninitialised.
 size_t rel_attention_backward_workspace_bytes(const RelAttentionBwdParams& p);
 void launch_rel_attention_backward(const RelAttentionBwdParams& p, void* workspace, Stream stream);
+// The tensor-core backward (rel_attention_tc.cu), after the rows kernel has filled the
+// workspace: launches and returns true when it covers p (the forward's cases without rel_q and
+// without serial_q_tiles); false, launching nothing, otherwise.
+bool launch_rel_attention_backward_tc(const RelAttentionBwdParams& p, const void* workspace,
+                                      Stream stream);
 
 }  // namespace relpos::cuda

@@ -139,6 +139,32 @@ RELPOS_DEVICE void load_a_frag(uint32_t (&f)[4], const T* a, int ld, int lane) {
   f[3] = ld32(x + 8 * ld + 8);
 }
 
+// 16 bits from shared memory, as the low half of a word.
+template <typename T>
+RELPOS_DEVICE uint32_t ld16(const T* p) {
+  return static_cast<uint32_t>(bits16(*p));
+}
+
+// The A fragment of the 16 x 16 tile A = M^T, M at m row-major (16 rows of k, 16 columns of m,
+// rows ld elements apart): two 16-bit loads a register (what ldmatrix .trans does in one).
+template <typename T>
+RELPOS_DEVICE void load_a_frag_t(uint32_t (&f)[4], const T* m, int ld, int lane) {
+  const T* x = m + 2 * (lane % 4) * ld + lane / 4;
+  f[0] = ld16(x) | (ld16(x + ld) << 16);
+  f[1] = ld16(x + 8) | (ld16(x + ld + 8) << 16);
+  f[2] = ld16(x + 8 * ld) | (ld16(x + 9 * ld) << 16);
+  f[3] = ld16(x + 8 * ld + 8) | (ld16(x + 9 * ld + 8) << 16);
+}
+
+// The B fragment of the 16 x 8 tile B itself at m row-major (16 rows of k, 8 columns of n, rows
+// ld elements apart), two 16-bit loads a register.
+template <typename T>
+RELPOS_DEVICE void load_b_frag_kn(uint32_t (&f)[2], const T* m, int ld, int lane) {
+  const T* x = m + 2 * (lane % 4) * ld + lane / 4;
+  f[0] = ld16(x) | (ld16(x + ld) << 16);
+  f[1] = ld16(x + 8 * ld) | (ld16(x + 9 * ld) << 16);
+}
+
 // The B fragment of the 16 x 8 tile B = Bt^T, Bt at bt row-major (8 rows of n, 16 columns of k,
 // rows ld elements apart): B's "col" layout is Bt's rows.
 template <typename T>
@@ -170,6 +196,36 @@ RELPOS_DEVICE void warp_mma_bt(float (&acc)[kN][4], AFrag&& a, const T* bt, int 
       mma_16816<T>(acc[n], af, bf);
     }
   }
+}
+
+// acc[n] += A B_n for n < kN over kK k-steps of 16, with B_n the 16 x 8 block (k-step kk, n-tile
+// n) of B = M, M row-major [k][n] at m (rows ld elements apart): the product whose B operand is
+// not stored transposed (load_b_frag_kn).
+template <typename T, int kN, int kK, typename AFrag>
+RELPOS_DEVICE void warp_mma_kn(float (&acc)[kN][4], AFrag&& a, const T* m, int ld, int lane) {
+  RELPOS_UNROLL
+  for (int kk = 0; kk < kK; ++kk) {
+    uint32_t af[4];
+    a(kk, af);
+    RELPOS_UNROLL
+    for (int n = 0; n < kN; ++n) {
+      uint32_t bf[2];
+      load_b_frag_kn(bf, m + kk * 16 * ld + n * 8, ld, lane);
+      mma_16816<T>(acc[n], af, bf);
+    }
+  }
+}
+
+// The A fragment of k-step kk from accumulators of 16 x 8 tiles side by side (2 kk and 2 kk + 1),
+// rounded to T: FlashAttention-2's reuse of P from registers.
+template <typename T, int kN>
+RELPOS_DEVICE void acc_a_frag(uint32_t (&a)[4], const float (&acc)[kN][4], int kk) {
+  const float(&s0)[4] = acc[2 * kk];
+  const float(&s1)[4] = acc[2 * kk + 1];
+  a[0] = pack2<T>(s0[0], s0[1]);
+  a[1] = pack2<T>(s0[2], s0[3]);
+  a[2] = pack2<T>(s1[0], s1[1]);
+  a[3] = pack2<T>(s1[2], s1[3]);
 }
 
 // dst[r][c] = the accumulators of 16 x 8 tiles side by side (row-major, rows ld floats apart).

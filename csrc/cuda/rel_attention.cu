@@ -66,6 +66,7 @@ void launch_rel_attention_backward(const RelAttentionBwdParams& p, void* workspa
     launch(rel_attention_bwd_rows_kernel<T>,
            dim3(grid_x(cdiv(rows, kRowsWarps), "rel_attention_backward"), 1, 1),
            dim3(32 * kRowsWarps, 1, 1), 0, stream, p, ws);
+    if (launch_rel_attention_backward_tc(p, ws, stream)) return;
     dispatch_head_dim(f.dim, [&]<int kDC>() {
       using Tl = AttnTile<A, kDC>;
       const int64_t q_blocks = f.batch * f.heads * (p.serial_q_tiles ? 1 : cdiv(f.q_len, Tl::kOwn));

@@ -26,6 +26,9 @@
 //   dq kernel    per query tile, loops over key tiles: dq, and drel_k/drel_v/drel_bias partials
 //                (atomicAdd)
 //   dkdv kernel  per key tile of one kv head, loops over the group's query heads and query tiles
+// For float16/bfloat16 the tensor-core kernels (rel_attention_tc_bwd.cuh) take the dq and dk/dv
+// parts where they cover the case (not with rel_q, not with serial_q_tiles), after the same rows
+// kernel.
 #pragma once
 
 #include <math.h>

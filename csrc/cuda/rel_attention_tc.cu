@@ -1,5 +1,6 @@
-// Launcher of the tensor-core forward of the fused Shaw attention (rel_attention_tc.cuh): it
-// takes the cases that kernel covers and leaves the rest to the SIMT kernel (rel_attention.cu).
+// Launchers of the tensor-core forward and backward of the fused Shaw attention
+// (rel_attention_tc.cuh, rel_attention_tc_bwd.cuh): they take the cases those kernels cover and
+// leave the rest to the SIMT kernels (rel_attention.cu).
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -7,6 +8,7 @@
 #include "cuda/launch_util.h"
 #include "cuda/launchers.h"
 #include "cuda/rel_attention_tc.cuh"
+#include "cuda/rel_attention_tc_bwd.cuh"
 
 namespace relpos::cuda {
 namespace {
@@ -21,17 +23,48 @@ bool tc_enabled() {
   return e == nullptr || std::strcmp(e, "0") != 0;
 }
 
-#if !defined(RELPOS_CUDA_EMU)
-// mma.sync with bfloat16 operands needs compute capability 8.0.
-bool tc_device() {
-  int dev = 0, major = 0;
+// mma.sync with bfloat16 operands needs compute capability 8.0, and a kernel's shared memory
+// must fit the device's per-block limit (opt-in; the emulator's is sm_80's 163 KB).
+bool tc_device(size_t smem_bytes) {
+#if defined(RELPOS_CUDA_EMU)
+  return smem_bytes <= 163 * 1024;
+#else
+  int dev = 0, major = 0, smem_max = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+          cudaSuccess) {
     return false;
   }
-  return major >= 8;
-}
+  return major >= 8 && smem_bytes <= static_cast<size_t>(smem_max);
 #endif
+}
+
+// What both directions need: bfloat16/float16, a head dim that is a multiple of 8 up to 128,
+// packed rows of 16 bytes.
+bool tc_shape(const RelAttentionParams& p) {
+  if (p.dtype != DType::BFloat16 && p.dtype != DType::Float16) return false;
+  if (p.dim % 8 != 0 || p.dim < 8 || p.dim > 128) return false;
+  return p.kv_stride % 8 == 0;
+}
+
+// Calls f.template operator()<T, kD>() with the operand type and the padded head dim.
+template <typename F>
+void dispatch_tc(const RelAttentionParams& p, F&& f) {
+  auto go = [&]<int kD>() {
+    p.dtype == DType::BFloat16 ? f.template operator()<__nv_bfloat16, kD>()
+                               : f.template operator()<__half, kD>();
+  };
+  if (p.dim <= 32) {
+    go.template operator()<32>();
+  } else if (p.dim <= 64) {
+    go.template operator()<64>();
+  } else if (p.dim <= 96) {
+    go.template operator()<96>();
+  } else {
+    go.template operator()<128>();
+  }
+}
 
 template <typename T, int kD, bool kRelQ>
 void launch_tc(const RelAttentionParams& p, Stream stream) {
@@ -44,34 +77,54 @@ void launch_tc(const RelAttentionParams& p, Stream stream) {
 }  // namespace
 
 bool launch_rel_attention_tc(const RelAttentionParams& p, Stream stream) {
-  const bool bf16 = p.dtype == DType::BFloat16;
-  if (!bf16 && p.dtype != DType::Float16) return false;
-  // Head dims that are multiples of 8 up to 128, zero-padded to 32, 64, 96 or 128.
-  if (p.dim % 8 != 0 || p.dim < 8 || p.dim > 128) return false;
+  if (!tc_shape(p)) return false;
   const bool rel_q = p.rel_q != nullptr;
   if (rel_q && p.dim > 64) return false;  // shared memory: 196 KB at D = 128
-  if (p.kv_stride % 8 != 0) return false;
   const void* tensors[] = {p.q, p.k, p.v, p.rel_k, p.rel_v, p.rel_q, p.out};
   for (const void* t : tensors) {
     if (!aligned16(t)) return false;
   }
   if (!tc_enabled()) return false;
-#if !defined(RELPOS_CUDA_EMU)
-  if (!tc_device()) return false;
-#endif
+  size_t smem = 0;
+  dispatch_tc(p, [&]<typename T, int kD>() { smem = TcTile<kD>::smem_bytes(rel_q); });
+  if (!tc_device(smem)) return false;
   if (p.batch * p.heads * p.q_len == 0) return true;
-  auto go = [&]<int kD, bool kRelQ>() {
-    bf16 ? launch_tc<__nv_bfloat16, kD, kRelQ>(p, stream) : launch_tc<__half, kD, kRelQ>(p, stream);
-  };
-  if (p.dim <= 32) {
-    rel_q ? go.template operator()<32, true>() : go.template operator()<32, false>();
-  } else if (p.dim <= 64) {
-    rel_q ? go.template operator()<64, true>() : go.template operator()<64, false>();
-  } else if (p.dim <= 96) {
-    go.template operator()<96, false>();
-  } else {
-    go.template operator()<128, false>();
+  dispatch_tc(p, [&]<typename T, int kD>() {
+    if constexpr (kD <= 64) {
+      rel_q ? launch_tc<T, kD, true>(p, stream) : launch_tc<T, kD, false>(p, stream);
+    } else {
+      launch_tc<T, kD, false>(p, stream);
+    }
+  });
+  return true;
+}
+
+bool launch_rel_attention_backward_tc(const RelAttentionBwdParams& bp, const void* workspace,
+                                      Stream stream) {
+  const RelAttentionParams& p = bp.fwd;
+  if (!tc_shape(p) || p.rel_q != nullptr || bp.serial_q_tiles) return false;
+  const void* tensors[] = {p.q, p.k, p.v, p.rel_k, p.rel_v, p.out, bp.grad_out, bp.dq, bp.dk, bp.dv};
+  for (const void* t : tensors) {
+    if (!aligned16(t)) return false;
   }
+  if (!tc_enabled()) return false;
+  size_t smem = 0;
+  dispatch_tc(p, [&]<typename T, int kD>() {
+    const size_t a = TcBwdTile<kD>::dq_smem(), b = TcBwdTile<kD>::dkdv_smem();
+    smem = a > b ? a : b;
+  });
+  if (!tc_device(smem)) return false;
+  const float* ws = static_cast<const float*>(workspace);
+  dispatch_tc(p, [&]<typename T, int kD>() {
+    using Tl = TcBwdTile<kD>;
+    launch(rel_attention_tc_bwd_dq_kernel<T, kD>,
+           dim3(grid_x(p.batch * p.heads * cdiv(p.q_len, Tl::kRows), "rel_attention_backward"), 1, 1),
+           dim3(Tl::kThreads, 1, 1), Tl::dq_smem(), stream, bp, ws);
+    launch(rel_attention_tc_bwd_dkdv_kernel<T, kD>,
+           dim3(grid_x(p.batch * p.kv_heads * cdiv(p.k_len, Tl::kKeys), "rel_attention_backward"),
+                1, 1),
+           dim3(Tl::kThreads, 1, 1), Tl::dkdv_smem(), stream, bp, ws);
+  });
   return true;
 }
 

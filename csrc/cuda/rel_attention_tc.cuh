@@ -3,8 +3,8 @@
 // products too. The maths and the op's contract are rel_attention.cuh's; the launcher
 // (rel_attention_tc.cu) takes this kernel only for what it covers (head dims that are multiples of
 // 8 up to 128, zero-padded to kD = 32, 64, 96 or 128; up to 64 with rel_q; 16-byte aligned
-// tensors; compute capability >= 8.0) and the SIMT kernel for the rest; the backward is the SIMT
-// one, from this kernel's out and lse.
+// tensors; compute capability >= 8.0) and the SIMT kernel for the rest; the backward is
+// rel_attention_tc_bwd.cuh's on the same cases without rel_q, else the SIMT one.
 //
 // A block of 4 warps owns 64 query rows (16 per warp, as the A operand of mma_16816, whose
 // fragments of Q stay in registers up to kD = 64, and are read from shared memory at each use
@@ -372,14 +372,7 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
     // O += P V, P from the S registers.
     warp_mma_bt<T, kDT, Tl::kKeys / 16>(
         o,
-        [&](int kk, uint32_t (&a)[4]) {
-          const float(&s0)[4] = s[2 * kk];
-          const float(&s1)[4] = s[2 * kk + 1];
-          a[0] = pack2<T>(s0[0], s0[1]);
-          a[1] = pack2<T>(s0[2], s0[3]);
-          a[2] = pack2<T>(s1[0], s1[1]);
-          a[3] = pack2<T>(s1[2], s1[3]);
-        },
+        [&](int kk, uint32_t (&a)[4]) { acc_a_frag<T>(a, s, kk); },
         sVt, Tl::kLdVt, lane);
     // + P' rel_v[b(i, j)]: P along the skew in the scratch, then one more product.
     if (ev != nullptr && band) {

@@ -1,0 +1,615 @@
+// Fused Shaw attention backward on tensor cores (bfloat16 / float16 operands, float32
+// accumulation), from the forward's out and lse: FlashAttention-2's backward (Dao 2023) with the
+// relative terms as matrix products along the skew, as the tensor-core forward
+// (rel_attention_tc.cuh) does them. The maths: RelAttentionBwdParams (common/params.h); the per-row
+// terms D_i = dO_i . O_i and the four clamped dots come from the SIMT rows kernel
+// (rel_attention.cuh, the workspace ws). The launcher (rel_attention_tc.cu) takes these kernels for
+// what they cover (as the forward's, without rel_q and without serial_q_tiles) and the SIMT
+// kernels for the rest.
+//
+// Two kernels, each recomputing the probabilities of its tile pairs (64 query rows x 64 keys):
+//   dq kernel    per query tile (4 warps x 16 rows), over key tiles:
+//                S = Q K^T, dP = dO V^T, P = exp2(S - lse), dS = P (dP - D_i), dq += dS K;
+//                with the relative terms of the pairs the band reaches, per warp:
+//                  S += gather(Q Rk^T), dP += gather(dO Rv^T) (the skew, through a scratch),
+//                  dq += dS' Rk (dS' = dS scattered along the skew, c = (j - j0) - (i - i0) + 63),
+//                and per block, into the table-gradient partials (atomicAdd per bucket of c):
+//                  drel_k += dS'^T Q, drel_v += P'^T dO, drel_bias += column sums of dS',
+//                for the inner buckets; the (i, j) of the clamped buckets 0 and 2K (the pairs
+//                beyond the band, and those parts of the others) add per-row dS and P masses,
+//                applied at the end (dq += scale m rel_k[0 or 2K], drel_k[0 or 2K] += scale
+//                sum_i m_i q_i, ...).
+//   dkdv kernel  per key tile of a kv head (4 warps x 16 keys), over the group's query heads
+//                and their query tiles: S^T = K Q^T, dP^T = V dO^T (+ the relative terms:
+//                (Rk Q^T) and (Rv dO^T) per block for the 128 values of c, gathered along the
+//                skew), dv += P^T dO, dk += dS^T Q.
+// Under dropout P in dv, drel_v and the P masses is p f, and dS = p (f dP - D_i).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/mma.cuh"
+#include "cuda/rel_attention.cuh"
+#include "cuda/rel_attention_tc.cuh"
+
+namespace relpos::cuda {
+
+template <int kD>
+struct TcBwdTile {
+  static_assert(kD % 32 == 0 && kD <= 128, "head dims padded to 32, 64, 96 or 128");
+  static constexpr int kThreads = 128, kWarps = 4;
+  static constexpr int kRows = 64, kKeys = 64;  // a tile pair, 16 rows (or keys) per warp
+  static constexpr int kBand = 128;             // c in [0, 127) (and one zero row)
+  static constexpr int kWarpBand = 80;          // a warp's values of c in the dq kernel
+  static constexpr int kLdK = kD + 8;           // [row][d] tiles (T), 16 bytes of padding
+  static constexpr int kLdT = kRows + 8;        // sDSt, sPt: [c][row] (T)
+  static constexpr int kLdScr = kWarpBand + 4;  // a warp's float scratch [16][kLdScr]
+  static constexpr int kLdS = kRows + 4;        // the dk/dv kernel's sSrel: [c][row] floats
+  static constexpr size_t kTile = size_t(kRows) * kLdK * 2;   // one [64][kLdK] tile of T
+  static constexpr size_t kTable = size_t(kBand) * kLdK * 2;  // one [128][kLdK] table slice
+  // dq kernel: sQ sG sK sV | sRk | sRv, the warps' scratch (both of which sDSt, sPt overlay
+  // once dP is complete) | sBias [kBand] | sMass [kRows][4]
+  static constexpr size_t kScr = size_t(kWarps) * 16 * kLdScr * 4;
+  static constexpr size_t kDsPt = 2 * size_t(kBand) * kLdT * 2;
+  static constexpr size_t kOverlay = kTable + kScr > kDsPt ? kTable + kScr : kDsPt;
+  static constexpr size_t dq_smem() {
+    return 4 * kTile + kTable + kOverlay + kBand * 4 + kRows * 4 * 4;
+  }
+  // dk/dv kernel: sQ sG sK sV | sR (rel_k then rel_v) | sSrel [kBand][kLdS] | sBias [kBand] |
+  // sRow [kRowCols][kRows]
+  static constexpr int kRowCols = 7;  // lse2, D_i, qlo, qhi, dlo, dhi, dropout row key
+  static constexpr size_t dkdv_smem() {
+    return 4 * kTile + kTable + size_t(kBand) * kLdS * 4 + kBand * 4 + kRowCols * kRows * 4;
+  }
+};
+
+// ---- dq, and the table gradients ----------------------------------------------------------------
+template <typename T, int kD>
+__global__ void __launch_bounds__(TcBwdTile<kD>::kThreads)
+    rel_attention_tc_bwd_dq_kernel(RelAttentionBwdParams bp, const float* ws) {
+  using Tl = TcBwdTile<kD>;
+  constexpr int kNT = Tl::kKeys / 8;  // n-tiles of S
+  constexpr int kDT = kD / 8;         // n-tiles of dq
+  constexpr int kDK = kD / 16;        // k-steps over the head dim
+  constexpr int kCT = Tl::kWarpBand / 8, kCK = Tl::kWarpBand / 16;
+  constexpr int kHalf = kCT / 2;
+  const RelAttentionParams& p = bp.fwd;
+  RELPOS_DYNAMIC_SMEM(unsigned char, smem);
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sG = sQ + Tl::kRows * Tl::kLdK;
+  T* sK = sG + Tl::kRows * Tl::kLdK;
+  T* sV = sK + Tl::kKeys * Tl::kLdK;
+  T* sRk = sV + Tl::kKeys * Tl::kLdK;
+  T* sRv = sRk + Tl::kBand * Tl::kLdK;
+  float* scr_all = reinterpret_cast<float*>(sRv + Tl::kBand * Tl::kLdK);
+  T* sDSt = sRv;  // overlays sRv and the scratch after dP: [kBand][kLdT]
+  T* sPt = sDSt + Tl::kBand * Tl::kLdT;
+  float* sBias = reinterpret_cast<float*>(smem + 4 * Tl::kTile + Tl::kTable + Tl::kOverlay);
+  float* sMass = sBias + Tl::kBand;  // [kRows][4]: the rows' clamped dS lo / hi, P lo / hi
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t4 = lane % 4;
+  const int64_t q_tiles = (p.q_len + Tl::kRows - 1) / Tl::kRows;
+  const int64_t bh = blockIdx.x / q_tiles, h = bh % p.heads, b = bh / p.heads;
+  const int64_t i0 = (blockIdx.x % q_tiles) * Tl::kRows;
+  const int nq = static_cast<int>(p.q_len - i0 < Tl::kRows ? p.q_len - i0 : Tl::kRows);
+  const int64_t K = p.max_distance, table_rows = num_buckets(K);
+  const int D = static_cast<int>(p.dim);  // a multiple of 8, at most kD: zero-padded to kD
+  const int64_t kvh = b * p.kv_heads + h / (p.heads / p.kv_heads);
+  const T* q = static_cast<const T*>(p.q) + (bh * p.q_len + i0) * D;
+  const T* go = static_cast<const T*>(bp.grad_out) + (bh * p.q_len + i0) * D;
+  const T* k = static_cast<const T*>(p.k) + kvh * p.kv_stride;
+  const T* v = static_cast<const T*>(p.v) + kvh * p.kv_stride;
+  const T* ek = head_table<T>(p.rel_k, p.rel_k_per_head, h, table_rows * D);
+  const T* ev = head_table<T>(p.rel_v, p.rel_v_per_head, h, table_rows * D);
+  const T* eb = head_table<T>(p.rel_bias, p.rel_bias_per_head, h, table_rows);
+  float* pk = ek == nullptr || bp.drel_k_partial == nullptr
+                  ? nullptr : static_cast<float*>(bp.drel_k_partial) + bh * table_rows * D;
+  float* pv = ev == nullptr || bp.drel_v_partial == nullptr
+                  ? nullptr : static_cast<float*>(bp.drel_v_partial) + bh * table_rows * D;
+  float* pb = eb == nullptr || bp.drel_bias_partial == nullptr
+                  ? nullptr : static_cast<float*>(bp.drel_bias_partial) + bh * table_rows;
+  const float scale = static_cast<float>(p.scale);
+  const float scale2 = static_cast<float>(p.scale * kLog2e);
+  const float blo = eb == nullptr ? 0.f : to_float(eb[0]) * static_cast<float>(kLog2e);
+  const float bhi = eb == nullptr ? 0.f : to_float(eb[table_rows - 1]) * static_cast<float>(kLog2e);
+
+  // This thread's rows g and g + 8 of the warp: lse in base 2 (+inf past the last row: p = 0),
+  // the workspace's D_i and clamped dots, the dropout row keys.
+  float lse2[2], rw[2][kRowTerms];
+  uint32_t drop_key[2];
+  RELPOS_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const int row = warp * 16 + g + 8 * r;
+    const int64_t gi = bh * p.q_len + i0 + row;
+    const bool valid = row < nq;
+    lse2[r] = valid ? static_cast<const float*>(p.lse)[gi] * static_cast<float>(kLog2e) : INFINITY;
+    RELPOS_UNROLL
+    for (int x = 0; x < kRowTerms; ++x) rw[r][x] = valid ? ws[gi * kRowTerms + x] : 0.f;
+    drop_key[r] = attn_dropout_key(p, bh, i0 + row);
+  }
+
+  tc_stage<T, kD, false>(sQ, Tl::kLdK, Tl::kRows,
+                         [&](int r) { return r < nq ? q + static_cast<int64_t>(r) * D : nullptr; },
+                         D);
+  tc_stage<T, kD, false>(sG, Tl::kLdK, Tl::kRows,
+                         [&](int r) { return r < nq ? go + static_cast<int64_t>(r) * D : nullptr; },
+                         D);
+  __syncthreads();
+  const T* qw = sQ + warp * 16 * Tl::kLdK;
+  const T* gw = sG + warp * 16 * Tl::kLdK;
+  auto q_frag = [&](int kk, uint32_t (&a)[4]) { load_a_frag(a, qw + kk * 16, Tl::kLdK, lane); };
+  auto g_frag = [&](int kk, uint32_t (&a)[4]) { load_a_frag(a, gw + kk * 16, Tl::kLdK, lane); };
+
+  float dq[kDT][4];
+  zero_acc(dq);
+  // Per row (g, g + 8): the dS and P f masses of the pairs beyond the band, lo and hi side.
+  float mds_lo[2] = {0, 0}, mds_hi[2] = {0, 0}, mp_lo[2] = {0, 0}, mp_hi[2] = {0, 0};
+  bool any_lo = false, any_hi = false;  // block-uniform
+  const bool elem_masks = p.key_padding_mask != nullptr || p.attn_mask != nullptr ||
+                          p.q_segment_ids != nullptr || p.window_left >= 0 || p.window_right >= 0;
+  float* scr = scr_all + warp * 16 * Tl::kLdScr;
+  const int cw = Tl::kKeys - 16 - 16 * warp;  // the warp's first c: 63 - (16 w + 15)
+
+  const int64_t key_end = attn_key_end(p, i0, nq);
+  for (int64_t j0 = attn_key_begin(p, i0) / Tl::kKeys * Tl::kKeys; j0 < key_end; j0 += Tl::kKeys) {
+    const int nk = static_cast<int>(p.k_len - j0 < Tl::kKeys ? p.k_len - j0 : Tl::kKeys);
+    if (has_tile_masks(p) && attn_tile_hidden<Tl>(p, b, h, i0, nq, j0, nk)) continue;
+    const int64_t dbase = rel_distance(i0 + Tl::kRows - 1, j0, p.q_offset, p.k_offset);
+    const bool all_lo = dbase + 2 * (Tl::kKeys - 1) <= -K;
+    const bool all_hi = dbase >= K;
+    const bool band = !all_lo && !all_hi;
+    any_lo |= dbase <= -K;                    // some pair (i, j) in bucket 0
+    any_hi |= dbase + 2 * (Tl::kKeys - 1) >= K;  // some in bucket 2K
+    __syncthreads();  // the previous pair's readers of every staged tile and overlay are done
+    tc_stage<T, kD, false>(sK, Tl::kLdK, Tl::kKeys, [&](int r) {
+      return r < nk ? k + (j0 + r) * D : nullptr;
+    }, D);
+    tc_stage<T, kD, false>(sV, Tl::kLdK, Tl::kKeys, [&](int r) {
+      return r < nk ? v + (j0 + r) * D : nullptr;
+    }, D);
+    if (band && ek != nullptr) {
+      tc_stage<T, kD, false>(sRk, Tl::kLdK, Tl::kBand,
+                             [&](int c) { return ek + clamp_bucket(dbase + c, K) * D; }, D);
+    }
+    if (band && ev != nullptr) {
+      tc_stage<T, kD, false>(sRv, Tl::kLdK, Tl::kBand,
+                             [&](int c) { return ev + clamp_bucket(dbase + c, K) * D; }, D);
+    }
+    if (band && eb != nullptr) {
+      for (int c = threadIdx.x; c < Tl::kBand; c += Tl::kThreads) {
+        sBias[c] = to_float(eb[clamp_bucket(dbase + c, K)]) * static_cast<float>(kLog2e);
+      }
+    }
+    __syncthreads();
+
+    // S = Q K^T, dP = dO V^T
+    float s[kNT][4], dp[kNT][4];
+    zero_acc(s);
+    zero_acc(dp);
+    warp_mma_bt<T, kNT, kDK>(s, q_frag, sK, Tl::kLdK, lane);
+    warp_mma_bt<T, kNT, kDK>(dp, g_frag, sV, Tl::kLdK, lane);
+    // + the relative terms: Q Rk^T and dO Rv^T along the skew (through the scratch), or the
+    // rows' clamped dots beyond the band.
+    // (A generic lambda's auto parameter here crashes nvcc 13.0's front end: a flag instead.)
+    auto add_skewed = [&](float (&acc)[kNT][4], bool dout, const T* table) {
+      RELPOS_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        float sr[kHalf][4];
+        zero_acc(sr);
+        warp_mma_bt<T, kHalf, kDK>(
+            sr, [&](int kk, uint32_t (&a)[4]) { dout ? g_frag(kk, a) : q_frag(kk, a); },
+            table + (cw + half * kHalf * 8) * Tl::kLdK, Tl::kLdK, lane);
+        store_acc(scr + half * kHalf * 8, Tl::kLdScr, sr, lane);
+      }
+      __syncwarp();
+      RELPOS_UNROLL
+      for (int nt = 0; nt < kNT; ++nt) {
+        RELPOS_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const int r = g + (e / 2) * 8, jj = nt * 8 + 2 * t4 + e % 2;
+          acc[nt][e] += scr[r * Tl::kLdScr + jj - r + 15];
+        }
+      }
+      __syncwarp();  // read before the next product overwrites the scratch
+    };
+    if (band) {
+      if (ek != nullptr) add_skewed(s, false, sRk);
+      if (ev != nullptr) add_skewed(dp, true, sRv);
+    } else {
+      RELPOS_UNROLL
+      for (int nt = 0; nt < kNT; ++nt) {
+        RELPOS_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const float* w = rw[e / 2];
+          if (ek != nullptr) s[nt][e] += all_lo ? w[kRowQeLo] : w[kRowQeHi];
+          if (ev != nullptr) dp[nt][e] += all_lo ? w[kRowDeLo] : w[kRowDeHi];
+        }
+      }
+    }
+
+    // P and dS (s <- dS, dp <- P f)
+    const bool full = j0 + Tl::kKeys <= p.k_len && !elem_masks &&
+                      (!p.causal || p.k_offset + j0 + Tl::kKeys - 1 <= p.q_offset + i0);
+    float rds[2] = {0, 0}, rp[2] = {0, 0};
+    RELPOS_UNROLL
+    for (int nt = 0; nt < kNT; ++nt) {
+      RELPOS_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int r = g + (e / 2) * 8, jj = nt * 8 + 2 * t4 + e % 2;
+        float x = s[nt][e] * scale2;
+        if (eb != nullptr) x += band ? sBias[cw + jj - r + 15] : (all_lo ? blo : bhi);
+        if (!full && !attn_visible(p, b, h, i0 + warp * 16 + r, j0 + jj)) x = -INFINITY;
+        const float pr = exp2f(x - lse2[e / 2]);
+        const float f = p.dropout.on ? attn_dropout<float>(p, drop_key[e / 2], j0 + jj) : 1.f;
+        const float ds = pr * (f * dp[nt][e] - rw[e / 2][kRowDi]);
+        s[nt][e] = ds;
+        dp[nt][e] = pr * f;
+        rds[e / 2] += ds;
+        rp[e / 2] += pr * f;
+      }
+    }
+    if (!band) {
+      RELPOS_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        (all_lo ? mds_lo : mds_hi)[r] += rds[r];
+        (all_lo ? mp_lo : mp_hi)[r] += rp[r];
+      }
+    }
+
+    // dq += dS K
+    warp_mma_kn<T, kDT, Tl::kKeys / 16>(
+        dq, [&](int kk, uint32_t (&a)[4]) { acc_a_frag<T>(a, s, kk); }, sK, Tl::kLdK, lane);
+
+    if (band) {
+      // dS' and P' f along the skew, transposed ([c][row]), over sRv and the scratch.
+      __syncthreads();  // every warp's scratch and sRv reads are done
+      {
+        constexpr int kVec = 8;  // zero 16 bytes at a time
+        const int n = 2 * Tl::kBand * Tl::kLdT / kVec;
+        for (int idx = threadIdx.x; idx < n; idx += Tl::kThreads) {
+          *reinterpret_cast<Bits16*>(sDSt + idx * kVec) = zero_bits<Bits16>();
+        }
+      }
+      __syncthreads();
+      // The pairs of the clamped buckets join the rows' masses instead (fewer atomics, none on
+      // one address from many values of c): only the inner buckets go along the skew.
+      RELPOS_UNROLL
+      for (int nt = 0; nt < kNT; ++nt) {
+        RELPOS_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const int r = warp * 16 + g + (e / 2) * 8, jj = nt * 8 + 2 * t4 + e % 2;
+          const int c = jj - r + Tl::kKeys - 1;
+          const int64_t dist = dbase + c;
+          float ds = s[nt][e], pf = dp[nt][e];
+          if (dist <= -K || dist >= K) {
+            (dist <= -K ? mds_lo : mds_hi)[e / 2] += ds;
+            (dist <= -K ? mp_lo : mp_hi)[e / 2] += pf;
+            ds = pf = 0;
+          }
+          sDSt[c * Tl::kLdT + r] = from_float<T>(ds);
+          sPt[c * Tl::kLdT + r] = from_float<T>(pf);
+        }
+      }
+      __syncthreads();
+      // dq += dS' Rk over the warp's 80 values of c
+      if (ek != nullptr) {
+        warp_mma_kn<T, kDT, kCK>(
+            dq,
+            [&](int kk, uint32_t (&a)[4]) {
+              load_a_frag_t(a, sDSt + (cw + kk * 16) * Tl::kLdT + warp * 16, Tl::kLdT, lane);
+            },
+            sRk + cw * Tl::kLdK, Tl::kLdK, lane);
+      }
+      // c = 127 has no pair; the clamped buckets went to the masses.
+      auto inner = [&](int c) { return c < 2 * Tl::kKeys - 1 && dbase + c > -K && dbase + c < K; };
+      // The table gradients of the pair: warp w takes c in [32 w, 32 w + 32), 16 at a time:
+      // drel_k[b(c)] += scale dS'^T Q, drel_v[b(c)] += P'^T dO (64 rows: 4 k-steps).
+      // Beyond kD = 64 the columns go in two halves (dq's accumulators stay live: no spills).
+      constexpr int kSplit = kDT > 8 ? 2 : 1, kDTs = kDT / kSplit;
+      auto table_grad = [&](const T* at, const T* rows, float* dst, float mul) {
+        RELPOS_NO_UNROLL
+        for (int mt = 0; mt < 2; ++mt) {
+          const int c0 = 32 * warp + 16 * mt;
+          RELPOS_NO_UNROLL
+          for (int part = 0; part < kSplit; ++part) {
+            float acc[kDTs][4];
+            zero_acc(acc);
+            warp_mma_kn<T, kDTs, Tl::kRows / 16>(
+                acc,
+                [&](int kk, uint32_t (&a)[4]) {
+                  load_a_frag(a, at + c0 * Tl::kLdT + kk * 16, Tl::kLdT, lane);
+                },
+                rows + part * kDTs * 8, Tl::kLdK, lane);
+            RELPOS_UNROLL
+            for (int e = 0; e < 4; ++e) {
+              const int c = c0 + g + (e / 2) * 8;
+              if (!inner(c)) continue;
+              float* drow = dst + (dbase + c + K) * D;
+              RELPOS_UNROLL
+              for (int nt = 0; nt < kDTs; ++nt) {
+                const int d = (part * kDTs + nt) * 8 + 2 * t4 + e % 2;
+                if (d < D) atomicAdd(drow + d, acc[nt][e] * mul);
+              }
+            }
+          }
+        }
+      };
+      if (pk != nullptr) table_grad(sDSt, sQ, pk, scale);
+      if (pv != nullptr) table_grad(sPt, sG, pv, 1.f);
+      if (pb != nullptr && inner(threadIdx.x)) {  // drel_bias: dS' per c
+        const int c = threadIdx.x;
+        float x = 0;
+        for (int r = 0; r < Tl::kRows; ++r) x += to_float(sDSt[c * Tl::kLdT + r]);
+        atomicAdd(pb + dbase + c + K, x);
+      }
+    }
+  }
+
+  // The clamped masses: per row (the four lanes of a row summed), into dq and, per block, into
+  // the tables' bucket 0 and 2K.
+  RELPOS_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    RELPOS_UNROLL
+    for (int x = 1; x <= 2; x *= 2) {
+      mds_lo[r] += __shfl_xor_sync(0xffffffffu, mds_lo[r], x);
+      mds_hi[r] += __shfl_xor_sync(0xffffffffu, mds_hi[r], x);
+      mp_lo[r] += __shfl_xor_sync(0xffffffffu, mp_lo[r], x);
+      mp_hi[r] += __shfl_xor_sync(0xffffffffu, mp_hi[r], x);
+    }
+  }
+  T* dqp = static_cast<T*>(bp.dq) + (bh * p.q_len + i0) * D;
+  RELPOS_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const int row = warp * 16 + g + 8 * r;
+    if (t4 == 0) {
+      sMass[row * 4 + 0] = mds_lo[r];
+      sMass[row * 4 + 1] = mds_hi[r];
+      sMass[row * 4 + 2] = mp_lo[r];
+      sMass[row * 4 + 3] = mp_hi[r];
+    }
+    if (row >= nq) continue;
+    RELPOS_UNROLL
+    for (int nt = 0; nt < kDT; ++nt) {
+      if (nt * 8 >= D) break;  // the zero padding of D up to kD
+      const int d = nt * 8 + 2 * t4;
+      float x0 = dq[nt][2 * r], x1 = dq[nt][2 * r + 1];
+      if (ek != nullptr) {
+        const T* e0 = ek;
+        const T* e1 = ek + (table_rows - 1) * D;
+        x0 += mds_lo[r] * to_float(e0[d]) + mds_hi[r] * to_float(e1[d]);
+        x1 += mds_lo[r] * to_float(e0[d + 1]) + mds_hi[r] * to_float(e1[d + 1]);
+      }
+      st32(dqp + row * D + d, pack2<T>(x0 * scale, x1 * scale));
+    }
+  }
+  if (!any_lo && !any_hi) return;  // block-uniform
+  __syncthreads();  // sMass complete
+  for (int idx = threadIdx.x; idx < 2 * D; idx += Tl::kThreads) {
+    const int d = idx % D, hi = idx / D;
+    if (!(hi ? any_hi : any_lo)) continue;
+    float xk = 0, xv = 0;
+    for (int r = 0; r < nq; ++r) {
+      xk += sMass[r * 4 + hi] * to_float(sQ[r * Tl::kLdK + d]);
+      xv += sMass[r * 4 + 2 + hi] * to_float(sG[r * Tl::kLdK + d]);
+    }
+    const int64_t bucket = hi ? table_rows - 1 : 0;
+    if (pk != nullptr) atomicAdd(pk + bucket * D + d, xk * scale);
+    if (pv != nullptr) atomicAdd(pv + bucket * D + d, xv);
+  }
+  if (pb != nullptr && threadIdx.x < 2 && (threadIdx.x ? any_hi : any_lo)) {
+    const int hi = threadIdx.x;
+    float x = 0;
+    for (int r = 0; r < nq; ++r) x += sMass[r * 4 + hi];
+    atomicAdd(pb + (hi ? table_rows - 1 : 0), x);
+  }
+}
+
+// ---- dk and dv --------------------------------------------------------------------------------
+template <typename T, int kD>
+__global__ void __launch_bounds__(TcBwdTile<kD>::kThreads)
+    rel_attention_tc_bwd_dkdv_kernel(RelAttentionBwdParams bp, const float* ws) {
+  using Tl = TcBwdTile<kD>;
+  constexpr int kNT = Tl::kRows / 8;  // n-tiles of S^T (query rows)
+  constexpr int kDT = kD / 8;
+  constexpr int kDK = kD / 16;
+  const RelAttentionParams& p = bp.fwd;
+  RELPOS_DYNAMIC_SMEM(unsigned char, smem);
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sG = sQ + Tl::kRows * Tl::kLdK;
+  T* sK = sG + Tl::kRows * Tl::kLdK;
+  T* sV = sK + Tl::kKeys * Tl::kLdK;
+  T* sR = sV + Tl::kKeys * Tl::kLdK;  // rel_k, then rel_v, of a band pair: [kBand][kLdK]
+  float* sSrel = reinterpret_cast<float*>(sR + Tl::kBand * Tl::kLdK);  // [kBand][kLdS]
+  float* sBias = sSrel + Tl::kBand * Tl::kLdS;
+  float* sRow = sBias + Tl::kBand;  // [kRowCols][kRows]
+  enum { kLse2 = 0, kDi, kQlo, kQhi, kDlo, kDhi, kDrop };
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t4 = lane % 4;
+  const int64_t k_tiles = (p.k_len + Tl::kKeys - 1) / Tl::kKeys;
+  const int64_t bkv = blockIdx.x / k_tiles, hk = bkv % p.kv_heads, b = bkv / p.kv_heads;
+  const int64_t j0 = (blockIdx.x % k_tiles) * Tl::kKeys;
+  const int nk = static_cast<int>(p.k_len - j0 < Tl::kKeys ? p.k_len - j0 : Tl::kKeys);
+  const int64_t K = p.max_distance, table_rows = num_buckets(K);
+  const int D = static_cast<int>(p.dim);
+  const int64_t group = p.heads / p.kv_heads;
+  const float scale2 = static_cast<float>(p.scale * kLog2e);
+  const T* kp = static_cast<const T*>(p.k) + bkv * p.kv_stride + j0 * D;
+  const T* vp = static_cast<const T*>(p.v) + bkv * p.kv_stride + j0 * D;
+
+  tc_stage<T, kD, false>(sK, Tl::kLdK, Tl::kKeys,
+                         [&](int r) { return r < nk ? kp + static_cast<int64_t>(r) * D : nullptr; },
+                         D);
+  tc_stage<T, kD, false>(sV, Tl::kLdK, Tl::kKeys,
+                         [&](int r) { return r < nk ? vp + static_cast<int64_t>(r) * D : nullptr; },
+                         D);
+  __syncthreads();
+  const T* kw = sK + warp * 16 * Tl::kLdK;
+  const T* vw = sV + warp * 16 * Tl::kLdK;
+  auto k_frag = [&](int kk, uint32_t (&a)[4]) { load_a_frag(a, kw + kk * 16, Tl::kLdK, lane); };
+  auto v_frag = [&](int kk, uint32_t (&a)[4]) { load_a_frag(a, vw + kk * 16, Tl::kLdK, lane); };
+
+  float dk[kDT][4], dv[kDT][4];
+  zero_acc(dk);
+  zero_acc(dv);
+  const bool elem_masks = p.key_padding_mask != nullptr || p.attn_mask != nullptr ||
+                          p.q_segment_ids != nullptr || p.window_left >= 0 || p.window_right >= 0;
+
+  // Query rows that can see a key of this tile: [i_first, i_end) (as the SIMT dk/dv kernel).
+  int64_t i_first = 0, i_end = p.q_len;
+  if (p.causal) i_first = p.k_offset + j0 - p.q_offset;
+  if (p.window_right >= 0 && p.k_offset + j0 - p.q_offset - p.window_right > i_first) {
+    i_first = p.k_offset + j0 - p.q_offset - p.window_right;
+  }
+  if (p.window_left >= 0 && p.k_offset + j0 + nk - p.q_offset + p.window_left < i_end) {
+    i_end = p.k_offset + j0 + nk - p.q_offset + p.window_left;
+  }
+  if (i_first < 0) i_first = 0;
+  for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+    const int64_t bh = b * p.heads + h;
+    const T* q = static_cast<const T*>(p.q) + bh * p.q_len * D;
+    const T* go = static_cast<const T*>(bp.grad_out) + bh * p.q_len * D;
+    const T* ek = head_table<T>(p.rel_k, p.rel_k_per_head, h, table_rows * D);
+    const T* ev = head_table<T>(p.rel_v, p.rel_v_per_head, h, table_rows * D);
+    const T* eb = head_table<T>(p.rel_bias, p.rel_bias_per_head, h, table_rows);
+    const float blo = eb == nullptr ? 0.f : to_float(eb[0]) * static_cast<float>(kLog2e);
+    const float bhi =
+        eb == nullptr ? 0.f : to_float(eb[table_rows - 1]) * static_cast<float>(kLog2e);
+    for (int64_t i0 = (i_first / Tl::kRows) * Tl::kRows; i0 < i_end; i0 += Tl::kRows) {
+      const int nq = static_cast<int>(p.q_len - i0 < Tl::kRows ? p.q_len - i0 : Tl::kRows);
+      if (has_tile_masks(p) && attn_tile_hidden<Tl>(p, b, h, i0, nq, j0, nk)) continue;
+      const int64_t dbase = rel_distance(i0 + Tl::kRows - 1, j0, p.q_offset, p.k_offset);
+      const bool all_lo = dbase + 2 * (Tl::kKeys - 1) <= -K;
+      const bool all_hi = dbase >= K;
+      const bool band = !all_lo && !all_hi;
+      __syncthreads();  // the previous pair's readers are done
+      tc_stage<T, kD, false>(sQ, Tl::kLdK, Tl::kRows, [&](int r) {
+        return r < nq ? q + (i0 + r) * D : nullptr;
+      }, D);
+      tc_stage<T, kD, false>(sG, Tl::kLdK, Tl::kRows, [&](int r) {
+        return r < nq ? go + (i0 + r) * D : nullptr;
+      }, D);
+      for (int r = threadIdx.x; r < Tl::kRows; r += Tl::kThreads) {
+        const int64_t gi = bh * p.q_len + i0 + r;
+        const bool valid = r < nq;
+        sRow[kLse2 * Tl::kRows + r] =
+            valid ? static_cast<const float*>(p.lse)[gi] * static_cast<float>(kLog2e) : INFINITY;
+        sRow[kDi * Tl::kRows + r] = valid ? ws[gi * kRowTerms + kRowDi] : 0.f;
+        sRow[kQlo * Tl::kRows + r] = valid ? ws[gi * kRowTerms + kRowQeLo] : 0.f;
+        sRow[kQhi * Tl::kRows + r] = valid ? ws[gi * kRowTerms + kRowQeHi] : 0.f;
+        sRow[kDlo * Tl::kRows + r] = valid ? ws[gi * kRowTerms + kRowDeLo] : 0.f;
+        sRow[kDhi * Tl::kRows + r] = valid ? ws[gi * kRowTerms + kRowDeHi] : 0.f;
+        const uint32_t key = attn_dropout_key(p, bh, i0 + r);
+        std::memcpy(&sRow[kDrop * Tl::kRows + r], &key, 4);
+      }
+      if (band && ek != nullptr) {
+        tc_stage<T, kD, false>(sR, Tl::kLdK, Tl::kBand,
+                               [&](int c) { return ek + clamp_bucket(dbase + c, K) * D; }, D);
+      }
+      if (band && eb != nullptr) {
+        for (int c = threadIdx.x; c < Tl::kBand; c += Tl::kThreads) {
+          sBias[c] = to_float(eb[clamp_bucket(dbase + c, K)]) * static_cast<float>(kLog2e);
+        }
+      }
+      __syncthreads();
+
+      // + the relative terms of a band pair: per block, the table slice in sR times the 64 rows
+      // ([c][row], sSrel), then each (key, row) reads its c. 16 values of c by 32 rows at a
+      // time, so that dk, dv and S^T stay in registers.
+      auto add_skewed = [&](float (&acc)[kNT][4], const T* rows) {
+        RELPOS_NO_UNROLL
+        for (int part = 0; part < 4; ++part) {
+          const int c0 = 32 * warp + 16 * (part / 2), r0 = 32 * (part % 2);
+          float x[kNT / 2][4];
+          zero_acc(x);
+          warp_mma_bt<T, kNT / 2, kDK>(
+              x,
+              [&](int kk, uint32_t (&a)[4]) {
+                load_a_frag(a, sR + c0 * Tl::kLdK + kk * 16, Tl::kLdK, lane);
+              },
+              rows + r0 * Tl::kLdK, Tl::kLdK, lane);
+          store_acc(sSrel + c0 * Tl::kLdS + r0, Tl::kLdS, x, lane);
+        }
+        __syncthreads();
+        RELPOS_UNROLL
+        for (int nt = 0; nt < kNT; ++nt) {
+          RELPOS_UNROLL
+          for (int e = 0; e < 4; ++e) {
+            const int jj = warp * 16 + g + (e / 2) * 8, ii = nt * 8 + 2 * t4 + e % 2;
+            acc[nt][e] += sSrel[(jj - ii + Tl::kRows - 1) * Tl::kLdS + ii];
+          }
+        }
+      };
+      // ... and beyond the band the rows' clamped dots (sRow column col).
+      auto add_clamped = [&](float (&acc)[kNT][4], int col) {
+        RELPOS_UNROLL
+        for (int nt = 0; nt < kNT; ++nt) {
+          RELPOS_UNROLL
+          for (int e = 0; e < 4; ++e) acc[nt][e] += sRow[col * Tl::kRows + nt * 8 + 2 * t4 + e % 2];
+        }
+      };
+      // S^T = K Q^T, then dP^T = V dO^T: [16 keys][64 rows] per warp, one after the other
+      // (fewer live registers)
+      float st[kNT][4], dpt[kNT][4];
+      zero_acc(st);
+      warp_mma_bt<T, kNT, kDK>(st, k_frag, sQ, Tl::kLdK, lane);
+      if (ek != nullptr) band ? add_skewed(st, sQ) : add_clamped(st, all_lo ? kQlo : kQhi);
+      zero_acc(dpt);
+      warp_mma_bt<T, kNT, kDK>(dpt, v_frag, sG, Tl::kLdK, lane);
+      if (ev != nullptr && band) {
+        __syncthreads();  // sR and sSrel read (or, without rel_k, nothing pending)
+        tc_stage<T, kD, false>(sR, Tl::kLdK, Tl::kBand,
+                               [&](int c) { return ev + clamp_bucket(dbase + c, K) * D; }, D);
+        __syncthreads();
+        add_skewed(dpt, sG);
+      } else if (ev != nullptr) {
+        add_clamped(dpt, all_lo ? kDlo : kDhi);
+      }
+
+      // P^T and dS^T (st <- dS^T, dpt <- P^T f)
+      const bool full = j0 + Tl::kKeys <= p.k_len && !elem_masks &&
+                        (!p.causal || p.k_offset + j0 + Tl::kKeys - 1 <= p.q_offset + i0);
+      RELPOS_UNROLL
+      for (int nt = 0; nt < kNT; ++nt) {
+        RELPOS_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const int jj = warp * 16 + g + (e / 2) * 8, ii = nt * 8 + 2 * t4 + e % 2;
+          float x = st[nt][e] * scale2;
+          if (eb != nullptr) x += band ? sBias[jj - ii + Tl::kRows - 1] : (all_lo ? blo : bhi);
+          if (!full && !attn_visible(p, b, h, i0 + ii, j0 + jj)) x = -INFINITY;
+          const float pr = exp2f(x - sRow[kLse2 * Tl::kRows + ii]);
+          float f = 1.f;
+          if (p.dropout.on) {
+            uint32_t key;
+            std::memcpy(&key, &sRow[kDrop * Tl::kRows + ii], 4);
+            f = attn_dropout<float>(p, key, j0 + jj);
+          }
+          st[nt][e] = pr * (f * dpt[nt][e] - sRow[kDi * Tl::kRows + ii]);
+          dpt[nt][e] = pr * f;
+        }
+      }
+      // dv += P^T dO, dk += dS^T Q
+      warp_mma_kn<T, kDT, Tl::kRows / 16>(
+          dv, [&](int kk, uint32_t (&a)[4]) { acc_a_frag<T>(a, dpt, kk); }, sG, Tl::kLdK, lane);
+      warp_mma_kn<T, kDT, Tl::kRows / 16>(
+          dk, [&](int kk, uint32_t (&a)[4]) { acc_a_frag<T>(a, st, kk); }, sQ, Tl::kLdK, lane);
+    }
+  }
+
+  const float scale = static_cast<float>(p.scale);
+  T* dkp = static_cast<T*>(bp.dk) + (bkv * p.k_len + j0) * D;
+  T* dvp = static_cast<T*>(bp.dv) + (bkv * p.k_len + j0) * D;
+  RELPOS_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const int row = warp * 16 + g + 8 * r;
+    if (row >= nk) continue;
+    RELPOS_UNROLL
+    for (int nt = 0; nt < kDT; ++nt) {
+      if (nt * 8 >= D) break;
+      const int d = nt * 8 + 2 * t4;
+      st32(dkp + row * D + d, pack2<T>(dk[nt][2 * r] * scale, dk[nt][2 * r + 1] * scale));
+      st32(dvp + row * D + d, pack2<T>(dv[nt][2 * r], dv[nt][2 * r + 1]));
+    }
+  }
+}
+
+}  // namespace relpos::cuda
