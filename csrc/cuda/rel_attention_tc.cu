@@ -102,7 +102,7 @@ bool launch_rel_attention_tc(const RelAttentionParams& p, Stream stream) {
 bool launch_rel_attention_backward_tc(const RelAttentionBwdParams& bp, const void* workspace,
                                       Stream stream) {
   const RelAttentionParams& p = bp.fwd;
-  if (!tc_shape(p) || p.rel_q != nullptr || bp.serial_q_tiles) return false;
+  if (!tc_shape(p) || p.rel_q != nullptr) return false;
   const void* tensors[] = {p.q, p.k, p.v, p.rel_k, p.rel_v, p.out, bp.grad_out, bp.dq, bp.dk, bp.dv};
   for (const void* t : tensors) {
     if (!aligned16(t)) return false;
@@ -117,9 +117,12 @@ bool launch_rel_attention_backward_tc(const RelAttentionBwdParams& bp, const voi
   const float* ws = static_cast<const float*>(workspace);
   dispatch_tc(p, [&]<typename T, int kD>() {
     using Tl = TcBwdTile<kD>;
-    launch(rel_attention_tc_bwd_dq_kernel<T, kD>,
-           dim3(grid_x(p.batch * p.heads * cdiv(p.q_len, Tl::kRows), "rel_attention_backward"), 1, 1),
-           dim3(Tl::kThreads, 1, 1), Tl::dq_smem(), stream, bp, ws);
+    const bool serial = bp.serial_q_tiles;
+    const int64_t q_blocks = p.batch * p.heads * (serial ? 1 : cdiv(p.q_len, Tl::kRows));
+    launch(serial ? rel_attention_tc_bwd_dq_kernel<T, kD, true>
+                  : rel_attention_tc_bwd_dq_kernel<T, kD, false>,
+           dim3(grid_x(q_blocks, "rel_attention_backward"), 1, 1), dim3(Tl::kThreads, 1, 1),
+           Tl::dq_smem(), stream, bp, ws);
     launch(rel_attention_tc_bwd_dkdv_kernel<T, kD>,
            dim3(grid_x(p.batch * p.kv_heads * cdiv(p.k_len, Tl::kKeys), "rel_attention_backward"),
                 1, 1),

@@ -4,8 +4,7 @@
 // (rel_attention_tc.cuh) does them. The maths: RelAttentionBwdParams (common/params.h); the per-row
 // terms D_i = dO_i . O_i and the four clamped dots come from the SIMT rows kernel
 // (rel_attention.cuh, the workspace ws). The launcher (rel_attention_tc.cu) takes these kernels for
-// what they cover (as the forward's, without rel_q and without serial_q_tiles) and the SIMT
-// kernels for the rest.
+// what they cover (as the forward's, without rel_q) and the SIMT kernels for the rest.
 //
 // Two kernels, each recomputing the probabilities of its tile pairs (64 query rows x 64 keys):
 //   dq kernel    per query tile (4 warps x 16 rows), over key tiles:
@@ -64,9 +63,13 @@ struct TcBwdTile {
 };
 
 // ---- dq, and the table gradients ----------------------------------------------------------------
+// Query tile `tile` of (b, h) = bh. Every address of the table-gradient partials gets at most one
+// atomicAdd per tile pair (the inner buckets of a pair are distinct values of c, each warp's c
+// distinct) and one at the end per bucket 0 / 2K, from one thread: the tiles of one block add in a
+// fixed order (the kernel's kSerial).
 template <typename T, int kD>
-__global__ void __launch_bounds__(TcBwdTile<kD>::kThreads)
-    rel_attention_tc_bwd_dq_kernel(RelAttentionBwdParams bp, const float* ws) {
+__device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws, int64_t bh,
+                               int64_t tile) {
   using Tl = TcBwdTile<kD>;
   constexpr int kNT = Tl::kKeys / 8;  // n-tiles of S
   constexpr int kDT = kD / 8;         // n-tiles of dq
@@ -88,9 +91,8 @@ __global__ void __launch_bounds__(TcBwdTile<kD>::kThreads)
   float* sMass = sBias + Tl::kBand;  // [kRows][4]: the rows' clamped dS lo / hi, P lo / hi
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t4 = lane % 4;
-  const int64_t q_tiles = (p.q_len + Tl::kRows - 1) / Tl::kRows;
-  const int64_t bh = blockIdx.x / q_tiles, h = bh % p.heads, b = bh / p.heads;
-  const int64_t i0 = (blockIdx.x % q_tiles) * Tl::kRows;
+  const int64_t h = bh % p.heads, b = bh / p.heads;
+  const int64_t i0 = tile * Tl::kRows;
   const int nq = static_cast<int>(p.q_len - i0 < Tl::kRows ? p.q_len - i0 : Tl::kRows);
   const int64_t K = p.max_distance, table_rows = num_buckets(K);
   const int D = static_cast<int>(p.dim);  // a multiple of 8, at most kD: zero-padded to kD
@@ -404,7 +406,26 @@ __global__ void __launch_bounds__(TcBwdTile<kD>::kThreads)
   }
 }
 
+// Grid: batch * heads * ceil(q_len / 64) blocks, one query tile each; or, kSerial (set from
+// serial_q_tiles, under torch.use_deterministic_algorithms), batch * heads blocks that each take
+// their (b, h)'s query tiles in order, so that the table gradients come out bitwise the same on
+// every run.
+template <typename T, int kD, bool kSerial>
+__global__ void __launch_bounds__(TcBwdTile<kD>::kThreads)
+    rel_attention_tc_bwd_dq_kernel(RelAttentionBwdParams bp, const float* ws) {
+  const int64_t q_tiles = (bp.fwd.q_len + TcBwdTile<kD>::kRows - 1) / TcBwdTile<kD>::kRows;
+  if constexpr (!kSerial) {
+    tc_bwd_dq_tile<T, kD>(bp, ws, blockIdx.x / q_tiles, blockIdx.x % q_tiles);
+  } else {
+    for (int64_t t = 0; t < q_tiles; ++t) {
+      tc_bwd_dq_tile<T, kD>(bp, ws, blockIdx.x, t);
+      __syncthreads();  // the next tile restages the shared memory this one read last
+    }
+  }
+}
+
 // ---- dk and dv --------------------------------------------------------------------------------
+// No atomics (without rel_q, which these kernels do not take): deterministic as it is.
 template <typename T, int kD>
 __global__ void __launch_bounds__(TcBwdTile<kD>::kThreads)
     rel_attention_tc_bwd_dkdv_kernel(RelAttentionBwdParams bp, const float* ws) {
