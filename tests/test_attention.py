@@ -1308,17 +1308,20 @@ def test_rel_attention_avx512_is_bitwise_avx2(monkeypatch, dtype, name):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tables", [True, False])
+@pytest.mark.parametrize("tables", [True, False, "rel_q"])
 def test_rel_attention_backward_under_deterministic_algorithms(backend, tables, dtype):
     """The backward runs under torch.use_deterministic_algorithms(True) and gives the gradients
     it gives without: the CPU kernels are deterministic anyway; the CUDA backward (the emulator
     runs the same glue and kernels) then takes its dq kernel's serial_q_tiles form, one block per
     (b, h) over the query tiles in order, so that its table-gradient atomics add in a fixed
-    order (bfloat16: the tensor-core dq kernel's form)."""
+    order (bfloat16: the tensor-core dq kernel's form); with rel_q the dk/dv kernel's key tiles
+    too."""
     _attention_backend(backend)
     tensors, kw = make_inputs(CASES["tiles_two_sided"], dtype)
     if not tables:
         tensors = (*tensors[:3], None, None)
+    if tables == "rel_q":
+        kw.update(rel_q=random_rel_q(CASES["tiles_two_sided"], True, 4).to(dtype))
     out, lse = _call(backend, tensors, kw)
     grad = torch.randn(out.shape, dtype=out.dtype)
     want = _call_backward(backend, grad, tensors, out, lse, kw)

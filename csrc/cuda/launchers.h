@@ -37,7 +37,7 @@ bool launch_rel_attention_tc(const RelAttentionParams& p, Stream stream);
 size_t rel_attention_backward_workspace_bytes(const RelAttentionBwdParams& p);
 void launch_rel_attention_backward(const RelAttentionBwdParams& p, void* workspace, Stream stream);
 // The tensor-core backward (rel_attention_tc.cu), after the rows kernel has filled the
-// workspace: launches and returns true when it covers p (the forward's cases without rel_q);
+// workspace: launches and returns true when it covers p (the tensor-core forward's cases);
 // false, launching nothing, otherwise.
 bool launch_rel_attention_backward_tc(const RelAttentionBwdParams& p, const void* workspace,
                                       Stream stream);

@@ -27,7 +27,7 @@
 //                (atomicAdd)
 //   dkdv kernel  per key tile of one kv head, loops over the group's query heads and query tiles
 // For float16/bfloat16 the tensor-core kernels (rel_attention_tc_bwd.cuh) take the dq and dk/dv
-// parts where they cover the case (not with rel_q), after the same rows kernel.
+// parts where they cover the case, after the same rows kernel.
 #pragma once
 
 #include <math.h>

@@ -102,31 +102,45 @@ bool launch_rel_attention_tc(const RelAttentionParams& p, Stream stream) {
 bool launch_rel_attention_backward_tc(const RelAttentionBwdParams& bp, const void* workspace,
                                       Stream stream) {
   const RelAttentionParams& p = bp.fwd;
-  if (!tc_shape(p) || p.rel_q != nullptr) return false;
-  const void* tensors[] = {p.q, p.k, p.v, p.rel_k, p.rel_v, p.out, bp.grad_out, bp.dq, bp.dk, bp.dv};
+  const bool rel_q = p.rel_q != nullptr;
+  if (!tc_shape(p) || (rel_q && p.dim > 64)) return false;  // as the forward
+  const void* tensors[] = {p.q,     p.k,         p.v,   p.rel_k, p.rel_v, p.rel_q,
+                           p.out,   bp.grad_out, bp.dq, bp.dk,   bp.dv};
   for (const void* t : tensors) {
     if (!aligned16(t)) return false;
   }
   if (!tc_enabled()) return false;
   size_t smem = 0;
   dispatch_tc(p, [&]<typename T, int kD>() {
-    const size_t a = TcBwdTile<kD>::dq_smem(), b = TcBwdTile<kD>::dkdv_smem();
+    const size_t a = TcBwdTile<kD>::dq_smem(rel_q), b = TcBwdTile<kD>::dkdv_smem(rel_q);
     smem = a > b ? a : b;
   });
   if (!tc_device(smem)) return false;
   const float* ws = static_cast<const float*>(workspace);
   dispatch_tc(p, [&]<typename T, int kD>() {
     using Tl = TcBwdTile<kD>;
-    const bool serial = bp.serial_q_tiles;
+    // Deterministic mode (serial_q_tiles): the dq kernel's query tiles of a (b, h) in order in
+    // one block, and with rel_q (drel_q from every key tile) the dk/dv kernel's key tiles too.
+    const bool serial = bp.serial_q_tiles, kv_serial = serial && rel_q;
     const int64_t q_blocks = p.batch * p.heads * (serial ? 1 : cdiv(p.q_len, Tl::kRows));
-    launch(serial ? rel_attention_tc_bwd_dq_kernel<T, kD, true>
-                  : rel_attention_tc_bwd_dq_kernel<T, kD, false>,
-           dim3(grid_x(q_blocks, "rel_attention_backward"), 1, 1), dim3(Tl::kThreads, 1, 1),
-           Tl::dq_smem(), stream, bp, ws);
-    launch(rel_attention_tc_bwd_dkdv_kernel<T, kD>,
-           dim3(grid_x(p.batch * p.kv_heads * cdiv(p.k_len, Tl::kKeys), "rel_attention_backward"),
-                1, 1),
-           dim3(Tl::kThreads, 1, 1), Tl::dkdv_smem(), stream, bp, ws);
+    const int64_t k_blocks = p.batch * p.kv_heads * (kv_serial ? 1 : cdiv(p.k_len, Tl::kKeys));
+    auto go = [&]<bool kRelQ>() {
+      launch(serial ? rel_attention_tc_bwd_dq_kernel<T, kD, true, kRelQ>
+                    : rel_attention_tc_bwd_dq_kernel<T, kD, false, kRelQ>,
+             dim3(grid_x(q_blocks, "rel_attention_backward"), 1, 1), dim3(Tl::kThreads, 1, 1),
+             Tl::dq_smem(kRelQ), stream, bp, ws);
+      auto dkdv = rel_attention_tc_bwd_dkdv_kernel<T, kD, false, kRelQ>;
+      if constexpr (kRelQ) {
+        if (kv_serial) dkdv = rel_attention_tc_bwd_dkdv_kernel<T, kD, true, true>;
+      }
+      launch(dkdv, dim3(grid_x(k_blocks, "rel_attention_backward"), 1, 1), dim3(Tl::kThreads, 1, 1),
+             Tl::dkdv_smem(kRelQ), stream, bp, ws);
+    };
+    if constexpr (kD <= 64) {
+      rel_q ? go.template operator()<true>() : go.template operator()<false>();
+    } else {
+      go.template operator()<false>();
+    }
   });
   return true;
 }

@@ -4,7 +4,7 @@
 // (rel_attention_tc.cuh) does them. The maths: RelAttentionBwdParams (common/params.h); the per-row
 // terms D_i = dO_i . O_i and the four clamped dots come from the SIMT rows kernel
 // (rel_attention.cuh, the workspace ws). The launcher (rel_attention_tc.cu) takes these kernels for
-// what they cover (as the forward's, without rel_q) and the SIMT kernels for the rest.
+// what they cover (as the forward's) and the SIMT kernels for the rest.
 //
 // Two kernels, each recomputing the probabilities of its tile pairs (64 query rows x 64 keys):
 //   dq kernel    per query tile (4 warps x 16 rows), over key tiles:
@@ -21,7 +21,8 @@
 //   dkdv kernel  per key tile of a kv head (4 warps x 16 keys), over the group's query heads
 //                and their query tiles: S^T = K Q^T, dP^T = V dO^T (+ the relative terms:
 //                (Rk Q^T) and (Rv dO^T) per block for the 128 values of c, gathered along the
-//                skew), dv += P^T dO, dk += dS^T Q.
+//                skew), dv += P^T dO, dk += dS^T Q; with rel_q also dk += dS' Rq and drel_q
+//                (tc_bwd_dkdv_tile).
 // Under dropout P in dv, drel_v and the P masses is p f, and dS = p (f dP - D_i).
 #pragma once
 
@@ -51,23 +52,67 @@ struct TcBwdTile {
   static constexpr size_t kScr = size_t(kWarps) * 16 * kLdScr * 4;
   static constexpr size_t kDsPt = 2 * size_t(kBand) * kLdT * 2;
   static constexpr size_t kOverlay = kTable + kScr > kDsPt ? kTable + kScr : kDsPt;
-  static constexpr size_t dq_smem() {
-    return 4 * kTile + kTable + kOverlay + kBand * 4 + kRows * 4 * 4;
-  }
+  static constexpr size_t dq_base() { return 4 * kTile + kTable + kOverlay + kBand * 4 + kRows * 4 * 4; }
+  // kRelQ (up to kD = 64, as the forward): sRq [kBand][kLdK] | sKR [kKeys][kLdKR] floats (k_j .
+  // rel_q[c], as the forward's) | sKq [kKeys] floats (k_j . rel_q[0 or 2K] beyond the band)
+  static constexpr int kLdKR = kBand + 4;
+  static constexpr size_t kDqRelQ = kTable + size_t(kKeys) * kLdKR * 4 + kKeys * 4;
+  static constexpr size_t dq_smem(bool rel_q) { return dq_base() + (rel_q ? kDqRelQ : 0); }
   // dk/dv kernel: sQ sG sK sV | sR (rel_k then rel_v) | sSrel [kBand][kLdS] | sBias [kBand] |
   // sRow [kRowCols][kRows]
   static constexpr int kRowCols = 7;  // lse2, D_i, qlo, qhi, dlo, dhi, dropout row key
-  static constexpr size_t dkdv_smem() {
+  static constexpr size_t dkdv_base() {
     return 4 * kTile + kTable + size_t(kBand) * kLdS * 4 + kBand * 4 + kRowCols * kRows * 4;
   }
+  // kRelQ: sRq [kBand][kLdK] | sDSk [kBand][kLdT] (dS' key-major: [c][key]) | the warps'
+  // scratch [16][kLdScr] floats | sKm [kKeys][2] floats (the keys' clamped dS masses of a head) |
+  // sKq [kKeys] floats (k_j . rel_q[0 or 2K] beyond the band)
+  static constexpr size_t kDkdvRelQ = kTable + size_t(kBand) * kLdT * 2 + kScr + kKeys * 3 * 4;
+  static constexpr size_t dkdv_smem(bool rel_q) { return dkdv_base() + (rel_q ? kDkdvRelQ : 0); }
 };
+
+// The key-side table rel_q (s_ij += k_j . rel_q[b(i, j)], before the scale) of a band pair, as
+// the forward computes it: warp w, KR[r][c - 16 w] = k_{16 w + r} . rel_q[c] for its 16 keys of
+// the tile (sK [key][d]) and their 80 values of c, c in [16 w, 16 w + 80) (sRq [c][d]), into dst
+// (rows ld floats apart). Key j of the tile meets row i of a tile pair at c = j - i + 63.
+template <typename T, int kD>
+RELPOS_DEVICE void tc_key_side_band(float* dst, int ld, const T* sK, const T* sRq, int warp,
+                                    int lane) {
+  using Tl = TcBwdTile<kD>;
+  constexpr int kHalf = Tl::kWarpBand / 16;  // n-tiles of a half of the warp's c
+  RELPOS_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    float kr[kHalf][4];
+    zero_acc(kr);
+    warp_mma_bt<T, kHalf, kD / 16>(
+        kr,
+        [&](int kk, uint32_t (&a)[4]) {
+          load_a_frag(a, sK + 16 * warp * Tl::kLdK + kk * 16, Tl::kLdK, lane);
+        },
+        sRq + (16 * warp + half * kHalf * 8) * Tl::kLdK, Tl::kLdK, lane);
+    store_acc(dst + half * kHalf * 8, ld, kr, lane);
+  }
+}
+
+// Beyond the band: dst[j] = k_j . e (e: rel_q[0] or rel_q[2K]) for the nk keys at k (rows dim
+// apart), 0 for the rest of the 64.
+template <typename T>
+RELPOS_DEVICE void tc_key_side_clamped(float* dst, const T* k, int nk, const T* e, int dim) {
+  for (int jj = threadIdx.x; jj < 64; jj += blockDim.x) {
+    float x = 0;
+    if (jj < nk) {
+      for (int d = 0; d < dim; ++d) x += to_float(k[static_cast<int64_t>(jj) * dim + d]) * to_float(e[d]);
+    }
+    dst[jj] = x;
+  }
+}
 
 // ---- dq, and the table gradients ----------------------------------------------------------------
 // Query tile `tile` of (b, h) = bh. Every address of the table-gradient partials gets at most one
 // atomicAdd per tile pair (the inner buckets of a pair are distinct values of c, each warp's c
 // distinct) and one at the end per bucket 0 / 2K, from one thread: the tiles of one block add in a
 // fixed order (the kernel's kSerial).
-template <typename T, int kD>
+template <typename T, int kD, bool kRelQ>
 __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws, int64_t bh,
                                int64_t tile) {
   using Tl = TcBwdTile<kD>;
@@ -89,6 +134,9 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
   T* sPt = sDSt + Tl::kBand * Tl::kLdT;
   float* sBias = reinterpret_cast<float*>(smem + 4 * Tl::kTile + Tl::kTable + Tl::kOverlay);
   float* sMass = sBias + Tl::kBand;  // [kRows][4]: the rows' clamped dS lo / hi, P lo / hi
+  T* sRq = reinterpret_cast<T*>(smem + Tl::dq_base());  // kRelQ only
+  float* sKR = reinterpret_cast<float*>(sRq + Tl::kBand * Tl::kLdK);
+  float* sKq = sKR + Tl::kKeys * Tl::kLdKR;
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t4 = lane % 4;
   const int64_t h = bh % p.heads, b = bh / p.heads;
@@ -104,6 +152,7 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
   const T* ek = head_table<T>(p.rel_k, p.rel_k_per_head, h, table_rows * D);
   const T* ev = head_table<T>(p.rel_v, p.rel_v_per_head, h, table_rows * D);
   const T* eb = head_table<T>(p.rel_bias, p.rel_bias_per_head, h, table_rows);
+  const T* eq = kRelQ ? head_table<T>(p.rel_q, p.rel_q_per_head, h, table_rows * D) : nullptr;
   float* pk = ek == nullptr || bp.drel_k_partial == nullptr
                   ? nullptr : static_cast<float*>(bp.drel_k_partial) + bh * table_rows * D;
   float* pv = ev == nullptr || bp.drel_v_partial == nullptr
@@ -182,7 +231,24 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
         sBias[c] = to_float(eb[clamp_bucket(dbase + c, K)]) * static_cast<float>(kLog2e);
       }
     }
+    if constexpr (kRelQ) {
+      if (band) {
+        tc_stage<T, kD, false>(sRq, Tl::kLdK, Tl::kBand,
+                               [&](int c) { return eq + clamp_bucket(dbase + c, K) * D; }, D);
+      } else {
+        tc_key_side_clamped<T>(sKq, k + j0 * D, nk, eq + (all_lo ? 0 : (table_rows - 1) * D), D);
+      }
+    }
     __syncthreads();
+    // + k_j . rel_q[b(i, j)]: as the forward (KR for the warp's 16 keys and 80 values of c, then
+    // after every warp's the gather along the skew; one value per key beyond the band)
+    if constexpr (kRelQ) {
+      if (band) {  // sKR [key][c]: the warp's rows from c = 16 w
+        tc_key_side_band<T, kD>(sKR + 16 * warp * Tl::kLdKR + 16 * warp, Tl::kLdKR, sK, sRq, warp,
+                                lane);
+      }
+      __syncthreads();
+    }
 
     // S = Q K^T, dP = dO V^T
     float s[kNT][4], dp[kNT][4];
@@ -190,6 +256,16 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
     zero_acc(dp);
     warp_mma_bt<T, kNT, kDK>(s, q_frag, sK, Tl::kLdK, lane);
     warp_mma_bt<T, kNT, kDK>(dp, g_frag, sV, Tl::kLdK, lane);
+    if constexpr (kRelQ) {
+      RELPOS_UNROLL
+      for (int nt = 0; nt < kNT; ++nt) {
+        RELPOS_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const int jj = nt * 8 + 2 * t4 + e % 2, i = 16 * warp + g + (e / 2) * 8;
+          s[nt][e] += band ? sKR[jj * Tl::kLdKR + jj - i + Tl::kKeys - 1] : sKq[jj];
+        }
+      }
+    }
     // + the relative terms: Q Rk^T and dO Rv^T along the skew (through the scratch), or the
     // rows' clamped dots beyond the band.
     // (A generic lambda's auto parameter here crashes nvcc 13.0's front end: a flag instead.)
@@ -410,25 +486,31 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
 // serial_q_tiles, under torch.use_deterministic_algorithms), batch * heads blocks that each take
 // their (b, h)'s query tiles in order, so that the table gradients come out bitwise the same on
 // every run.
-template <typename T, int kD, bool kSerial>
+template <typename T, int kD, bool kSerial, bool kRelQ>
 __global__ void __launch_bounds__(TcBwdTile<kD>::kThreads)
     rel_attention_tc_bwd_dq_kernel(RelAttentionBwdParams bp, const float* ws) {
   const int64_t q_tiles = (bp.fwd.q_len + TcBwdTile<kD>::kRows - 1) / TcBwdTile<kD>::kRows;
   if constexpr (!kSerial) {
-    tc_bwd_dq_tile<T, kD>(bp, ws, blockIdx.x / q_tiles, blockIdx.x % q_tiles);
+    tc_bwd_dq_tile<T, kD, kRelQ>(bp, ws, blockIdx.x / q_tiles, blockIdx.x % q_tiles);
   } else {
     for (int64_t t = 0; t < q_tiles; ++t) {
-      tc_bwd_dq_tile<T, kD>(bp, ws, blockIdx.x, t);
+      tc_bwd_dq_tile<T, kD, kRelQ>(bp, ws, blockIdx.x, t);
       __syncthreads();  // the next tile restages the shared memory this one read last
     }
   }
 }
 
 // ---- dk and dv --------------------------------------------------------------------------------
-// No atomics (without rel_q, which these kernels do not take): deterministic as it is.
-template <typename T, int kD>
-__global__ void __launch_bounds__(TcBwdTile<kD>::kThreads)
-    rel_attention_tc_bwd_dkdv_kernel(RelAttentionBwdParams bp, const float* ws) {
+// No atomics without rel_q: deterministic as it is.
+// Key tile `tile` of (b, kv head) = bkv. kRelQ: the key-side table too (up to kD = 64):
+//   S^T += K Rq^T along the skew (per warp, through its scratch), or k_j . rel_q[0 / 2K];
+//   dk += dS' Rq (dS' = dS^T scattered along the skew, [c][key]) for the inner buckets, and
+//   drel_q[b(c)] += scale dS'^T K per block (one atomic per address and pair, as the dq kernel's
+//   table gradients); the clamped buckets through per-key masses, applied at the end of each head
+//   (rel_q is per head): dk += m rel_q[0 / 2K], drel_q[0 / 2K] += scale sum_j m_j k_j.
+template <typename T, int kD, bool kRelQ>
+__device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* ws, int64_t bkv,
+                                 int64_t tile) {
   using Tl = TcBwdTile<kD>;
   constexpr int kNT = Tl::kRows / 8;  // n-tiles of S^T (query rows)
   constexpr int kDT = kD / 8;
@@ -443,16 +525,21 @@ __global__ void __launch_bounds__(TcBwdTile<kD>::kThreads)
   float* sSrel = reinterpret_cast<float*>(sR + Tl::kBand * Tl::kLdK);  // [kBand][kLdS]
   float* sBias = sSrel + Tl::kBand * Tl::kLdS;
   float* sRow = sBias + Tl::kBand;  // [kRowCols][kRows]
+  T* sRq = reinterpret_cast<T*>(smem + Tl::dkdv_base());  // kRelQ only
+  T* sDSk = sRq + Tl::kBand * Tl::kLdK;
+  float* scr_all = reinterpret_cast<float*>(sDSk + Tl::kBand * Tl::kLdT);
+  float* sKm = scr_all + Tl::kWarps * 16 * Tl::kLdScr;  // [kKeys][2]
+  float* sKq = sKm + 2 * Tl::kKeys;
   enum { kLse2 = 0, kDi, kQlo, kQhi, kDlo, kDhi, kDrop };
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t4 = lane % 4;
-  const int64_t k_tiles = (p.k_len + Tl::kKeys - 1) / Tl::kKeys;
-  const int64_t bkv = blockIdx.x / k_tiles, hk = bkv % p.kv_heads, b = bkv / p.kv_heads;
-  const int64_t j0 = (blockIdx.x % k_tiles) * Tl::kKeys;
+  const int64_t hk = bkv % p.kv_heads, b = bkv / p.kv_heads;
+  const int64_t j0 = tile * Tl::kKeys;
   const int nk = static_cast<int>(p.k_len - j0 < Tl::kKeys ? p.k_len - j0 : Tl::kKeys);
   const int64_t K = p.max_distance, table_rows = num_buckets(K);
   const int D = static_cast<int>(p.dim);
   const int64_t group = p.heads / p.kv_heads;
+  const float scale = static_cast<float>(p.scale);
   const float scale2 = static_cast<float>(p.scale * kLog2e);
   const T* kp = static_cast<const T*>(p.k) + bkv * p.kv_stride + j0 * D;
   const T* vp = static_cast<const T*>(p.v) + bkv * p.kv_stride + j0 * D;
@@ -495,6 +582,10 @@ __global__ void __launch_bounds__(TcBwdTile<kD>::kThreads)
     const float blo = eb == nullptr ? 0.f : to_float(eb[0]) * static_cast<float>(kLog2e);
     const float bhi =
         eb == nullptr ? 0.f : to_float(eb[table_rows - 1]) * static_cast<float>(kLog2e);
+    const T* eq = kRelQ ? head_table<T>(p.rel_q, p.rel_q_per_head, h, table_rows * D) : nullptr;
+    float* pq = !kRelQ || bp.drel_q_partial == nullptr
+                    ? nullptr : static_cast<float*>(bp.drel_q_partial) + bh * table_rows * D;
+    float mk_lo[2] = {0, 0}, mk_hi[2] = {0, 0};  // kRelQ: the keys' (g, g + 8) clamped dS masses
     for (int64_t i0 = (i_first / Tl::kRows) * Tl::kRows; i0 < i_end; i0 += Tl::kRows) {
       const int nq = static_cast<int>(p.q_len - i0 < Tl::kRows ? p.q_len - i0 : Tl::kRows);
       if (has_tile_masks(p) && attn_tile_hidden<Tl>(p, b, h, i0, nq, j0, nk)) continue;
@@ -529,6 +620,14 @@ __global__ void __launch_bounds__(TcBwdTile<kD>::kThreads)
       if (band && eb != nullptr) {
         for (int c = threadIdx.x; c < Tl::kBand; c += Tl::kThreads) {
           sBias[c] = to_float(eb[clamp_bucket(dbase + c, K)]) * static_cast<float>(kLog2e);
+        }
+      }
+      if constexpr (kRelQ) {
+        if (band) {
+          tc_stage<T, kD, false>(sRq, Tl::kLdK, Tl::kBand,
+                                 [&](int c) { return eq + clamp_bucket(dbase + c, K) * D; }, D);
+        } else {
+          tc_key_side_clamped<T>(sKq, kp, nk, eq + (all_lo ? 0 : (table_rows - 1) * D), D);
         }
       }
       __syncthreads();
@@ -574,6 +673,22 @@ __global__ void __launch_bounds__(TcBwdTile<kD>::kThreads)
       zero_acc(st);
       warp_mma_bt<T, kNT, kDK>(st, k_frag, sQ, Tl::kLdK, lane);
       if (ek != nullptr) band ? add_skewed(st, sQ) : add_clamped(st, all_lo ? kQlo : kQhi);
+      if constexpr (kRelQ) {  // + k_j . rel_q[b(i, j)]
+        float* scr = scr_all + warp * 16 * Tl::kLdScr;
+        if (band) {  // KR of the warp's 16 keys, c in [16 w, 16 w + 80): c - 16 w = r - i + 63
+          tc_key_side_band<T, kD>(scr, Tl::kLdScr, sK, sRq, warp, lane);
+          __syncwarp();
+        }
+        RELPOS_UNROLL
+        for (int nt = 0; nt < kNT; ++nt) {
+          RELPOS_UNROLL
+          for (int e = 0; e < 4; ++e) {
+            const int r = g + (e / 2) * 8, ii = nt * 8 + 2 * t4 + e % 2;
+            st[nt][e] += band ? scr[r * Tl::kLdScr + r - ii + Tl::kRows - 1] : sKq[16 * warp + r];
+          }
+        }
+        __syncwarp();
+      }
       zero_acc(dpt);
       warp_mma_bt<T, kNT, kDK>(dpt, v_frag, sG, Tl::kLdK, lane);
       if (ev != nullptr && band) {
@@ -613,10 +728,113 @@ __global__ void __launch_bounds__(TcBwdTile<kD>::kThreads)
           dv, [&](int kk, uint32_t (&a)[4]) { acc_a_frag<T>(a, dpt, kk); }, sG, Tl::kLdK, lane);
       warp_mma_kn<T, kDT, Tl::kRows / 16>(
           dk, [&](int kk, uint32_t (&a)[4]) { acc_a_frag<T>(a, st, kk); }, sQ, Tl::kLdK, lane);
+      if constexpr (kRelQ) {
+        if (band) {
+          // dS' [c][key] for the inner buckets (over a zeroed sDSk: the previous pair's readers
+          // finished before this pair's first barrier); the clamped ones into the key masses
+          for (int idx = threadIdx.x; idx < Tl::kBand * Tl::kLdT / 8; idx += Tl::kThreads) {
+            *reinterpret_cast<Bits16*>(sDSk + idx * 8) = zero_bits<Bits16>();
+          }
+          __syncthreads();
+          RELPOS_UNROLL
+          for (int nt = 0; nt < kNT; ++nt) {
+            RELPOS_UNROLL
+            for (int e = 0; e < 4; ++e) {
+              const int jj = warp * 16 + g + (e / 2) * 8, ii = nt * 8 + 2 * t4 + e % 2;
+              const int c = jj - ii + Tl::kRows - 1;
+              const int64_t dist = dbase + c;
+              if (dist <= -K) {
+                mk_lo[e / 2] += st[nt][e];
+              } else if (dist >= K) {
+                mk_hi[e / 2] += st[nt][e];
+              } else {
+                sDSk[c * Tl::kLdT + jj] = from_float<T>(st[nt][e]);
+              }
+            }
+          }
+          __syncthreads();
+          // dk += dS' Rq over the warp's c in [16 w, 16 w + 80)
+          warp_mma_kn<T, kDT, Tl::kWarpBand / 16>(
+              dk,
+              [&](int kk, uint32_t (&a)[4]) {
+                load_a_frag_t(a, sDSk + (16 * warp + kk * 16) * Tl::kLdT + 16 * warp, Tl::kLdT,
+                              lane);
+              },
+              sRq + 16 * warp * Tl::kLdK, Tl::kLdK, lane);
+          // drel_q[b(c)] += scale dS'^T K: warp w takes c in [32 w, 32 w + 32)
+          if (pq != nullptr) {
+            RELPOS_NO_UNROLL
+            for (int mt = 0; mt < 2; ++mt) {
+              const int c0 = 32 * warp + 16 * mt;
+              float acc[kDT][4];
+              zero_acc(acc);
+              warp_mma_kn<T, kDT, Tl::kKeys / 16>(
+                  acc,
+                  [&](int kk, uint32_t (&a)[4]) {
+                    load_a_frag(a, sDSk + c0 * Tl::kLdT + kk * 16, Tl::kLdT, lane);
+                  },
+                  sK, Tl::kLdK, lane);
+              RELPOS_UNROLL
+              for (int e = 0; e < 4; ++e) {
+                const int c = c0 + g + (e / 2) * 8;
+                if (c >= 2 * Tl::kKeys - 1 || dbase + c <= -K || dbase + c >= K) continue;
+                float* drow = pq + (dbase + c + K) * D;
+                RELPOS_UNROLL
+                for (int nt = 0; nt < kDT; ++nt) {
+                  const int d = nt * 8 + 2 * t4 + e % 2;
+                  if (d < D) atomicAdd(drow + d, acc[nt][e] * scale);
+                }
+              }
+            }
+          }
+        } else {
+          RELPOS_UNROLL
+          for (int nt = 0; nt < kNT; ++nt) {
+            RELPOS_UNROLL
+            for (int e = 0; e < 4; ++e) (all_lo ? mk_lo : mk_hi)[e / 2] += st[nt][e];
+          }
+        }
+      }
+    }
+    if constexpr (kRelQ) {
+      // Head h's clamped buckets: dk += m rel_q[0 / 2K] per key, drel_q[0 / 2K] += scale
+      // sum_j m_j k_j per block.
+      RELPOS_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        RELPOS_UNROLL
+        for (int x = 1; x <= 2; x *= 2) {
+          mk_lo[r] += __shfl_xor_sync(0xffffffffu, mk_lo[r], x);
+          mk_hi[r] += __shfl_xor_sync(0xffffffffu, mk_hi[r], x);
+        }
+        if (t4 == 0) {
+          sKm[(warp * 16 + g + 8 * r) * 2 + 0] = mk_lo[r];
+          sKm[(warp * 16 + g + 8 * r) * 2 + 1] = mk_hi[r];
+        }
+        RELPOS_UNROLL
+        for (int nt = 0; nt < kDT; ++nt) {
+          RELPOS_UNROLL
+          for (int x = 0; x < 2; ++x) {
+            const int d = nt * 8 + 2 * t4 + x;
+            if (d < D) {
+              dk[nt][2 * r + x] += mk_lo[r] * to_float(eq[d]) +
+                                   mk_hi[r] * to_float(eq[(table_rows - 1) * D + d]);
+            }
+          }
+        }
+      }
+      __syncthreads();  // sKm complete
+      if (pq != nullptr) {
+        for (int idx = threadIdx.x; idx < 2 * D; idx += Tl::kThreads) {
+          const int d = idx % D, hi = idx / D;
+          float x = 0;
+          for (int r = 0; r < nk; ++r) x += sKm[r * 2 + hi] * to_float(sK[r * Tl::kLdK + d]);
+          atomicAdd(pq + (hi ? table_rows - 1 : 0) * D + d, x * scale);
+        }
+      }
+      __syncthreads();  // sKm read before the next head writes it
     }
   }
 
-  const float scale = static_cast<float>(p.scale);
   T* dkp = static_cast<T*>(bp.dk) + (bkv * p.k_len + j0) * D;
   T* dvp = static_cast<T*>(bp.dv) + (bkv * p.k_len + j0) * D;
   RELPOS_UNROLL
@@ -629,6 +847,23 @@ __global__ void __launch_bounds__(TcBwdTile<kD>::kThreads)
       const int d = nt * 8 + 2 * t4;
       st32(dkp + row * D + d, pack2<T>(dk[nt][2 * r] * scale, dk[nt][2 * r + 1] * scale));
       st32(dvp + row * D + d, pack2<T>(dv[nt][2 * r], dv[nt][2 * r + 1]));
+    }
+  }
+}
+
+// Grid: batch * kv_heads * ceil(k_len / 64) blocks, one key tile each; or, kSerial (with rel_q
+// under serial_q_tiles: drel_q takes atomics from every key tile), batch * kv_heads blocks that
+// each take their key tiles in order.
+template <typename T, int kD, bool kSerial, bool kRelQ>
+__global__ void __launch_bounds__(TcBwdTile<kD>::kThreads)
+    rel_attention_tc_bwd_dkdv_kernel(RelAttentionBwdParams bp, const float* ws) {
+  const int64_t k_tiles = (bp.fwd.k_len + TcBwdTile<kD>::kKeys - 1) / TcBwdTile<kD>::kKeys;
+  if constexpr (!kSerial) {
+    tc_bwd_dkdv_tile<T, kD, kRelQ>(bp, ws, blockIdx.x / k_tiles, blockIdx.x % k_tiles);
+  } else {
+    for (int64_t t = 0; t < k_tiles; ++t) {
+      tc_bwd_dkdv_tile<T, kD, kRelQ>(bp, ws, blockIdx.x, t);
+      __syncthreads();  // the next tile restages the shared memory this one read last
     }
   }
 }
