@@ -119,22 +119,23 @@ bool launch_rel_attention_backward_tc(const RelAttentionBwdParams& bp, const voi
   const float* ws = static_cast<const float*>(workspace);
   dispatch_tc(p, [&]<typename T, int kD>() {
     using Tl = TcBwdTile<kD>;
-    // Deterministic mode (serial_q_tiles): the dq kernel's query tiles of a (b, h) in order in
-    // one block, and with rel_q (drel_q from every key tile) the dk/dv kernel's key tiles too.
+    // Deterministic mode (serial_q_tiles): the dq kernel once per query tile, in order, one
+    // block per (b, h) each time; with rel_q (drel_q from every key tile) the dk/dv kernel too.
     const bool serial = bp.serial_q_tiles, kv_serial = serial && rel_q;
-    const int64_t q_blocks = p.batch * p.heads * (serial ? 1 : cdiv(p.q_len, Tl::kRows));
-    const int64_t k_blocks = p.batch * p.kv_heads * (kv_serial ? 1 : cdiv(p.k_len, Tl::kKeys));
+    const int64_t q_tiles = cdiv(p.q_len, Tl::kRows), k_tiles = cdiv(p.k_len, Tl::kKeys);
     auto go = [&]<bool kRelQ>() {
-      launch(serial ? rel_attention_tc_bwd_dq_kernel<T, kD, true, kRelQ>
-                    : rel_attention_tc_bwd_dq_kernel<T, kD, false, kRelQ>,
-             dim3(grid_x(q_blocks, "rel_attention_backward"), 1, 1), dim3(Tl::kThreads, 1, 1),
-             Tl::dq_smem(kRelQ), stream, bp, ws);
-      auto dkdv = rel_attention_tc_bwd_dkdv_kernel<T, kD, false, kRelQ>;
-      if constexpr (kRelQ) {
-        if (kv_serial) dkdv = rel_attention_tc_bwd_dkdv_kernel<T, kD, true, true>;
+      for (int64_t t = serial ? 0 : -1; t < (serial ? q_tiles : 0); ++t) {
+        launch(rel_attention_tc_bwd_dq_kernel<T, kD, kRelQ>,
+               dim3(grid_x(p.batch * p.heads * (t < 0 ? q_tiles : 1), "rel_attention_backward"),
+                    1, 1),
+               dim3(Tl::kThreads, 1, 1), Tl::dq_smem(kRelQ), stream, bp, ws, t);
       }
-      launch(dkdv, dim3(grid_x(k_blocks, "rel_attention_backward"), 1, 1), dim3(Tl::kThreads, 1, 1),
-             Tl::dkdv_smem(kRelQ), stream, bp, ws);
+      for (int64_t t = kv_serial ? 0 : -1; t < (kv_serial ? k_tiles : 0); ++t) {
+        launch(rel_attention_tc_bwd_dkdv_kernel<T, kD, kRelQ>,
+               dim3(grid_x(p.batch * p.kv_heads * (t < 0 ? k_tiles : 1), "rel_attention_backward"),
+                    1, 1),
+               dim3(Tl::kThreads, 1, 1), Tl::dkdv_smem(kRelQ), stream, bp, ws, t);
+      }
     };
     if constexpr (kD <= 64) {
       rel_q ? go.template operator()<true>() : go.template operator()<false>();

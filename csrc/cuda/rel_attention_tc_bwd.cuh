@@ -110,8 +110,8 @@ RELPOS_DEVICE void tc_key_side_clamped(float* dst, const T* k, int nk, const T* 
 // ---- dq, and the table gradients ----------------------------------------------------------------
 // Query tile `tile` of (b, h) = bh. Every address of the table-gradient partials gets at most one
 // atomicAdd per tile pair (the inner buckets of a pair are distinct values of c, each warp's c
-// distinct) and one at the end per bucket 0 / 2K, from one thread: the tiles of one block add in a
-// fixed order (the kernel's kSerial).
+// distinct) and one at the end per bucket 0 / 2K, from one thread: one block per (b, h) at a
+// time adds in a fixed order (the kernel's `tile` argument).
 template <typename T, int kD, bool kRelQ>
 __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws, int64_t bh,
                                int64_t tile) {
@@ -482,22 +482,16 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
   }
 }
 
-// Grid: batch * heads * ceil(q_len / 64) blocks, one query tile each; or, kSerial (set from
-// serial_q_tiles, under torch.use_deterministic_algorithms), batch * heads blocks that each take
-// their (b, h)'s query tiles in order, so that the table gradients come out bitwise the same on
-// every run.
-template <typename T, int kD, bool kSerial, bool kRelQ>
+// Grid: batch * heads * ceil(q_len / 64) blocks, one query tile each; or, with tile >= 0, batch *
+// heads blocks that all take query tile `tile`: deterministic mode (serial_q_tiles) launches
+// that once per tile, in order on the stream, so that the table-gradient atomics of a (b, h) add
+// in a fixed order (a loop over the tiles inside one block does the same, but ptxas spills there).
+template <typename T, int kD, bool kRelQ>
 __global__ void __launch_bounds__(TcBwdTile<kD>::kThreads)
-    rel_attention_tc_bwd_dq_kernel(RelAttentionBwdParams bp, const float* ws) {
+    rel_attention_tc_bwd_dq_kernel(RelAttentionBwdParams bp, const float* ws, int64_t tile) {
   const int64_t q_tiles = (bp.fwd.q_len + TcBwdTile<kD>::kRows - 1) / TcBwdTile<kD>::kRows;
-  if constexpr (!kSerial) {
-    tc_bwd_dq_tile<T, kD, kRelQ>(bp, ws, blockIdx.x / q_tiles, blockIdx.x % q_tiles);
-  } else {
-    for (int64_t t = 0; t < q_tiles; ++t) {
-      tc_bwd_dq_tile<T, kD, kRelQ>(bp, ws, blockIdx.x, t);
-      __syncthreads();  // the next tile restages the shared memory this one read last
-    }
-  }
+  const int64_t bh = tile < 0 ? blockIdx.x / q_tiles : blockIdx.x;  // one call site: one inlined copy
+  tc_bwd_dq_tile<T, kD, kRelQ>(bp, ws, bh, tile < 0 ? blockIdx.x % q_tiles : tile);
 }
 
 // ---- dk and dv --------------------------------------------------------------------------------
@@ -851,21 +845,15 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
   }
 }
 
-// Grid: batch * kv_heads * ceil(k_len / 64) blocks, one key tile each; or, kSerial (with rel_q
-// under serial_q_tiles: drel_q takes atomics from every key tile), batch * kv_heads blocks that
-// each take their key tiles in order.
-template <typename T, int kD, bool kSerial, bool kRelQ>
+// Grid: batch * kv_heads * ceil(k_len / 64) blocks, one key tile each; or, with tile >= 0 (rel_q
+// in deterministic mode: drel_q takes atomics from every key tile), batch * kv_heads blocks that
+// all take key tile `tile`, launched once per tile in order.
+template <typename T, int kD, bool kRelQ>
 __global__ void __launch_bounds__(TcBwdTile<kD>::kThreads)
-    rel_attention_tc_bwd_dkdv_kernel(RelAttentionBwdParams bp, const float* ws) {
+    rel_attention_tc_bwd_dkdv_kernel(RelAttentionBwdParams bp, const float* ws, int64_t tile) {
   const int64_t k_tiles = (bp.fwd.k_len + TcBwdTile<kD>::kKeys - 1) / TcBwdTile<kD>::kKeys;
-  if constexpr (!kSerial) {
-    tc_bwd_dkdv_tile<T, kD, kRelQ>(bp, ws, blockIdx.x / k_tiles, blockIdx.x % k_tiles);
-  } else {
-    for (int64_t t = 0; t < k_tiles; ++t) {
-      tc_bwd_dkdv_tile<T, kD, kRelQ>(bp, ws, blockIdx.x, t);
-      __syncthreads();  // the next tile restages the shared memory this one read last
-    }
-  }
+  const int64_t bkv = tile < 0 ? blockIdx.x / k_tiles : blockIdx.x;
+  tc_bwd_dkdv_tile<T, kD, kRelQ>(bp, ws, bkv, tile < 0 ? blockIdx.x % k_tiles : tile);
 }
 
 }  // namespace relpos::cuda
