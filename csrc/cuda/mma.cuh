@@ -180,11 +180,11 @@ RELPOS_DEVICE void zero_acc(float (&acc)[kN][4]) {
   for (int n = 0; n < kN; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0;
 }
 
-// acc[n] += A Bt_n^T for n < kN over kK k-steps of 16: a(kk, f) writes the A fragment of k-step kk
-// (16 rows x 16 columns) into f; Bt_n is the 8 x 16 kK block of rows [8 n, 8 n + 8) of bt
-// (row-major, rows ld elements apart). All 32 lanes call it.
-template <typename T, int kN, int kK, typename AFrag>
-RELPOS_DEVICE void warp_mma_bt(float (&acc)[kN][4], AFrag&& a, const T* bt, int ld, int lane) {
+// acc[n] += A_kk B_{kk,n} for n < kN over kK k-steps of 16: a(kk, f) writes the A fragment of
+// k-step kk (16 rows x 16 columns) into f, b(kk, n, f) the B fragment of k-step kk and n-tile n
+// (16 x 8). All 32 lanes call it.
+template <typename T, int kN, int kK, typename AFrag, typename BFrag>
+RELPOS_DEVICE void warp_mma(float (&acc)[kN][4], AFrag&& a, BFrag&& b) {
   RELPOS_UNROLL
   for (int kk = 0; kk < kK; ++kk) {
     uint32_t af[4];
@@ -192,28 +192,28 @@ RELPOS_DEVICE void warp_mma_bt(float (&acc)[kN][4], AFrag&& a, const T* bt, int 
     RELPOS_UNROLL
     for (int n = 0; n < kN; ++n) {
       uint32_t bf[2];
-      load_b_frag(bf, bt + n * 8 * ld + kk * 16, ld, lane);
+      b(kk, n, bf);
       mma_16816<T>(acc[n], af, bf);
     }
   }
 }
 
-// acc[n] += A B_n for n < kN over kK k-steps of 16, with B_n the 16 x 8 block (k-step kk, n-tile
-// n) of B = M, M row-major [k][n] at m (rows ld elements apart): the product whose B operand is
-// not stored transposed (load_b_frag_kn).
+// warp_mma with B = Bt^T: Bt_n is the 8 x 16 kK block of rows [8 n, 8 n + 8) of bt (row-major,
+// rows ld elements apart).
+template <typename T, int kN, int kK, typename AFrag>
+RELPOS_DEVICE void warp_mma_bt(float (&acc)[kN][4], AFrag&& a, const T* bt, int ld, int lane) {
+  warp_mma<T, kN, kK>(acc, a, [&](int kk, int n, uint32_t (&f)[2]) {
+    load_b_frag(f, bt + n * 8 * ld + kk * 16, ld, lane);
+  });
+}
+
+// warp_mma with B itself stored: B_n is the 16 x 8 block (k-step kk, n-tile n) of B = M, M
+// row-major [k][n] at m (rows ld elements apart; load_b_frag_kn).
 template <typename T, int kN, int kK, typename AFrag>
 RELPOS_DEVICE void warp_mma_kn(float (&acc)[kN][4], AFrag&& a, const T* m, int ld, int lane) {
-  RELPOS_UNROLL
-  for (int kk = 0; kk < kK; ++kk) {
-    uint32_t af[4];
-    a(kk, af);
-    RELPOS_UNROLL
-    for (int n = 0; n < kN; ++n) {
-      uint32_t bf[2];
-      load_b_frag_kn(bf, m + kk * 16 * ld + n * 8, ld, lane);
-      mma_16816<T>(acc[n], af, bf);
-    }
-  }
+  warp_mma<T, kN, kK>(acc, a, [&](int kk, int n, uint32_t (&f)[2]) {
+    load_b_frag_kn(f, m + kk * 16 * ld + n * 8, ld, lane);
+  });
 }
 
 // The A fragment of k-step kk from accumulators of 16 x 8 tiles side by side (2 kk and 2 kk + 1),
