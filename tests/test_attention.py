@@ -283,6 +283,11 @@ TC_EXTRAS = {
     "rel_q_bias_causal_padding_gqa": ("causal_padding_gqa",
                                       {"rel_q": "shared", "rel_bias": "per_head"}),
     "rel_q_D40": ("D40_offsets", {"rel_q": "per_head"}),
+    # D = 128: the CUDA dq kernel's 32-key tiles (TcBwdTile) with the per-element options
+    "D128_bias_dropout_window": ("D128_offsets", {"rel_bias": "per_head", "dropout_p": 0.2,
+                                                  "dropout_seed": 4242, "window_left": 20,
+                                                  "window_right": 50}),
+    "D128_attn_mask": ("D128_offsets", {"attn_mask": "band"}),
 }
 
 

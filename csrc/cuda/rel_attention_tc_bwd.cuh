@@ -6,8 +6,11 @@
 // (rel_attention.cuh, the workspace ws). The launcher (rel_attention_tc.cu) takes these kernels for
 // what they cover (as the forward's) and the SIMT kernels for the rest.
 //
-// Two kernels, each recomputing the probabilities of its tile pairs (64 query rows x 64 keys):
-//   dq kernel    per query tile (4 warps x 16 rows), over key tiles:
+// Two kernels, each recomputing the probabilities of its tile pairs. Their tiles are sized so that
+// the fragments of a pair (S and dP, 16 or 32 floats a thread each) fit in registers beside the
+// accumulators (dq, or dk and dv: up to 64 floats each) with no spills on sm_80 and sm_90:
+//   dq kernel    per query tile of 64 rows (4 warps x 16 rows), over key tiles of 64 keys (32 at
+//                kD = 128; TcBwdTile):
 //                S = Q K^T, dP = dO V^T, P = exp2(S - lse), dS = P (dP - D_i), dq += dS K;
 //                with the relative terms of the pairs the band reaches, per warp:
 //                  S += gather(Q Rk^T), dP += gather(dO Rv^T) (the skew, through a scratch),
@@ -18,11 +21,12 @@
 //                beyond the band, and those parts of the others) add per-row dS and P masses,
 //                applied at the end (dq += scale m rel_k[0 or 2K], drel_k[0 or 2K] += scale
 //                sum_i m_i q_i, ...).
-//   dkdv kernel  per key tile of a kv head (4 warps x 16 keys), over the group's query heads
-//                and their query tiles: S^T = K Q^T, dP^T = V dO^T (+ the relative terms:
-//                (Rk Q^T) and (Rv dO^T) per block for the 128 values of c, gathered along the
-//                skew), dv += P^T dO, dk += dS^T Q; with rel_q also dk += dS' Rq and drel_q
-//                (tc_bwd_dkdv_tile).
+//   dkdv kernel  per key tile of 64 keys of a kv head (4 warps x 16 keys), over the group's query
+//                heads and their query tiles of 32 rows (TcBwdKvTile): first, for a band pair,
+//                the relative logits (Rk Q^T) and (Rv dO^T) per block for the 95 values of c
+//                (c = (j - j0) - (i - i0) + 31); then S^T = K Q^T and dP^T = V dO^T, each with
+//                its relative term gathered along the skew, dv += P^T dO, dk += dS^T Q; with
+//                rel_q also dk += dS' Rq and drel_q (tc_bwd_dkdv_tile).
 // Under dropout P in dv, drel_v and the P masses is p f, and dS = p (f dP - D_i).
 #pragma once
 
@@ -34,52 +38,78 @@
 
 namespace relpos::cuda {
 
+// The dq kernel's tile pair (the dk/dv kernel's: TcBwdKvTile): 64 query rows (4 warps x 16)
+// against 64 keys, or 32 at kD = 128, where S and dP of 64 keys beside dq spill on sm_80.
+// c = (j - j0) - (i - i0) + kRows - 1.
 template <int kD>
 struct TcBwdTile {
   static_assert(kD % 32 == 0 && kD <= 128, "head dims padded to 32, 64, 96 or 128");
   static constexpr int kThreads = 128, kWarps = 4;
-  static constexpr int kRows = 64, kKeys = 64;  // a tile pair, 16 rows (or keys) per warp
-  static constexpr int kBand = 128;             // c in [0, 127) (and one zero row)
-  static constexpr int kWarpBand = 80;          // a warp's values of c in the dq kernel
+  static constexpr int kRows = 64, kKeys = kD > 96 ? 32 : 64;
+  static constexpr int kBand = kRows + kKeys;   // c in [0, kBand - 1) (and one zero row)
+  static constexpr int kWarpBand = 16 + kKeys;  // c of a warp's 16 rows: [cw, cw + kWarpBand - 1)
   static constexpr int kLdK = kD + 8;           // [row][d] tiles (T), 16 bytes of padding
   static constexpr int kLdT = kRows + 8;        // sDSt, sPt: [c][row] (T)
   static constexpr int kLdScr = kWarpBand + 4;  // a warp's float scratch [16][kLdScr]
-  static constexpr int kLdS = kRows + 4;        // the dk/dv kernel's sSrel: [c][row] floats
-  static constexpr size_t kTile = size_t(kRows) * kLdK * 2;   // one [64][kLdK] tile of T
-  static constexpr size_t kTable = size_t(kBand) * kLdK * 2;  // one [128][kLdK] table slice
-  // dq kernel: sQ sG sK sV | sRk | sRv, the warps' scratch (both of which sDSt, sPt overlay
-  // once dP is complete) | sBias [kBand] | sMass [kRows][4]
+  static constexpr size_t kTable = size_t(kBand) * kLdK * 2;  // one [kBand][kLdK] table slice
+  // sQ sG [kRows][kLdK] | sK sV [kKeys][kLdK] | sRk | sRv, the warps' scratch (both of which
+  // sDSt, sPt overlay once dP is complete) | sBias [kBand] | sMass [kRows][4]
   static constexpr size_t kScr = size_t(kWarps) * 16 * kLdScr * 4;
   static constexpr size_t kDsPt = 2 * size_t(kBand) * kLdT * 2;
   static constexpr size_t kOverlay = kTable + kScr > kDsPt ? kTable + kScr : kDsPt;
-  static constexpr size_t dq_base() { return 4 * kTile + kTable + kOverlay + kBand * 4 + kRows * 4 * 4; }
-  // kRelQ (up to kD = 64, as the forward): sRq [kBand][kLdK] | sKR [kKeys][kLdKR] floats (k_j .
-  // rel_q[c], as the forward's) | sKq [kKeys] floats (k_j . rel_q[0 or 2K] beyond the band)
+  static constexpr size_t dq_base() {
+    return size_t(2 * kRows + 2 * kKeys) * kLdK * 2 + kTable + kOverlay + kBand * 4 +
+           kRows * 4 * 4;
+  }
+  // kRelQ (up to kD = 64, as the forward: kKeys = 64): sRq [kBand][kLdK] | sKR [kKeys][kLdKR]
+  // floats (k_j . rel_q[c], as the forward's) | sKq [kKeys] floats (k_j . rel_q[0 or 2K] beyond
+  // the band)
   static constexpr int kLdKR = kBand + 4;
   static constexpr size_t kDqRelQ = kTable + size_t(kKeys) * kLdKR * 4 + kKeys * 4;
   static constexpr size_t dq_smem(bool rel_q) { return dq_base() + (rel_q ? kDqRelQ : 0); }
-  // dk/dv kernel: sQ sG sK sV | sR (rel_k then rel_v) | sSrel [kBand][kLdS] | sBias [kBand] |
-  // sRow [kRowCols][kRows]
+};
+
+// The dk/dv kernel's tile pair: 64 keys (4 warps x 16) against 32 query rows, so that S^T and
+// dP^T (16 floats a thread each) fit beside dk and dv (64 each at kD = 128) without spills, and
+// both tables' relative logits can be computed up front. c = (j - j0) - (i - i0) + kRows - 1.
+template <int kD>
+struct TcBwdKvTile {
+  static_assert(kD % 32 == 0 && kD <= 128, "head dims padded to 32, 64, 96 or 128");
+  static constexpr int kThreads = 128, kWarps = 4;
+  static constexpr int kRows = 32, kKeys = 64;
+  static constexpr int kBand = kRows + kKeys;  // c in [0, 95) (and one zero row)
+  static constexpr int kWarpBand = 48;         // c of a warp's 16 keys: [16 w, 16 w + 47)
+  static constexpr int kLdK = kD + 8;          // [row][d] tiles (T), 16 bytes of padding
+  static constexpr int kLdS = kRows + 4;       // sSk, sSv: [c][row] floats
+  static constexpr int kLdT = kKeys + 8;       // sDSk: [c][key] (T)
+  static constexpr int kLdScr = kWarpBand + 4;  // a warp's float scratch [16][kLdScr]
   static constexpr int kRowCols = 7;  // lse2, D_i, qlo, qhi, dlo, dhi, dropout row key
-  static constexpr size_t dkdv_base() {
-    return 4 * kTile + kTable + size_t(kBand) * kLdS * 4 + kBand * 4 + kRowCols * kRows * 4;
+  // sQ sG [kRows][kLdK] | sK sV [kKeys][kLdK] | sRk sRv [kBand][kLdK] | sSk sSv [kBand][kLdS] |
+  // sBias [kBand] | sRow [kRowCols][kRows]
+  static constexpr size_t base() {
+    return size_t(2 * kRows + 2 * kKeys + 2 * kBand) * kLdK * 2 + size_t(2 * kBand) * kLdS * 4 +
+           kBand * 4 + kRowCols * kRows * 4;
   }
-  // kRelQ: sRq [kBand][kLdK] | sDSk [kBand][kLdT] (dS' key-major: [c][key]) | the warps'
-  // scratch [16][kLdScr] floats | sKm [kKeys][2] floats (the keys' clamped dS masses of a head) |
-  // sKq [kKeys] floats (k_j . rel_q[0 or 2K] beyond the band)
-  static constexpr size_t kDkdvRelQ = kTable + size_t(kBand) * kLdT * 2 + kScr + kKeys * 3 * 4;
-  static constexpr size_t dkdv_smem(bool rel_q) { return dkdv_base() + (rel_q ? kDkdvRelQ : 0); }
+  // kRelQ: sRq [kBand][kLdK] | sDSk [kBand][kLdT] (dS' key-major) | the warps' scratch
+  // [16][kLdScr] floats | sKm [kKeys][2] floats (the keys' clamped dS masses of a head) | sKq
+  // [kKeys] floats (k_j . rel_q[0 or 2K] beyond the band)
+  static constexpr size_t smem(bool rel_q) {
+    return base() + (rel_q ? size_t(kBand) * kLdK * 2 + size_t(kBand) * kLdT * 2 +
+                                 size_t(kWarps) * 16 * kLdScr * 4 + kKeys * 3 * 4
+                           : 0);
+  }
 };
 
 // The key-side table rel_q (s_ij += k_j . rel_q[b(i, j)], before the scale) of a band pair, as
 // the forward computes it: warp w, KR[r][c - 16 w] = k_{16 w + r} . rel_q[c] for its 16 keys of
-// the tile (sK [key][d]) and their 80 values of c, c in [16 w, 16 w + 80) (sRq [c][d]), into dst
-// (rows ld floats apart). Key j of the tile meets row i of a tile pair at c = j - i + 63.
-template <typename T, int kD>
+// the tile (sK [key][d]) and their kWarpBand values of c, c in [16 w, 16 w + kWarpBand) (sRq
+// [c][d]), into dst (rows ld floats apart). Key j of the tile meets row i of a tile pair at
+// c = j - i + (rows of the query tile) - 1: kWarpBand = 80 for 64 rows, 48 for 32.
+template <typename T, int kD, int kWarpBand>
 RELPOS_DEVICE void tc_key_side_band(float* dst, int ld, const T* sK, const T* sRq, int warp,
                                     int lane) {
   using Tl = TcBwdTile<kD>;
-  constexpr int kHalf = Tl::kWarpBand / 16;  // n-tiles of a half of the warp's c
+  constexpr int kHalf = kWarpBand / 16;  // n-tiles of a half of the warp's c
   RELPOS_UNROLL
   for (int half = 0; half < 2; ++half) {
     float kr[kHalf][4];
@@ -116,6 +146,7 @@ template <typename T, int kD, bool kRelQ>
 __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws, int64_t bh,
                                int64_t tile) {
   using Tl = TcBwdTile<kD>;
+  static_assert(!kRelQ || Tl::kKeys == 64, "rel_q (up to kD = 64): four warps of 16 keys");
   constexpr int kNT = Tl::kKeys / 8;  // n-tiles of S
   constexpr int kDT = kD / 8;         // n-tiles of dq
   constexpr int kDK = kD / 16;        // k-steps over the head dim
@@ -132,7 +163,7 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
   float* scr_all = reinterpret_cast<float*>(sRv + Tl::kBand * Tl::kLdK);
   T* sDSt = sRv;  // overlays sRv and the scratch after dP: [kBand][kLdT]
   T* sPt = sDSt + Tl::kBand * Tl::kLdT;
-  float* sBias = reinterpret_cast<float*>(smem + 4 * Tl::kTile + Tl::kTable + Tl::kOverlay);
+  float* sBias = reinterpret_cast<float*>(smem + Tl::dq_base() - Tl::kBand * 4 - Tl::kRows * 4 * 4);
   float* sMass = sBias + Tl::kBand;  // [kRows][4]: the rows' clamped dS lo / hi, P lo / hi
   T* sRq = reinterpret_cast<T*>(smem + Tl::dq_base());  // kRelQ only
   float* sKR = reinterpret_cast<float*>(sRq + Tl::kBand * Tl::kLdK);
@@ -199,18 +230,18 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
   const bool elem_masks = p.key_padding_mask != nullptr || p.attn_mask != nullptr ||
                           p.q_segment_ids != nullptr || p.window_left >= 0 || p.window_right >= 0;
   float* scr = scr_all + warp * 16 * Tl::kLdScr;
-  const int cw = Tl::kKeys - 16 - 16 * warp;  // the warp's first c: 63 - (16 w + 15)
+  const int cw = Tl::kRows - 16 - 16 * warp;  // the warp's first c: 63 - (16 w + 15)
 
   const int64_t key_end = attn_key_end(p, i0, nq);
   for (int64_t j0 = attn_key_begin(p, i0) / Tl::kKeys * Tl::kKeys; j0 < key_end; j0 += Tl::kKeys) {
     const int nk = static_cast<int>(p.k_len - j0 < Tl::kKeys ? p.k_len - j0 : Tl::kKeys);
     if (has_tile_masks(p) && attn_tile_hidden<Tl>(p, b, h, i0, nq, j0, nk)) continue;
     const int64_t dbase = rel_distance(i0 + Tl::kRows - 1, j0, p.q_offset, p.k_offset);
-    const bool all_lo = dbase + 2 * (Tl::kKeys - 1) <= -K;
+    const bool all_lo = dbase + Tl::kBand - 2 <= -K;
     const bool all_hi = dbase >= K;
     const bool band = !all_lo && !all_hi;
     any_lo |= dbase <= -K;                    // some pair (i, j) in bucket 0
-    any_hi |= dbase + 2 * (Tl::kKeys - 1) >= K;  // some in bucket 2K
+    any_hi |= dbase + Tl::kBand - 2 >= K;     // some in bucket 2K
     __syncthreads();  // the previous pair's readers of every staged tile and overlay are done
     tc_stage<T, kD, false>(sK, Tl::kLdK, Tl::kKeys, [&](int r) {
       return r < nk ? k + (j0 + r) * D : nullptr;
@@ -244,8 +275,8 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
     // after every warp's the gather along the skew; one value per key beyond the band)
     if constexpr (kRelQ) {
       if (band) {  // sKR [key][c]: the warp's rows from c = 16 w
-        tc_key_side_band<T, kD>(sKR + 16 * warp * Tl::kLdKR + 16 * warp, Tl::kLdKR, sK, sRq, warp,
-                                lane);
+        tc_key_side_band<T, kD, Tl::kWarpBand>(sKR + 16 * warp * Tl::kLdKR + 16 * warp, Tl::kLdKR,
+                                               sK, sRq, warp, lane);
       }
       __syncthreads();
     }
@@ -262,7 +293,7 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
         RELPOS_UNROLL
         for (int e = 0; e < 4; ++e) {
           const int jj = nt * 8 + 2 * t4 + e % 2, i = 16 * warp + g + (e / 2) * 8;
-          s[nt][e] += band ? sKR[jj * Tl::kLdKR + jj - i + Tl::kKeys - 1] : sKq[jj];
+          s[nt][e] += band ? sKR[jj * Tl::kLdKR + jj - i + Tl::kRows - 1] : sKq[jj];
         }
       }
     }
@@ -356,7 +387,7 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
         RELPOS_UNROLL
         for (int e = 0; e < 4; ++e) {
           const int r = warp * 16 + g + (e / 2) * 8, jj = nt * 8 + 2 * t4 + e % 2;
-          const int c = jj - r + Tl::kKeys - 1;
+          const int c = jj - r + Tl::kRows - 1;
           const int64_t dist = dbase + c;
           float ds = s[nt][e], pf = dp[nt][e];
           if (dist <= -K || dist >= K) {
@@ -378,18 +409,19 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
             },
             sRk + cw * Tl::kLdK, Tl::kLdK, lane);
       }
-      // c = 127 has no pair; the clamped buckets went to the masses.
-      auto inner = [&](int c) { return c < 2 * Tl::kKeys - 1 && dbase + c > -K && dbase + c < K; };
-      // The table gradients of the pair: warp w takes c in [32 w, 32 w + 32), 16 at a time:
+      // c = kBand - 1 has no pair; the clamped buckets went to the masses.
+      auto inner = [&](int c) { return c < Tl::kBand - 1 && dbase + c > -K && dbase + c < K; };
+      // The table gradients of the pair, 16 values of c at a time:
       // drel_k[b(c)] += scale dS'^T Q, drel_v[b(c)] += P'^T dO (64 rows: 4 k-steps).
       // Beyond kD = 64 the columns go in two halves (dq's accumulators stay live: no spills).
       constexpr int kSplit = kDT > 8 ? 2 : 1, kDTs = kDT / kSplit;
+      constexpr int kUnits = Tl::kBand / 16 * kSplit;  // (16 values of c, columns) per block
+      static_assert(kUnits % Tl::kWarps == 0);
       auto table_grad = [&](const T* at, const T* rows, float* dst, float mul) {
         RELPOS_NO_UNROLL
-        for (int mt = 0; mt < 2; ++mt) {
-          const int c0 = 32 * warp + 16 * mt;
-          RELPOS_NO_UNROLL
-          for (int part = 0; part < kSplit; ++part) {
+        for (int x = 0; x < kUnits / Tl::kWarps; ++x) {
+          const int u = warp * (kUnits / Tl::kWarps) + x, c0 = 16 * (u / kSplit), part = u % kSplit;
+          {
             float acc[kDTs][4];
             zero_acc(acc);
             warp_mma_kn<T, kDTs, Tl::kRows / 16>(
@@ -496,7 +528,11 @@ __global__ void __launch_bounds__(TcBwdTile<kD>::kThreads)
 
 // ---- dk and dv --------------------------------------------------------------------------------
 // No atomics without rel_q: deterministic as it is.
-// Key tile `tile` of (b, kv head) = bkv. kRelQ: the key-side table too (up to kD = 64):
+// Key tile `tile` of (b, kv head) = bkv, against query tiles of 32 rows (TcBwdKvTile): per pair,
+//   the relative terms of a band pair first, per block and before S^T is live: sSk = Rk Q^T and
+//   sSv = Rv dO^T ([c][row] floats, both tables staged), each (key, row) then reads its c;
+//   S^T = K Q^T, dP^T = V dO^T, P^T, dS^T; dv += P^T dO, dk += dS^T Q.
+// kRelQ: the key-side table too (up to kD = 64):
 //   S^T += K Rq^T along the skew (per warp, through its scratch), or k_j . rel_q[0 / 2K];
 //   dk += dS' Rq (dS' = dS^T scattered along the skew, [c][key]) for the inner buckets, and
 //   drel_q[b(c)] += scale dS'^T K per block (one atomic per address and pair, as the dq kernel's
@@ -505,21 +541,24 @@ __global__ void __launch_bounds__(TcBwdTile<kD>::kThreads)
 template <typename T, int kD, bool kRelQ>
 __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* ws, int64_t bkv,
                                  int64_t tile) {
-  using Tl = TcBwdTile<kD>;
+  using Tl = TcBwdKvTile<kD>;
   constexpr int kNT = Tl::kRows / 8;  // n-tiles of S^T (query rows)
   constexpr int kDT = kD / 8;
   constexpr int kDK = kD / 16;
+  constexpr int kMT = Tl::kBand / 16;  // m-tiles of c in the block-wide products
   const RelAttentionParams& p = bp.fwd;
   RELPOS_DYNAMIC_SMEM(unsigned char, smem);
   T* sQ = reinterpret_cast<T*>(smem);
   T* sG = sQ + Tl::kRows * Tl::kLdK;
   T* sK = sG + Tl::kRows * Tl::kLdK;
   T* sV = sK + Tl::kKeys * Tl::kLdK;
-  T* sR = sV + Tl::kKeys * Tl::kLdK;  // rel_k, then rel_v, of a band pair: [kBand][kLdK]
-  float* sSrel = reinterpret_cast<float*>(sR + Tl::kBand * Tl::kLdK);  // [kBand][kLdS]
-  float* sBias = sSrel + Tl::kBand * Tl::kLdS;
+  T* sRk = sV + Tl::kKeys * Tl::kLdK;  // the band slices of rel_k and rel_v: [kBand][kLdK]
+  T* sRv = sRk + Tl::kBand * Tl::kLdK;
+  float* sSk = reinterpret_cast<float*>(sRv + Tl::kBand * Tl::kLdK);  // [kBand][kLdS]
+  float* sSv = sSk + Tl::kBand * Tl::kLdS;
+  float* sBias = sSv + Tl::kBand * Tl::kLdS;
   float* sRow = sBias + Tl::kBand;  // [kRowCols][kRows]
-  T* sRq = reinterpret_cast<T*>(smem + Tl::dkdv_base());  // kRelQ only
+  T* sRq = reinterpret_cast<T*>(smem + Tl::base());  // kRelQ only
   T* sDSk = sRq + Tl::kBand * Tl::kLdK;
   float* scr_all = reinterpret_cast<float*>(sDSk + Tl::kBand * Tl::kLdT);
   float* sKm = scr_all + Tl::kWarps * 16 * Tl::kLdScr;  // [kKeys][2]
@@ -583,8 +622,9 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
     for (int64_t i0 = (i_first / Tl::kRows) * Tl::kRows; i0 < i_end; i0 += Tl::kRows) {
       const int nq = static_cast<int>(p.q_len - i0 < Tl::kRows ? p.q_len - i0 : Tl::kRows);
       if (has_tile_masks(p) && attn_tile_hidden<Tl>(p, b, h, i0, nq, j0, nk)) continue;
+      // c = (j - j0) - (i - i0) + kRows - 1 in [0, kBand - 1): the pair's distance is dbase + c
       const int64_t dbase = rel_distance(i0 + Tl::kRows - 1, j0, p.q_offset, p.k_offset);
-      const bool all_lo = dbase + 2 * (Tl::kKeys - 1) <= -K;
+      const bool all_lo = dbase + Tl::kBand - 2 <= -K;
       const bool all_hi = dbase >= K;
       const bool band = !all_lo && !all_hi;
       __syncthreads();  // the previous pair's readers are done
@@ -608,8 +648,12 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
         std::memcpy(&sRow[kDrop * Tl::kRows + r], &key, 4);
       }
       if (band && ek != nullptr) {
-        tc_stage<T, kD, false>(sR, Tl::kLdK, Tl::kBand,
+        tc_stage<T, kD, false>(sRk, Tl::kLdK, Tl::kBand,
                                [&](int c) { return ek + clamp_bucket(dbase + c, K) * D; }, D);
+      }
+      if (band && ev != nullptr) {
+        tc_stage<T, kD, false>(sRv, Tl::kLdK, Tl::kBand,
+                               [&](int c) { return ev + clamp_bucket(dbase + c, K) * D; }, D);
       }
       if (band && eb != nullptr) {
         for (int c = threadIdx.x; c < Tl::kBand; c += Tl::kThreads) {
@@ -626,53 +670,48 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
       }
       __syncthreads();
 
-      // + the relative terms of a band pair: per block, the table slice in sR times the 64 rows
-      // ([c][row], sSrel), then each (key, row) reads its c. 16 values of c by 32 rows at a
-      // time, so that dk, dv and S^T stay in registers.
-      auto add_skewed = [&](float (&acc)[kNT][4], const T* rows) {
+      if (band) {
+        // The query-side relative logits of the pair, while only dk and dv are live: the block's
+        // 2 x kMT units (table, 16 values of c) times the 32 rows, into sSk / sSv.
         RELPOS_NO_UNROLL
-        for (int part = 0; part < 4; ++part) {
-          const int c0 = 32 * warp + 16 * (part / 2), r0 = 32 * (part % 2);
-          float x[kNT / 2][4];
+        for (int u = warp; u < 2 * kMT; u += Tl::kWarps) {
+          const bool vside = u >= kMT;
+          if ((vside ? ev : ek) == nullptr) continue;
+          const int c0 = 16 * (u % kMT);
+          const T* table = (vside ? sRv : sRk) + c0 * Tl::kLdK;
+          float x[kNT][4];
           zero_acc(x);
-          warp_mma_bt<T, kNT / 2, kDK>(
-              x,
-              [&](int kk, uint32_t (&a)[4]) {
-                load_a_frag(a, sR + c0 * Tl::kLdK + kk * 16, Tl::kLdK, lane);
-              },
-              rows + r0 * Tl::kLdK, Tl::kLdK, lane);
-          store_acc(sSrel + c0 * Tl::kLdS + r0, Tl::kLdS, x, lane);
+          warp_mma_bt<T, kNT, kDK>(
+              x, [&](int kk, uint32_t (&a)[4]) { load_a_frag(a, table + kk * 16, Tl::kLdK, lane); },
+              vside ? sG : sQ, Tl::kLdK, lane);
+          store_acc((vside ? sSv : sSk) + c0 * Tl::kLdS, Tl::kLdS, x, lane);
+        }
+        if constexpr (kRelQ) {  // KR of the warp's 16 keys, c in [16 w, 16 w + kWarpBand)
+          tc_key_side_band<T, kD, Tl::kWarpBand>(scr_all + warp * 16 * Tl::kLdScr, Tl::kLdScr, sK,
+                                                 sRq, warp, lane);
         }
         __syncthreads();
+      }
+      // acc += the relative logits of (key, row): sS[c][row] in the band, the rows' clamped dots
+      // (sRow column col) beyond it.
+      auto add_relative = [&](float (&acc)[kNT][4], const float* sS, int col) {
         RELPOS_UNROLL
         for (int nt = 0; nt < kNT; ++nt) {
           RELPOS_UNROLL
           for (int e = 0; e < 4; ++e) {
             const int jj = warp * 16 + g + (e / 2) * 8, ii = nt * 8 + 2 * t4 + e % 2;
-            acc[nt][e] += sSrel[(jj - ii + Tl::kRows - 1) * Tl::kLdS + ii];
+            acc[nt][e] += band ? sS[(jj - ii + Tl::kRows - 1) * Tl::kLdS + ii]
+                               : sRow[col * Tl::kRows + ii];
           }
         }
       };
-      // ... and beyond the band the rows' clamped dots (sRow column col).
-      auto add_clamped = [&](float (&acc)[kNT][4], int col) {
-        RELPOS_UNROLL
-        for (int nt = 0; nt < kNT; ++nt) {
-          RELPOS_UNROLL
-          for (int e = 0; e < 4; ++e) acc[nt][e] += sRow[col * Tl::kRows + nt * 8 + 2 * t4 + e % 2];
-        }
-      };
-      // S^T = K Q^T, then dP^T = V dO^T: [16 keys][64 rows] per warp, one after the other
-      // (fewer live registers)
+      // S^T = K Q^T, dP^T = V dO^T: [16 keys][32 rows] per warp
       float st[kNT][4], dpt[kNT][4];
       zero_acc(st);
       warp_mma_bt<T, kNT, kDK>(st, k_frag, sQ, Tl::kLdK, lane);
-      if (ek != nullptr) band ? add_skewed(st, sQ) : add_clamped(st, all_lo ? kQlo : kQhi);
-      if constexpr (kRelQ) {  // + k_j . rel_q[b(i, j)]
-        float* scr = scr_all + warp * 16 * Tl::kLdScr;
-        if (band) {  // KR of the warp's 16 keys, c in [16 w, 16 w + 80): c - 16 w = r - i + 63
-          tc_key_side_band<T, kD>(scr, Tl::kLdScr, sK, sRq, warp, lane);
-          __syncwarp();
-        }
+      if (ek != nullptr) add_relative(st, sSk, all_lo ? kQlo : kQhi);
+      if constexpr (kRelQ) {  // + k_j . rel_q[b(i, j)]: c - 16 w = r - ii + kRows - 1
+        const float* scr = scr_all + warp * 16 * Tl::kLdScr;
         RELPOS_UNROLL
         for (int nt = 0; nt < kNT; ++nt) {
           RELPOS_UNROLL
@@ -681,19 +720,10 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
             st[nt][e] += band ? scr[r * Tl::kLdScr + r - ii + Tl::kRows - 1] : sKq[16 * warp + r];
           }
         }
-        __syncwarp();
       }
       zero_acc(dpt);
       warp_mma_bt<T, kNT, kDK>(dpt, v_frag, sG, Tl::kLdK, lane);
-      if (ev != nullptr && band) {
-        __syncthreads();  // sR and sSrel read (or, without rel_k, nothing pending)
-        tc_stage<T, kD, false>(sR, Tl::kLdK, Tl::kBand,
-                               [&](int c) { return ev + clamp_bucket(dbase + c, K) * D; }, D);
-        __syncthreads();
-        add_skewed(dpt, sG);
-      } else if (ev != nullptr) {
-        add_clamped(dpt, all_lo ? kDlo : kDhi);
-      }
+      if (ev != nullptr) add_relative(dpt, sSv, all_lo ? kDlo : kDhi);
 
       // P^T and dS^T (st <- dS^T, dpt <- P^T f)
       const bool full = j0 + Tl::kKeys <= p.k_len && !elem_masks &&
@@ -747,7 +777,7 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
             }
           }
           __syncthreads();
-          // dk += dS' Rq over the warp's c in [16 w, 16 w + 80)
+          // dk += dS' Rq over the warp's c in [16 w, 16 w + kWarpBand)
           warp_mma_kn<T, kDT, Tl::kWarpBand / 16>(
               dk,
               [&](int kk, uint32_t (&a)[4]) {
@@ -755,28 +785,30 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
                               lane);
               },
               sRq + 16 * warp * Tl::kLdK, Tl::kLdK, lane);
-          // drel_q[b(c)] += scale dS'^T K: warp w takes c in [32 w, 32 w + 32)
+          // drel_q[b(c)] += scale dS'^T K, 16 values of c by half the columns at a time (dk and
+          // dv stay live: no spills)
           if (pq != nullptr) {
+            constexpr int kDTs = kDT / 2;
             RELPOS_NO_UNROLL
-            for (int mt = 0; mt < 2; ++mt) {
-              const int c0 = 32 * warp + 16 * mt;
-              float acc[kDT][4];
+            for (int u = warp; u < 2 * kMT; u += Tl::kWarps) {
+              const int c0 = 16 * (u / 2), d0 = (u % 2) * kDTs * 8;
+              float acc[kDTs][4];
               zero_acc(acc);
-              warp_mma_kn<T, kDT, Tl::kKeys / 16>(
+              warp_mma_kn<T, kDTs, Tl::kKeys / 16>(
                   acc,
                   [&](int kk, uint32_t (&a)[4]) {
                     load_a_frag(a, sDSk + c0 * Tl::kLdT + kk * 16, Tl::kLdT, lane);
                   },
-                  sK, Tl::kLdK, lane);
+                  sK + d0, Tl::kLdK, lane);
               RELPOS_UNROLL
               for (int e = 0; e < 4; ++e) {
                 const int c = c0 + g + (e / 2) * 8;
-                if (c >= 2 * Tl::kKeys - 1 || dbase + c <= -K || dbase + c >= K) continue;
-                float* drow = pq + (dbase + c + K) * D;
+                if (c >= Tl::kBand - 1 || dbase + c <= -K || dbase + c >= K) continue;
+                float* drow = pq + (dbase + c + K) * D + d0;
                 RELPOS_UNROLL
-                for (int nt = 0; nt < kDT; ++nt) {
+                for (int nt = 0; nt < kDTs; ++nt) {
                   const int d = nt * 8 + 2 * t4 + e % 2;
-                  if (d < D) atomicAdd(drow + d, acc[nt][e] * scale);
+                  if (d0 + d < D) atomicAdd(drow + d, acc[nt][e] * scale);
                 }
               }
             }
@@ -849,9 +881,9 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
 // in deterministic mode: drel_q takes atomics from every key tile), batch * kv_heads blocks that
 // all take key tile `tile`, launched once per tile in order.
 template <typename T, int kD, bool kRelQ>
-__global__ void __launch_bounds__(TcBwdTile<kD>::kThreads)
+__global__ void __launch_bounds__(TcBwdKvTile<kD>::kThreads)
     rel_attention_tc_bwd_dkdv_kernel(RelAttentionBwdParams bp, const float* ws, int64_t tile) {
-  const int64_t k_tiles = (bp.fwd.k_len + TcBwdTile<kD>::kKeys - 1) / TcBwdTile<kD>::kKeys;
+  const int64_t k_tiles = (bp.fwd.k_len + TcBwdKvTile<kD>::kKeys - 1) / TcBwdKvTile<kD>::kKeys;
   const int64_t bkv = tile < 0 ? blockIdx.x / k_tiles : blockIdx.x;
   tc_bwd_dkdv_tile<T, kD, kRelQ>(bp, ws, bkv, tile < 0 ? blockIdx.x % k_tiles : tile);
 }
