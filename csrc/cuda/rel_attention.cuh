@@ -158,6 +158,24 @@ RELPOS_DEVICE int64_t attn_key_begin(const RelAttentionParams& p, int64_t i0) {
   return b < 0 ? 0 : (b > p.k_len ? p.k_len : b);
 }
 
+// Query rows that can see a key of the key tile [j0, j0 + nk): [attn_query_begin,
+// attn_query_end); i >= k_offset + j0 - q_offset when causal, i >= k_offset + j0 - q_offset -
+// window_right and i <= k_offset + j_last - q_offset + window_left with a window.
+RELPOS_DEVICE int64_t attn_query_begin(const RelAttentionParams& p, int64_t j0) {
+  int64_t i = 0;
+  if (p.causal) i = p.k_offset + j0 - p.q_offset;
+  if (p.window_right >= 0 && p.k_offset + j0 - p.q_offset - p.window_right > i) {
+    i = p.k_offset + j0 - p.q_offset - p.window_right;
+  }
+  return i < 0 ? 0 : i;
+}
+RELPOS_DEVICE int64_t attn_query_end(const RelAttentionParams& p, int64_t j0, int64_t nk) {
+  if (p.window_left >= 0 && p.k_offset + j0 + nk - p.q_offset + p.window_left < p.q_len) {
+    return p.k_offset + j0 + nk - p.q_offset + p.window_left;
+  }
+  return p.q_len;
+}
+
 // Row of the staged band for (i, j), clamped into the band so that every lane reads valid memory
 // (its value is used only when j is an inner key of row i).
 RELPOS_DEVICE int band_row(const RelAttentionParams& p, int64_t i, int64_t j, const BucketSpan& band) {
@@ -974,18 +992,8 @@ __device__ void bwd_dkdv_tile(const RelAttentionBwdParams& bp, const acc_t<T>* w
     for (int c = 0; c < C; ++c) dk[rr][c] = dv[rr][c] = 0;
   }
 
-  // Query rows that can see a key of this tile, [i_first, i_end): i >= k_offset + j0 - q_offset
-  // when causal, i >= k_offset + j0 - q_offset - window_right and i <= k_offset + j_last -
-  // q_offset + window_left with a window.
-  int64_t i_first = 0, i_end = p.q_len;
-  if (p.causal) i_first = p.k_offset + j0 - p.q_offset;
-  if (p.window_right >= 0 && p.k_offset + j0 - p.q_offset - p.window_right > i_first) {
-    i_first = p.k_offset + j0 - p.q_offset - p.window_right;
-  }
-  if (p.window_left >= 0 && p.k_offset + j0 + nk - p.q_offset + p.window_left < i_end) {
-    i_end = p.k_offset + j0 + nk - p.q_offset + p.window_left;
-  }
-  if (i_first < 0) i_first = 0;
+  // Query rows that can see a key of this tile
+  const int64_t i_first = attn_query_begin(p, j0), i_end = attn_query_end(p, j0, nk);
   for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
     const int64_t bh = b * p.heads + h;
     const T* q = static_cast<const T*>(p.q) + bh * p.q_len * D;

@@ -43,10 +43,13 @@
 
 namespace relpos::cuda {
 
+// Every tensor-core kernel's block: 4 warps (tc_stage and the staging helpers stride by it).
+inline constexpr int kTcThreads = 128;
+
 template <int kD>
 struct TcTile {
   static_assert(kD % 32 == 0 && kD <= 128, "head dims padded to 32, 64, 96 or 128");
-  static constexpr int kThreads = 128, kWarps = 4;
+  static constexpr int kThreads = kTcThreads, kWarps = 4;
   static constexpr int kRows = 64;       // query rows of a block, 16 per warp
   static constexpr int kKeys = 64;       // keys of a tile
   static_assert(kRows == kKeys, "c = (j - j0) - (i - i0) + 63 spans [0, 127) for 64 x 64 pairs");
@@ -85,7 +88,7 @@ struct TcTile {
 template <typename T, int kD, bool kTransposed, typename RowFn>
 RELPOS_DEVICE void tc_stage(T* dst, int ld, int rows, RowFn row, int dim) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T)), kPerRow = kD / kVec;
-  for (int idx = threadIdx.x; idx < rows * kPerRow; idx += TcTile<kD>::kThreads) {
+  for (int idx = threadIdx.x; idx < rows * kPerRow; idx += kTcThreads) {
     const int r = kTransposed ? idx % rows : idx / kPerRow;
     const int c = (kTransposed ? idx / rows : idx % kPerRow) * kVec;
     const T* src = row(r);
@@ -100,6 +103,67 @@ RELPOS_DEVICE void tc_stage(T* dst, int ld, int rows, RowFn row, int dim) {
       *reinterpret_cast<Bits16*>(dst + r * ld + c) = v;
     }
   }
+}
+
+// Rows c < rows of a band pair's table slice: dst[c] = table row b(dbase + c) (clamped to
+// [0, 2K]), as tc_stage lays them out.
+template <typename T, int kD, bool kTransposed = false>
+RELPOS_DEVICE void tc_stage_band(T* dst, int ld, int rows, const T* table, int64_t dbase,
+                                 int64_t K, int dim) {
+  tc_stage<T, kD, kTransposed>(
+      dst, ld, rows, [&](int c) { return table + clamp_bucket(dbase + c, K) * dim; }, dim);
+}
+// The same for rel_bias, in base 2 (times log2 e, as the logits): dst[c] = bias[b(dbase + c)].
+template <typename T>
+RELPOS_DEVICE void tc_stage_band_bias(float* dst, int rows, const T* bias, int64_t dbase,
+                                      int64_t K) {
+  for (int c = threadIdx.x; c < rows; c += kTcThreads) {
+    dst[c] = to_float(bias[clamp_bucket(dbase + c, K)]) * static_cast<float>(kLog2e);
+  }
+}
+
+// Beyond the band, the key-side table rel_q's term of a tile's keys: dst[j] = k_j . e (e: rel_q[0]
+// or rel_q[2K]) for the nk keys at k (rows dim apart), 0 for the rest of the 64.
+template <typename T>
+RELPOS_DEVICE void tc_key_side_clamped(float* dst, const T* k, int nk, const T* e, int dim) {
+  for (int jj = threadIdx.x; jj < 64; jj += kTcThreads) {
+    float x = 0;
+    if (jj < nk) {
+      for (int d = 0; d < dim; ++d) x += to_float(k[static_cast<int64_t>(jj) * dim + d]) * to_float(e[d]);
+    }
+    dst[jj] = x;
+  }
+}
+
+// Where a tile pair (query rows [i0, i0 + Tl::kRows), keys [j0, j0 + Tl::kKeys)) stands against
+// the band: dbase is the distance of c = 0 (row i0 + kRows - 1, key j0), c = (j - j0) - (i - i0) +
+// kRows - 1 adds one a step up to kRows + kKeys - 2; all_lo: every distance <= -K (bucket 0),
+// all_hi: every one >= K (bucket 2K); band: neither.
+struct TcPair {
+  int64_t dbase;
+  bool all_lo, all_hi, band;
+};
+template <typename Tl>
+RELPOS_DEVICE TcPair tc_pair(const RelAttentionParams& p, int64_t i0, int64_t j0, int64_t K) {
+  const int64_t dbase = rel_distance(i0 + Tl::kRows - 1, j0, p.q_offset, p.k_offset);
+  const bool all_lo = dbase + Tl::kRows + Tl::kKeys - 2 <= -K;
+  const bool all_hi = dbase >= K;
+  return {dbase, all_lo, all_hi, !all_lo && !all_hi};
+}
+
+// Masks checked per element; the causal limit and the key range are checked per tile pair
+// (tc_pair_full).
+RELPOS_DEVICE bool tc_elem_masks(const RelAttentionParams& p) {
+  return p.key_padding_mask != nullptr || p.attn_mask != nullptr || p.q_segment_ids != nullptr ||
+         p.window_left >= 0 || p.window_right >= 0;
+}
+// Whether every (i, j) of the pair is visible with no check per element: a whole key tile, no
+// per-element masks, and (causal) its last key at or before the first row's position.
+template <typename Tl>
+RELPOS_DEVICE bool tc_pair_full(const RelAttentionParams& p, bool elem_masks, int64_t i0,
+                                int64_t j0) {
+  return j0 + Tl::kKeys <= p.k_len && !elem_masks &&
+         (!p.causal || p.k_offset + j0 + Tl::kKeys - 1 <= p.q_offset + i0);
 }
 
 // NaN-propagating maximum (a NaN logit makes its row NaN, as in the SIMT kernel).
@@ -193,9 +257,7 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
     m[r] = -INFINITY;
     l[r] = wlo[r] = whi[r] = 0;
   }
-  // Masks checked per element (the causal limit and the key range are checked per tile below).
-  const bool elem_masks = p.key_padding_mask != nullptr || p.attn_mask != nullptr ||
-                          p.q_segment_ids != nullptr || p.window_left >= 0 || p.window_right >= 0;
+  const bool elem_masks = tc_elem_masks(p);
   float* scr = scr_all + warp * 16 * Tl::kLdScr;
   T* pw = reinterpret_cast<T*>(scr);
   const int cw = Tl::kKeys - 16 - 16 * warp;  // the warp's first c: 63 - (16 w + 15)
@@ -204,11 +266,9 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
   for (int64_t j0 = attn_key_begin(p, i0) / Tl::kKeys * Tl::kKeys; j0 < key_end; j0 += Tl::kKeys) {
     const int nk = static_cast<int>(p.k_len - j0 < Tl::kKeys ? p.k_len - j0 : Tl::kKeys);
     if (has_tile_masks(p) && attn_tile_hidden<Tl>(p, b, h, i0, nq, j0, nk)) continue;
-    // The distance at c = 0 (row i0 + 63, key j0); c adds one per step.
-    const int64_t dbase = rel_distance(i0 + Tl::kRows - 1, j0, p.q_offset, p.k_offset);
-    const bool all_lo = dbase + 2 * (Tl::kKeys - 1) <= -K;  // every distance <= -K: bucket 0
-    const bool all_hi = dbase >= K;                          // every distance >= K: bucket 2K
-    const bool band = !all_lo && !all_hi;
+    const TcPair pair = tc_pair<Tl>(p, i0, j0, K);
+    const int64_t dbase = pair.dbase;
+    const bool all_lo = pair.all_lo, all_hi = pair.all_hi, band = pair.band;
     __syncthreads();  // the previous tile's readers of sK, sVt, sRk, sRvt and the scratch are done
     tc_stage<T, kD, false>(sK, Tl::kLdK, Tl::kKeys, [&](int r) {
       return r < nk ? k + (j0 + r) * D : nullptr;
@@ -216,32 +276,16 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
     tc_stage<T, kD, true>(sVt, Tl::kLdVt, Tl::kKeys, [&](int r) {
       return r < nk ? v + (j0 + r) * D : nullptr;
     }, D);
-    if (band && ek != nullptr) {
-      tc_stage<T, kD, false>(sRk, Tl::kLdK, Tl::kBand,
-                             [&](int c) { return ek + clamp_bucket(dbase + c, K) * D; }, D);
-    }
+    if (band && ek != nullptr) tc_stage_band<T, kD>(sRk, Tl::kLdK, Tl::kBand, ek, dbase, K, D);
     if (band && ev != nullptr) {
-      tc_stage<T, kD, true>(sRvt, Tl::kLdRvt, Tl::kBand,
-                            [&](int c) { return ev + clamp_bucket(dbase + c, K) * D; }, D);
+      tc_stage_band<T, kD, true>(sRvt, Tl::kLdRvt, Tl::kBand, ev, dbase, K, D);
     }
-    if (band && eb != nullptr) {
-      for (int c = threadIdx.x; c < Tl::kBand; c += Tl::kThreads) {
-        sBias[c] = to_float(eb[clamp_bucket(dbase + c, K)]) * static_cast<float>(kLog2e);
-      }
-    }
+    if (band && eb != nullptr) tc_stage_band_bias(sBias, Tl::kBand, eb, dbase, K);
     if constexpr (kRelQ) {
       if (band) {
-        tc_stage<T, kD, false>(sRq, Tl::kLdK, Tl::kBand,
-                               [&](int c) { return eq + clamp_bucket(dbase + c, K) * D; }, D);
-      } else if (threadIdx.x < Tl::kKeys) {  // k_j . rel_q[0] (or [2K]) of the tile's keys
-        const int jj = threadIdx.x;
-        float x = 0;
-        if (jj < nk) {
-          const T* kr = k + (j0 + jj) * D;
-          const T* e = eq + (all_lo ? 0 : (table_rows - 1) * D);
-          for (int d = 0; d < D; ++d) x += to_float(kr[d]) * to_float(e[d]);
-        }
-        sKq[jj] = x;
+        tc_stage_band<T, kD>(sRq, Tl::kLdK, Tl::kBand, eq, dbase, K, D);
+      } else {
+        tc_key_side_clamped<T>(sKq, k + j0 * D, nk, eq + (all_lo ? 0 : (table_rows - 1) * D), D);
       }
     }
     __syncthreads();
@@ -310,8 +354,7 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
     }
 
     // Scale to base 2, mask, online softmax.
-    const bool full = j0 + Tl::kKeys <= p.k_len && !elem_masks &&
-                      (!p.causal || p.k_offset + j0 + Tl::kKeys - 1 <= p.q_offset + i0);
+    const bool full = tc_pair_full<Tl>(p, elem_masks, i0, j0);
     float mt[2] = {-INFINITY, -INFINITY};
     RELPOS_UNROLL
     for (int nt = 0; nt < kNT; ++nt) {

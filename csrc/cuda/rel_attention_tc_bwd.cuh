@@ -44,7 +44,7 @@ namespace relpos::cuda {
 template <int kD>
 struct TcBwdTile {
   static_assert(kD % 32 == 0 && kD <= 128, "head dims padded to 32, 64, 96 or 128");
-  static constexpr int kThreads = 128, kWarps = 4;
+  static constexpr int kThreads = kTcThreads, kWarps = 4;
   static constexpr int kRows = 64, kKeys = kD > 96 ? 32 : 64;
   static constexpr int kBand = kRows + kKeys;   // c in [0, kBand - 1) (and one zero row)
   static constexpr int kWarpBand = 16 + kKeys;  // c of a warp's 16 rows: [cw, cw + kWarpBand - 1)
@@ -53,13 +53,13 @@ struct TcBwdTile {
   static constexpr int kLdScr = kWarpBand + 4;  // a warp's float scratch [16][kLdScr]
   static constexpr size_t kTable = size_t(kBand) * kLdK * 2;  // one [kBand][kLdK] table slice
   // sQ sG [kRows][kLdK] | sK sV [kKeys][kLdK] | sRk | sRv, the warps' scratch (both of which
-  // sDSt, sPt overlay once dP is complete) | sBias [kBand] | sMass [kRows][4]
+  // sDSt, sPt overlay once dP is complete) | sBias [kBand] | sMass [kRows][4] | sDots [kRows][4]
   static constexpr size_t kScr = size_t(kWarps) * 16 * kLdScr * 4;
   static constexpr size_t kDsPt = 2 * size_t(kBand) * kLdT * 2;
   static constexpr size_t kOverlay = kTable + kScr > kDsPt ? kTable + kScr : kDsPt;
   static constexpr size_t dq_base() {
     return size_t(2 * kRows + 2 * kKeys) * kLdK * 2 + kTable + kOverlay + kBand * 4 +
-           kRows * 4 * 4;
+           2 * kRows * 4 * 4;
   }
   // kRelQ (up to kD = 64, as the forward: kKeys = 64): sRq [kBand][kLdK] | sKR [kKeys][kLdKR]
   // floats (k_j . rel_q[c], as the forward's) | sKq [kKeys] floats (k_j . rel_q[0 or 2K] beyond
@@ -75,7 +75,7 @@ struct TcBwdTile {
 template <int kD>
 struct TcBwdKvTile {
   static_assert(kD % 32 == 0 && kD <= 128, "head dims padded to 32, 64, 96 or 128");
-  static constexpr int kThreads = 128, kWarps = 4;
+  static constexpr int kThreads = kTcThreads, kWarps = 4;
   static constexpr int kRows = 32, kKeys = 64;
   static constexpr int kBand = kRows + kKeys;  // c in [0, 95) (and one zero row)
   static constexpr int kWarpBand = 48;         // c of a warp's 16 keys: [16 w, 16 w + 47)
@@ -124,19 +124,6 @@ RELPOS_DEVICE void tc_key_side_band(float* dst, int ld, const T* sK, const T* sR
   }
 }
 
-// Beyond the band: dst[j] = k_j . e (e: rel_q[0] or rel_q[2K]) for the nk keys at k (rows dim
-// apart), 0 for the rest of the 64.
-template <typename T>
-RELPOS_DEVICE void tc_key_side_clamped(float* dst, const T* k, int nk, const T* e, int dim) {
-  for (int jj = threadIdx.x; jj < 64; jj += blockDim.x) {
-    float x = 0;
-    if (jj < nk) {
-      for (int d = 0; d < dim; ++d) x += to_float(k[static_cast<int64_t>(jj) * dim + d]) * to_float(e[d]);
-    }
-    dst[jj] = x;
-  }
-}
-
 // ---- dq, and the table gradients ----------------------------------------------------------------
 // Query tile `tile` of (b, h) = bh. Every address of the table-gradient partials gets at most one
 // atomicAdd per tile pair (the inner buckets of a pair are distinct values of c, each warp's c
@@ -163,8 +150,9 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
   float* scr_all = reinterpret_cast<float*>(sRv + Tl::kBand * Tl::kLdK);
   T* sDSt = sRv;  // overlays sRv and the scratch after dP: [kBand][kLdT]
   T* sPt = sDSt + Tl::kBand * Tl::kLdT;
-  float* sBias = reinterpret_cast<float*>(smem + Tl::dq_base() - Tl::kBand * 4 - Tl::kRows * 4 * 4);
+  float* sBias = reinterpret_cast<float*>(smem + Tl::dq_base() - Tl::kBand * 4 - 2 * Tl::kRows * 4 * 4);
   float* sMass = sBias + Tl::kBand;  // [kRows][4]: the rows' clamped dS lo / hi, P lo / hi
+  float* sDots = sMass + Tl::kRows * 4;  // [kRows][4]: the rows' clamped dots (kRowQeLo ...)
   T* sRq = reinterpret_cast<T*>(smem + Tl::dq_base());  // kRelQ only
   float* sKR = reinterpret_cast<float*>(sRq + Tl::kBand * Tl::kLdK);
   float* sKq = sKR + Tl::kKeys * Tl::kLdKR;
@@ -196,8 +184,9 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
   const float bhi = eb == nullptr ? 0.f : to_float(eb[table_rows - 1]) * static_cast<float>(kLog2e);
 
   // This thread's rows g and g + 8 of the warp: lse in base 2 (+inf past the last row: p = 0),
-  // the workspace's D_i and clamped dots, the dropout row keys.
-  float lse2[2], rw[2][kRowTerms];
+  // the workspace's D_i, the dropout row keys; the rows' clamped dots into sDots (read for the
+  // pairs beyond the band only: in registers they would crowd dq, S and dP).
+  float lse2[2], di[2];
   uint32_t drop_key[2];
   RELPOS_UNROLL
   for (int r = 0; r < 2; ++r) {
@@ -205,8 +194,9 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
     const int64_t gi = bh * p.q_len + i0 + row;
     const bool valid = row < nq;
     lse2[r] = valid ? static_cast<const float*>(p.lse)[gi] * static_cast<float>(kLog2e) : INFINITY;
-    RELPOS_UNROLL
-    for (int x = 0; x < kRowTerms; ++x) rw[r][x] = valid ? ws[gi * kRowTerms + x] : 0.f;
+    di[r] = valid ? ws[gi * kRowTerms + kRowDi] : 0.f;
+    static_assert(kRowTerms == kRowQeLo + 4, "four clamped dots, one per lane of the row");
+    sDots[row * 4 + t4] = valid ? ws[gi * kRowTerms + kRowQeLo + t4] : 0.f;
     drop_key[r] = attn_dropout_key(p, bh, i0 + row);
   }
 
@@ -227,8 +217,7 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
   // Per row (g, g + 8): the dS and P f masses of the pairs beyond the band, lo and hi side.
   float mds_lo[2] = {0, 0}, mds_hi[2] = {0, 0}, mp_lo[2] = {0, 0}, mp_hi[2] = {0, 0};
   bool any_lo = false, any_hi = false;  // block-uniform
-  const bool elem_masks = p.key_padding_mask != nullptr || p.attn_mask != nullptr ||
-                          p.q_segment_ids != nullptr || p.window_left >= 0 || p.window_right >= 0;
+  const bool elem_masks = tc_elem_masks(p);
   float* scr = scr_all + warp * 16 * Tl::kLdScr;
   const int cw = Tl::kRows - 16 - 16 * warp;  // the warp's first c: 63 - (16 w + 15)
 
@@ -236,10 +225,9 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
   for (int64_t j0 = attn_key_begin(p, i0) / Tl::kKeys * Tl::kKeys; j0 < key_end; j0 += Tl::kKeys) {
     const int nk = static_cast<int>(p.k_len - j0 < Tl::kKeys ? p.k_len - j0 : Tl::kKeys);
     if (has_tile_masks(p) && attn_tile_hidden<Tl>(p, b, h, i0, nq, j0, nk)) continue;
-    const int64_t dbase = rel_distance(i0 + Tl::kRows - 1, j0, p.q_offset, p.k_offset);
-    const bool all_lo = dbase + Tl::kBand - 2 <= -K;
-    const bool all_hi = dbase >= K;
-    const bool band = !all_lo && !all_hi;
+    const TcPair pair = tc_pair<Tl>(p, i0, j0, K);
+    const int64_t dbase = pair.dbase;
+    const bool all_lo = pair.all_lo, band = pair.band;
     any_lo |= dbase <= -K;                    // some pair (i, j) in bucket 0
     any_hi |= dbase + Tl::kBand - 2 >= K;     // some in bucket 2K
     __syncthreads();  // the previous pair's readers of every staged tile and overlay are done
@@ -249,23 +237,12 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
     tc_stage<T, kD, false>(sV, Tl::kLdK, Tl::kKeys, [&](int r) {
       return r < nk ? v + (j0 + r) * D : nullptr;
     }, D);
-    if (band && ek != nullptr) {
-      tc_stage<T, kD, false>(sRk, Tl::kLdK, Tl::kBand,
-                             [&](int c) { return ek + clamp_bucket(dbase + c, K) * D; }, D);
-    }
-    if (band && ev != nullptr) {
-      tc_stage<T, kD, false>(sRv, Tl::kLdK, Tl::kBand,
-                             [&](int c) { return ev + clamp_bucket(dbase + c, K) * D; }, D);
-    }
-    if (band && eb != nullptr) {
-      for (int c = threadIdx.x; c < Tl::kBand; c += Tl::kThreads) {
-        sBias[c] = to_float(eb[clamp_bucket(dbase + c, K)]) * static_cast<float>(kLog2e);
-      }
-    }
+    if (band && ek != nullptr) tc_stage_band<T, kD>(sRk, Tl::kLdK, Tl::kBand, ek, dbase, K, D);
+    if (band && ev != nullptr) tc_stage_band<T, kD>(sRv, Tl::kLdK, Tl::kBand, ev, dbase, K, D);
+    if (band && eb != nullptr) tc_stage_band_bias(sBias, Tl::kBand, eb, dbase, K);
     if constexpr (kRelQ) {
       if (band) {
-        tc_stage<T, kD, false>(sRq, Tl::kLdK, Tl::kBand,
-                               [&](int c) { return eq + clamp_bucket(dbase + c, K) * D; }, D);
+        tc_stage_band<T, kD>(sRq, Tl::kLdK, Tl::kBand, eq, dbase, K, D);
       } else {
         tc_key_side_clamped<T>(sKq, k + j0 * D, nk, eq + (all_lo ? 0 : (table_rows - 1) * D), D);
       }
@@ -329,7 +306,7 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
       for (int nt = 0; nt < kNT; ++nt) {
         RELPOS_UNROLL
         for (int e = 0; e < 4; ++e) {
-          const float* w = rw[e / 2];
+          const float* w = sDots + (warp * 16 + g + (e / 2) * 8) * 4 - kRowQeLo;
           if (ek != nullptr) s[nt][e] += all_lo ? w[kRowQeLo] : w[kRowQeHi];
           if (ev != nullptr) dp[nt][e] += all_lo ? w[kRowDeLo] : w[kRowDeHi];
         }
@@ -337,8 +314,7 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
     }
 
     // P and dS (s <- dS, dp <- P f)
-    const bool full = j0 + Tl::kKeys <= p.k_len && !elem_masks &&
-                      (!p.causal || p.k_offset + j0 + Tl::kKeys - 1 <= p.q_offset + i0);
+    const bool full = tc_pair_full<Tl>(p, elem_masks, i0, j0);
     float rds[2] = {0, 0}, rp[2] = {0, 0};
     RELPOS_UNROLL
     for (int nt = 0; nt < kNT; ++nt) {
@@ -350,7 +326,7 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
         if (!full && !attn_visible(p, b, h, i0 + warp * 16 + r, j0 + jj)) x = -INFINITY;
         const float pr = exp2f(x - lse2[e / 2]);
         const float f = p.dropout.on ? attn_dropout<float>(p, drop_key[e / 2], j0 + jj) : 1.f;
-        const float ds = pr * (f * dp[nt][e] - rw[e / 2][kRowDi]);
+        const float ds = pr * (f * dp[nt][e] - di[e / 2]);
         s[nt][e] = ds;
         dp[nt][e] = pr * f;
         rds[e / 2] += ds;
@@ -360,8 +336,13 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
     if (!band) {
       RELPOS_UNROLL
       for (int r = 0; r < 2; ++r) {
-        (all_lo ? mds_lo : mds_hi)[r] += rds[r];
-        (all_lo ? mp_lo : mp_hi)[r] += rp[r];
+        if (all_lo) {
+          mds_lo[r] += rds[r];
+          mp_lo[r] += rp[r];
+        } else {
+          mds_hi[r] += rds[r];
+          mp_hi[r] += rp[r];
+        }
       }
     }
 
@@ -391,8 +372,13 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
           const int64_t dist = dbase + c;
           float ds = s[nt][e], pf = dp[nt][e];
           if (dist <= -K || dist >= K) {
-            (dist <= -K ? mds_lo : mds_hi)[e / 2] += ds;
-            (dist <= -K ? mp_lo : mp_hi)[e / 2] += pf;
+            if (dist <= -K) {
+              mds_lo[e / 2] += ds;
+              mp_lo[e / 2] += pf;
+            } else {
+              mds_hi[e / 2] += ds;
+              mp_hi[e / 2] += pf;
+            }
             ds = pf = 0;
           }
           sDSt[c * Tl::kLdT + r] = from_float<T>(ds);
@@ -592,19 +578,10 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
   float dk[kDT][4], dv[kDT][4];
   zero_acc(dk);
   zero_acc(dv);
-  const bool elem_masks = p.key_padding_mask != nullptr || p.attn_mask != nullptr ||
-                          p.q_segment_ids != nullptr || p.window_left >= 0 || p.window_right >= 0;
+  const bool elem_masks = tc_elem_masks(p);
 
-  // Query rows that can see a key of this tile: [i_first, i_end) (as the SIMT dk/dv kernel).
-  int64_t i_first = 0, i_end = p.q_len;
-  if (p.causal) i_first = p.k_offset + j0 - p.q_offset;
-  if (p.window_right >= 0 && p.k_offset + j0 - p.q_offset - p.window_right > i_first) {
-    i_first = p.k_offset + j0 - p.q_offset - p.window_right;
-  }
-  if (p.window_left >= 0 && p.k_offset + j0 + nk - p.q_offset + p.window_left < i_end) {
-    i_end = p.k_offset + j0 + nk - p.q_offset + p.window_left;
-  }
-  if (i_first < 0) i_first = 0;
+  // Query rows that can see a key of this tile
+  const int64_t i_first = attn_query_begin(p, j0), i_end = attn_query_end(p, j0, nk);
   for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
     const int64_t bh = b * p.heads + h;
     const T* q = static_cast<const T*>(p.q) + bh * p.q_len * D;
@@ -622,11 +599,9 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
     for (int64_t i0 = (i_first / Tl::kRows) * Tl::kRows; i0 < i_end; i0 += Tl::kRows) {
       const int nq = static_cast<int>(p.q_len - i0 < Tl::kRows ? p.q_len - i0 : Tl::kRows);
       if (has_tile_masks(p) && attn_tile_hidden<Tl>(p, b, h, i0, nq, j0, nk)) continue;
-      // c = (j - j0) - (i - i0) + kRows - 1 in [0, kBand - 1): the pair's distance is dbase + c
-      const int64_t dbase = rel_distance(i0 + Tl::kRows - 1, j0, p.q_offset, p.k_offset);
-      const bool all_lo = dbase + Tl::kBand - 2 <= -K;
-      const bool all_hi = dbase >= K;
-      const bool band = !all_lo && !all_hi;
+      const TcPair pair = tc_pair<Tl>(p, i0, j0, K);
+      const int64_t dbase = pair.dbase;
+      const bool all_lo = pair.all_lo, band = pair.band;
       __syncthreads();  // the previous pair's readers are done
       tc_stage<T, kD, false>(sQ, Tl::kLdK, Tl::kRows, [&](int r) {
         return r < nq ? q + (i0 + r) * D : nullptr;
@@ -647,23 +622,12 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
         const uint32_t key = attn_dropout_key(p, bh, i0 + r);
         std::memcpy(&sRow[kDrop * Tl::kRows + r], &key, 4);
       }
-      if (band && ek != nullptr) {
-        tc_stage<T, kD, false>(sRk, Tl::kLdK, Tl::kBand,
-                               [&](int c) { return ek + clamp_bucket(dbase + c, K) * D; }, D);
-      }
-      if (band && ev != nullptr) {
-        tc_stage<T, kD, false>(sRv, Tl::kLdK, Tl::kBand,
-                               [&](int c) { return ev + clamp_bucket(dbase + c, K) * D; }, D);
-      }
-      if (band && eb != nullptr) {
-        for (int c = threadIdx.x; c < Tl::kBand; c += Tl::kThreads) {
-          sBias[c] = to_float(eb[clamp_bucket(dbase + c, K)]) * static_cast<float>(kLog2e);
-        }
-      }
+      if (band && ek != nullptr) tc_stage_band<T, kD>(sRk, Tl::kLdK, Tl::kBand, ek, dbase, K, D);
+      if (band && ev != nullptr) tc_stage_band<T, kD>(sRv, Tl::kLdK, Tl::kBand, ev, dbase, K, D);
+      if (band && eb != nullptr) tc_stage_band_bias(sBias, Tl::kBand, eb, dbase, K);
       if constexpr (kRelQ) {
         if (band) {
-          tc_stage<T, kD, false>(sRq, Tl::kLdK, Tl::kBand,
-                                 [&](int c) { return eq + clamp_bucket(dbase + c, K) * D; }, D);
+          tc_stage_band<T, kD>(sRq, Tl::kLdK, Tl::kBand, eq, dbase, K, D);
         } else {
           tc_key_side_clamped<T>(sKq, kp, nk, eq + (all_lo ? 0 : (table_rows - 1) * D), D);
         }
@@ -726,8 +690,7 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
       if (ev != nullptr) add_relative(dpt, sSv, all_lo ? kDlo : kDhi);
 
       // P^T and dS^T (st <- dS^T, dpt <- P^T f)
-      const bool full = j0 + Tl::kKeys <= p.k_len && !elem_masks &&
-                        (!p.causal || p.k_offset + j0 + Tl::kKeys - 1 <= p.q_offset + i0);
+      const bool full = tc_pair_full<Tl>(p, elem_masks, i0, j0);
       RELPOS_UNROLL
       for (int nt = 0; nt < kNT; ++nt) {
         RELPOS_UNROLL
@@ -817,7 +780,13 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
           RELPOS_UNROLL
           for (int nt = 0; nt < kNT; ++nt) {
             RELPOS_UNROLL
-            for (int e = 0; e < 4; ++e) (all_lo ? mk_lo : mk_hi)[e / 2] += st[nt][e];
+            for (int e = 0; e < 4; ++e) {
+              if (all_lo) {
+                mk_lo[e / 2] += st[nt][e];
+              } else {
+                mk_hi[e / 2] += st[nt][e];
+              }
+            }
           }
         }
       }
