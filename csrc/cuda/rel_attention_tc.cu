@@ -118,11 +118,12 @@ bool launch_rel_attention_backward_tc(const RelAttentionBwdParams& bp, const voi
   if (!tc_device(smem)) return false;
   const float* ws = static_cast<const float*>(workspace);
   dispatch_tc(p, [&]<typename T, int kD>() {
-    using Tl = TcBwdTile<kD>;
+    using Tl = TcBwdTile<kD>;    // the dq kernel's tiles
+    using Kv = TcBwdKvTile<kD>;  // the dk/dv kernel's
     // Deterministic mode (serial_q_tiles): the dq kernel once per query tile, in order, one
     // block per (b, h) each time; with rel_q (drel_q from every key tile) the dk/dv kernel too.
     const bool serial = bp.serial_q_tiles, kv_serial = serial && rel_q;
-    const int64_t q_tiles = cdiv(p.q_len, Tl::kRows), k_tiles = cdiv(p.k_len, TcBwdKvTile<kD>::kKeys);
+    const int64_t q_tiles = cdiv(p.q_len, Tl::kRows), k_tiles = cdiv(p.k_len, Kv::kKeys);
     auto go = [&]<bool kRelQ>() {
       for (int64_t t = serial ? 0 : -1; t < (serial ? q_tiles : 0); ++t) {
         launch(rel_attention_tc_bwd_dq_kernel<T, kD, kRelQ>,
@@ -134,7 +135,7 @@ bool launch_rel_attention_backward_tc(const RelAttentionBwdParams& bp, const voi
         launch(rel_attention_tc_bwd_dkdv_kernel<T, kD, kRelQ>,
                dim3(grid_x(p.batch * p.kv_heads * (t < 0 ? k_tiles : 1), "rel_attention_backward"),
                     1, 1),
-               dim3(TcBwdKvTile<kD>::kThreads, 1, 1), TcBwdKvTile<kD>::smem(kRelQ), stream, bp, ws, t);
+               dim3(Kv::kThreads, 1, 1), Kv::smem(kRelQ), stream, bp, ws, t);
       }
     };
     if constexpr (kD <= 64) {

@@ -129,7 +129,8 @@ RELPOS_DEVICE void tc_key_side_clamped(float* dst, const T* k, int nk, const T* 
   for (int jj = threadIdx.x; jj < 64; jj += kTcThreads) {
     float x = 0;
     if (jj < nk) {
-      for (int d = 0; d < dim; ++d) x += to_float(k[static_cast<int64_t>(jj) * dim + d]) * to_float(e[d]);
+      const T* kr = k + static_cast<int64_t>(jj) * dim;
+      for (int d = 0; d < dim; ++d) x += to_float(kr[d]) * to_float(e[d]);
     }
     dst[jj] = x;
   }

@@ -150,7 +150,8 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
   float* scr_all = reinterpret_cast<float*>(sRv + Tl::kBand * Tl::kLdK);
   T* sDSt = sRv;  // overlays sRv and the scratch after dP: [kBand][kLdT]
   T* sPt = sDSt + Tl::kBand * Tl::kLdT;
-  float* sBias = reinterpret_cast<float*>(smem + Tl::dq_base() - Tl::kBand * 4 - 2 * Tl::kRows * 4 * 4);
+  float* sBias =
+      reinterpret_cast<float*>(smem + Tl::dq_base() - Tl::kBand * 4 - 2 * Tl::kRows * 4 * 4);
   float* sMass = sBias + Tl::kBand;  // [kRows][4]: the rows' clamped dS lo / hi, P lo / hi
   float* sDots = sMass + Tl::kRows * 4;  // [kRows][4]: the rows' clamped dots (kRowQeLo ...)
   T* sRq = reinterpret_cast<T*>(smem + Tl::dq_base());  // kRelQ only
