@@ -80,6 +80,7 @@ struct TcBwdKvTile {
   static constexpr int kBand = kRows + kKeys;  // c in [0, 95) (and one zero row)
   static constexpr int kWarpBand = 48;         // c of a warp's 16 keys: [16 w, 16 w + 47)
   static constexpr int kLdK = kD + 8;          // [row][d] tiles (T), 16 bytes of padding
+  static_assert(kLdK == TcBwdTile<kD>::kLdK, "tc_key_side_band reads sK, sRq with this stride");
   static constexpr int kLdS = kRows + 4;       // sSk, sSv: [c][row] floats
   static constexpr int kLdT = kKeys + 8;       // sDSk: [c][key] (T)
   static constexpr int kLdScr = kWarpBand + 4;  // a warp's float scratch [16][kLdScr]
@@ -407,26 +408,25 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
       auto table_grad = [&](const T* at, const T* rows, float* dst, float mul) {
         RELPOS_NO_UNROLL
         for (int x = 0; x < kUnits / Tl::kWarps; ++x) {
-          const int u = warp * (kUnits / Tl::kWarps) + x, c0 = 16 * (u / kSplit), part = u % kSplit;
-          {
-            float acc[kDTs][4];
-            zero_acc(acc);
-            warp_mma_kn<T, kDTs, Tl::kRows / 16>(
-                acc,
-                [&](int kk, uint32_t (&a)[4]) {
-                  load_a_frag(a, at + c0 * Tl::kLdT + kk * 16, Tl::kLdT, lane);
-                },
-                rows + part * kDTs * 8, Tl::kLdK, lane);
+          const int u = warp * (kUnits / Tl::kWarps) + x;
+          const int c0 = 16 * (u / kSplit), part = u % kSplit;
+          float acc[kDTs][4];
+          zero_acc(acc);
+          warp_mma_kn<T, kDTs, Tl::kRows / 16>(
+              acc,
+              [&](int kk, uint32_t (&a)[4]) {
+                load_a_frag(a, at + c0 * Tl::kLdT + kk * 16, Tl::kLdT, lane);
+              },
+              rows + part * kDTs * 8, Tl::kLdK, lane);
+          RELPOS_UNROLL
+          for (int e = 0; e < 4; ++e) {
+            const int c = c0 + g + (e / 2) * 8;
+            if (!inner(c)) continue;
+            float* drow = dst + (dbase + c + K) * D;
             RELPOS_UNROLL
-            for (int e = 0; e < 4; ++e) {
-              const int c = c0 + g + (e / 2) * 8;
-              if (!inner(c)) continue;
-              float* drow = dst + (dbase + c + K) * D;
-              RELPOS_UNROLL
-              for (int nt = 0; nt < kDTs; ++nt) {
-                const int d = (part * kDTs + nt) * 8 + 2 * t4 + e % 2;
-                if (d < D) atomicAdd(drow + d, acc[nt][e] * mul);
-              }
+            for (int nt = 0; nt < kDTs; ++nt) {
+              const int d = (part * kDTs + nt) * 8 + 2 * t4 + e % 2;
+              if (d < D) atomicAdd(drow + d, acc[nt][e] * mul);
             }
           }
         }
