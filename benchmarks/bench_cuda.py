@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -190,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                         json.dump({"benchmark": "bench_cuda", "device": torch.cuda.get_device_name(),
                                    "torch_version": torch.__version__, "build_info": info,
                                    "config": {k: v for k, v in vars(args).items() if k != "out"},
+                                   "env": {k: os.environ[k] for k in ("RELPOS_CUDA_TC",)
+                                           if k in os.environ},
                                    "rows": rows}, f, indent=1)
     return 0
 

@@ -17,6 +17,8 @@
 # summary last. Stage time limits: RELPOS_GPU_TEST_S (default 240), RELPOS_GPU_BENCH_S (200);
 # RELPOS_GPU_BENCH_ARGS: more arguments for bench_cuda.py (e.g. --forms ...); RELPOS_GPU_TEST_FILES
 # and RELPOS_GPU_TEST_K: which test files, and pytest's -k (default: the `cuda` backend's tests).
+# Each failing test is written to $OUT/failures.txt the moment it fails
+# (scripts/pytest_failures_now.py), so a run cut short by its time limit still names them.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -90,13 +92,17 @@ t0=$SECONDS
 workers=$(( $(nproc) > 12 ? 12 : $(nproc) ))
 xdist=()
 $py -c "import xdist" 2>/dev/null && xdist=(-n "$workers")
+rm -f "$out/failures.txt"
 # shellcheck disable=SC2086  # RELPOS_GPU_TEST_FILES: a space-separated list
-timeout "${RELPOS_GPU_TEST_S:-240}" $py -m pytest ${RELPOS_GPU_TEST_FILES:-tests/test_attention.py \
+RELPOS_FAILURES_FILE="$out/failures.txt" PYTHONPATH="$root/scripts${PYTHONPATH:+:$PYTHONPATH}" \
+  timeout "${RELPOS_GPU_TEST_S:-240}" $py -m pytest ${RELPOS_GPU_TEST_FILES:-tests/test_attention.py \
   tests/test_ops.py tests/test_positions.py tests/test_autograd_compile.py tests/test_errors.py \
-  tests/test_nn_compat.py} -q -p no:cacheprovider -rfE -k "${RELPOS_GPU_TEST_K:-cuda and not emu}" \
-  "${xdist[@]}" --junitxml="$out/junit.xml" > "$out/pytest.log" 2>&1
+  tests/test_nn_compat.py} -q -p no:cacheprovider -p pytest_failures_now -rfE \
+  -k "${RELPOS_GPU_TEST_K:-cuda and not emu}" "${xdist[@]}" --junitxml="$out/junit.xml" \
+  > "$out/pytest.log" 2>&1
 rc=$?
 grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -40
+[ -s "$out/failures.txt" ] && grep '^==== ' "$out/failures.txt" | head -40
 tail -n 3 "$out/pytest.log"
 summary+=("tests: rc $rc, $((SECONDS - t0)) s: $(tail -n 1 "$out/pytest.log")")
 
