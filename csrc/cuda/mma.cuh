@@ -1,7 +1,8 @@
 // Tensor-core matrix products for the kernels that use them (rel_attention_tc.cuh): one warp-wide
 // D += A B on a 16 x 8 x 16 tile with bfloat16 or float16 operands and float32 accumulators (PTX
-// mma.sync.aligned.m16n8k16.row.col, sm_80 and newer), and the 32-bit shared-memory accesses that
-// feed it.
+// mma.sync.aligned.m16n8k16.row.col, sm_80 and newer), and what feeds it: 32-bit shared-memory
+// accesses, ldmatrix (four 8 x 8 matrices a warp-wide load) and cp.async (16-byte copies from
+// global to shared memory that run in the background), each with the emulator's version beside it.
 //
 // Fragment layout (PTX ISA, "Matrix fragments for mma.m16n8k16"), lane = 4 g + t (g = lane / 4,
 // t = lane % 4); a register holds two consecutive elements, the lower index in the low 16 bits:
@@ -174,6 +175,92 @@ RELPOS_DEVICE void load_b_frag(uint32_t (&f)[2], const T* bt, int ld, int lane) 
   f[1] = ld32(x + 8);
 }
 
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: four 8 x 8 matrices of 16-bit elements from
+// shared memory, matrix i's row r at lane 8 i + r's address `row` (16-byte aligned). Lane
+// 4 g + t receives r[i] = M_i[g][2t, 2t+1], or with kTrans M_i[2t][g] and M_i[2t+1][g] (the low
+// half first). All 32 lanes call it. Under the emulator the lanes leave their row addresses in a
+// per-warp table, as mma_16816_emu does with its fragments.
+template <bool kTrans, typename T>
+RELPOS_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const T* row) {
+#if defined(RELPOS_CUDA_EMU)
+  thread_local const T* rows[32][32];
+  const unsigned tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  const T** w = rows[tid / 32];
+  const int lane = static_cast<int>(tid % 32), g = lane / 4, t = lane % 4;
+  w[lane] = row;
+  __syncwarp();
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (kTrans) {
+      r[i] = ld16(w[8 * i + 2 * t] + g) | (ld16(w[8 * i + 2 * t + 1] + g) << 16);
+    } else {
+      r[i] = ld32(w[8 * i + g] + 2 * t);
+    }
+  }
+  __syncwarp();  // no lane moves on to its next address before every lane has read this one
+#elif defined(__CUDA_ARCH__)
+  const auto a = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+  }
+#endif
+}
+
+// The B fragments of n-tiles n and n + 1 (b[0], b[1]) of k-step 16 x 16 block at m of B = M
+// itself, row-major [k][n] (rows ld elements apart, 16-byte aligned): one ldmatrix .trans of the
+// blocks (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15).
+template <typename T>
+RELPOS_DEVICE void load_b_frags_kn_x4(uint32_t (&b)[2][2], const T* m, int ld, int lane) {
+  const int i = lane / 8;
+  uint32_t r[4];
+  ldmatrix_x4<true>(r, m + (8 * (i % 2) + lane % 8) * ld + 8 * (i / 2));
+  b[0][0] = r[0];
+  b[0][1] = r[1];
+  b[1][0] = r[2];
+  b[1][1] = r[3];
+}
+
+// cp.async.cg.shared.global of 16 bytes (sm_80 and newer): dst (shared) = src (global), or zeros
+// if !valid (src is then not read). Both 16-byte aligned. The copy lands in the background: it is
+// visible to this thread after cp_async_wait, and to the block after that and a barrier. Under
+// the emulator it is a plain copy.
+RELPOS_DEVICE void cp_async16(void* dst, const void* src, bool valid) {
+#if defined(RELPOS_CUDA_EMU)
+  if (valid) {
+    std::memcpy(dst, src, 16);
+  } else {
+    std::memset(dst, 0, 16);
+  }
+#elif defined(__CUDA_ARCH__)
+#if __CUDA_ARCH__ >= 800
+  const auto a = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+#else
+  __trap();
+#endif
+#endif
+}
+// Closes this thread's group of cp_async16 issued since the last commit (possibly empty).
+RELPOS_DEVICE void cp_async_commit() {
+#if !defined(RELPOS_CUDA_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+// Waits until at most kPending of this thread's committed groups are still in flight.
+template <int kPending>
+RELPOS_DEVICE void cp_async_wait() {
+#if !defined(RELPOS_CUDA_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+
 template <int kN>
 RELPOS_DEVICE void zero_acc(float (&acc)[kN][4]) {
   RELPOS_UNROLL
@@ -214,6 +301,25 @@ RELPOS_DEVICE void warp_mma_kn(float (&acc)[kN][4], AFrag&& a, const T* m, int l
   warp_mma<T, kN, kK>(acc, a, [&](int kk, int n, uint32_t (&f)[2]) {
     load_b_frag_kn(f, m + kk * 16 * ld + n * 8, ld, lane);
   });
+}
+
+// warp_mma_kn with the B fragments loaded two n-tiles at a time by ldmatrix .trans
+// (load_b_frags_kn_x4): kN even, m 16-byte aligned, ld a multiple of 8.
+template <typename T, int kN, int kK, typename AFrag>
+RELPOS_DEVICE void warp_mma_kn_x4(float (&acc)[kN][4], AFrag&& a, const T* m, int ld, int lane) {
+  static_assert(kN % 2 == 0, "two n-tiles per ldmatrix");
+  RELPOS_UNROLL
+  for (int kk = 0; kk < kK; ++kk) {
+    uint32_t af[4];
+    a(kk, af);
+    RELPOS_UNROLL
+    for (int n = 0; n < kN; n += 2) {
+      uint32_t bf[2][2];
+      load_b_frags_kn_x4(bf, m + kk * 16 * ld + n * 8, ld, lane);
+      mma_16816<T>(acc[n], af, bf[0]);
+      mma_16816<T>(acc[n + 1], af, bf[1]);
+    }
+  }
 }
 
 // The A fragment of k-step kk from accumulators of 16 x 8 tiles side by side (2 kk and 2 kk + 1),

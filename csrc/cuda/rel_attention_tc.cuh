@@ -11,7 +11,12 @@
 // beyond, to stay within 255 registers without spilling) and walks key tiles of 64: S = Q K^T
 // and O += P V on tensor cores, the online softmax on the S accumulators (a thread holds two
 // rows, g and g + 8, and the four lanes of a row combine with two shuffles), P reused from
-// registers as the A operand.
+// registers as the A operand, V's fragments by ldmatrix .trans from V as stored ([key][d]).
+// K and V reach shared memory by cp.async (tc_stage_async), so that their loads overlap: a tile's
+// V, and its K unless the tile before prefetched it, are issued at its start, S waits for K
+// alone, and once every warp has its S the next tile's K is issued, to land during P V. (The
+// first version loaded each 16 bytes into a register and stored them, several times a tile, and
+// timed at about 18 TFLOP/s on an H100.)
 //
 // Relative terms. For a (query tile, key tile) pair, with c = (j - j0) - (i - i0) + 63 in
 // [0, 127), the distance is (k_offset + j0) - (q_offset + i0) - 63 + c: the bucket of every (i, j)
@@ -32,7 +37,8 @@
 // The key-side table rel_q (kRelQ, s_ij += k_j . rel_q[b(i, j)] before the scale) is a function of
 // (j, c): a pair the band reaches stages its 128 rows (sRq), warp w computes KR = K_w sRq^T for
 // its 16 keys of the tile and their 80 values of c (c in [16 w, 16 w + 80)) into sKR, and after a
-// barrier every (i, j) reads KR[j][c(i, j)]; beyond the band, k_j . rel_q[0] (or [2K]) per key.
+// barrier every (i, j) reads KR[j][c(i, j)]; beyond the band, k_j . rel_q[0] (or [2K]) per key,
+// from the staged K tile and the two table rows staged once (sEq).
 #pragma once
 
 #include <cstdint>
@@ -57,8 +63,7 @@ struct TcTile {
   static constexpr int kWarpBand = 80;   // a warp's values of c (79), five k-steps of 16
   // Row strides (elements) with 16 bytes of padding: the 8 rows x 4 words of a fragment load fall
   // in 32 different banks.
-  static constexpr int kLdK = kD + 8;           // sQ, sK, sRk: [row][d]
-  static constexpr int kLdVt = kKeys + 8;       // sVt: [d][key]
+  static constexpr int kLdK = kD + 8;           // sQ, sK, sV, sRk: [row][d]
   static constexpr int kLdRvt = kBand + 8;      // sRvt: [d][c]
   static constexpr int kLdScr = kWarpBand + 4;  // a warp's float scratch [16][kLdScr]
   static constexpr int kLdP = kWarpBand + 8;    // the same scratch as P' [16][kLdP] elements
@@ -67,11 +72,12 @@ struct TcTile {
   // Q's fragments in registers (else sQ keeps its own shared memory, after everything else).
   static constexpr bool kQRegs = kD <= 64;
   static constexpr size_t kTileBytes =
-      2 * (size_t(kKeys) * kLdK + size_t(kD) * kLdVt + size_t(kBand) * kLdK + size_t(kD) * kLdRvt);
+      2 * (2 * size_t(kKeys) * kLdK + size_t(kBand) * kLdK + size_t(kD) * kLdRvt);
   static constexpr int kLdKR = kBand + 4;  // sKR: [key][c] floats
-  // kRelQ: sRq [kBand][kLdK] elements, sKR [kKeys][kLdKR] floats, sKq [kKeys] floats.
+  // kRelQ: sRq [kBand][kLdK] elements, sKR [kKeys][kLdKR] floats, sKq [kKeys] floats, sEq [2][kD]
+  // elements (rel_q[0] and rel_q[2K], zero-padded).
   static constexpr size_t kRelQBytes =
-      2 * size_t(kBand) * kLdK + 4 * (size_t(kKeys) * kLdKR + kKeys);
+      2 * size_t(kBand) * kLdK + 4 * (size_t(kKeys) * kLdKR + kKeys) + 2 * 2 * size_t(kD);
   static constexpr size_t q_offset(bool rel_q) {
     return kScrBytes + kTileBytes + kBand * 4 + (rel_q ? kRelQBytes : 0);
   }
@@ -105,6 +111,22 @@ RELPOS_DEVICE void tc_stage(T* dst, int ld, int rows, RowFn row, int dim) {
   }
 }
 
+// dst[r][c] (row stride ld elements) = src[r * dim + c] for r < rows, c < dim (a multiple of 8),
+// zeros for the rest of kRowsT x kD, by cp_async16: issued, not awaited (the caller commits and
+// waits). src and dst 16-byte aligned.
+template <typename T, int kD, int kRowsT>
+RELPOS_DEVICE void tc_stage_async(T* dst, int ld, const T* src, int rows, int dim) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T)), kPerRow = kD / kVec;
+  static_assert(kRowsT * kPerRow % kTcThreads == 0, "whole rounds of 16-byte copies");
+  RELPOS_NO_UNROLL
+  for (int it = 0; it < kRowsT * kPerRow / kTcThreads; ++it) {
+    const int idx = threadIdx.x + it * kTcThreads;
+    const int r = idx / kPerRow, c = idx % kPerRow * kVec;
+    const bool ok = r < rows && c < dim;
+    cp_async16(dst + r * ld + c, src + (ok ? r * dim + c : 0), ok);
+  }
+}
+
 // Rows c < rows of a band pair's table slice: dst[c] = table row b(dbase + c) (clamped to
 // [0, 2K]), as tc_stage lays them out.
 template <typename T, int kD, bool kTransposed = false>
@@ -122,18 +144,23 @@ RELPOS_DEVICE void tc_stage_band_bias(float* dst, int rows, const T* bias, int64
   }
 }
 
-// Beyond the band, the key-side table rel_q's term of a tile's keys: dst[j] = k_j . e (e: rel_q[0]
-// or rel_q[2K]) for the nk keys at k (rows dim apart), 0 for the rest of the 64.
-template <typename T>
-RELPOS_DEVICE void tc_key_side_clamped(float* dst, const T* k, int nk, const T* e, int dim) {
-  for (int jj = threadIdx.x; jj < 64; jj += kTcThreads) {
-    float x = 0;
-    if (jj < nk) {
-      const T* kr = k + static_cast<int64_t>(jj) * dim;
-      for (int d = 0; d < dim; ++d) x += to_float(kr[d]) * to_float(e[d]);
-    }
-    dst[jj] = x;
+// Beyond the band, the key-side table rel_q's term of a tile's 64 keys: dst[j] = k_j . e (e:
+// rel_q[0] or rel_q[2K], its dim elements in shared or global memory) from the staged key tile sk
+// [key][d] (rows ld elements apart, zero beyond dim and beyond the tile's keys, which so get 0).
+// Two threads a key, each half of kD, then one shuffle; every load is issued at once. (It read
+// the keys from global memory in a scalar loop once, and made the rel_q forward 2.7x slower.)
+template <typename T, int kD>
+RELPOS_DEVICE void tc_key_side_clamped(float* dst, const T* sk, int ld, const T* e, int dim) {
+  static_assert(kTcThreads == 2 * 64, "two threads a key");
+  const int jj = threadIdx.x / 2, half = threadIdx.x % 2 * (kD / 2);
+  const T* kr = sk + jj * ld + half;
+  float x = 0;
+  RELPOS_UNROLL
+  for (int d = 0; d < kD / 2; ++d) {
+    if (half + d < dim) x += to_float(kr[d]) * to_float(e[half + d]);
   }
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  if (threadIdx.x % 2 == 0) dst[jj] = x;
 }
 
 // Where a tile pair (query rows [i0, i0 + Tl::kRows), keys [j0, j0 + Tl::kKeys)) stands against
@@ -170,8 +197,10 @@ RELPOS_DEVICE bool tc_pair_full(const RelAttentionParams& p, bool elem_masks, in
 // NaN-propagating maximum (a NaN logit makes its row NaN, as in the SIMT kernel).
 RELPOS_DEVICE float tc_max(float a, float b) { return b > a || b != b ? b : a; }
 
+// (At least 1 block a multiprocessor, which is also the default: spelt out, it keeps ptxas from
+// holding the D = 32 rel_q build to 168 registers on sm_80, where it spilled.)
 template <typename T, int kD, bool kRelQ>
-__global__ void __launch_bounds__(TcTile<kD>::kThreads)
+__global__ void __launch_bounds__(TcTile<kD>::kThreads, 1)
     rel_attention_tc_fwd_kernel(RelAttentionParams p) {
   using Tl = TcTile<kD>;
   constexpr int kNT = Tl::kKeys / 8;  // n-tiles of S
@@ -184,13 +213,14 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
   // The scratch before the key loop, or (not kQRegs) its own space.
   T* sQ = reinterpret_cast<T*>(smem + (Tl::kQRegs ? 0 : Tl::q_offset(kRelQ)));
   T* sK = reinterpret_cast<T*>(smem + Tl::kScrBytes);
-  T* sVt = sK + Tl::kKeys * Tl::kLdK;
-  T* sRk = sVt + kD * Tl::kLdVt;
+  T* sV = sK + Tl::kKeys * Tl::kLdK;
+  T* sRk = sV + Tl::kKeys * Tl::kLdK;
   T* sRvt = sRk + Tl::kBand * Tl::kLdK;
   float* sBias = reinterpret_cast<float*>(smem + Tl::kScrBytes + Tl::kTileBytes);  // [kBand]
   T* sRq = reinterpret_cast<T*>(sBias + Tl::kBand);               // kRelQ only
   float* sKR = reinterpret_cast<float*>(sRq + Tl::kBand * Tl::kLdK);
   float* sKq = sKR + Tl::kKeys * Tl::kLdKR;
+  T* sEq = reinterpret_cast<T*>(sKq + Tl::kKeys);  // [2][kD]
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t4 = lane % 4;
   const int64_t q_tiles = (p.q_len + Tl::kRows - 1) / Tl::kRows;
@@ -218,6 +248,9 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
   tc_stage<T, kD, false>(sQ, Tl::kLdK, Tl::kRows,
                          [&](int r) { return r < nq ? q + static_cast<int64_t>(r) * D : nullptr; },
                          D);
+  if constexpr (kRelQ) {  // sEq: rel_q[0] and rel_q[2K], the key-side term beyond the band
+    tc_stage<T, kD, false>(sEq, kD, 2, [&](int r) { return eq + (r ? table_rows - 1 : 0) * D; }, D);
+  }
   __syncthreads();
   const T* qw = sQ + warp * 16 * Tl::kLdK;  // the warp's rows
   // The A fragment of k-step kk of the warp's 16 rows of Q.
@@ -263,32 +296,35 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
   T* pw = reinterpret_cast<T*>(scr);
   const int cw = Tl::kKeys - 16 - 16 * warp;  // the warp's first c: 63 - (16 w + 15)
 
+  // K and V go to shared memory by cp.async: a tile's V, and K unless the previous tile prefetched
+  // it, are issued at its start; S waits for K only, P V for V; once every warp has its S, the
+  // next tile's K is issued into sK, to land during this tile's P V. k_next: the tile whose K is
+  // in sK or on its way there.
   const int64_t key_end = attn_key_end(p, i0, nq);
+  int64_t k_next = -1;
   for (int64_t j0 = attn_key_begin(p, i0) / Tl::kKeys * Tl::kKeys; j0 < key_end; j0 += Tl::kKeys) {
     const int nk = static_cast<int>(p.k_len - j0 < Tl::kKeys ? p.k_len - j0 : Tl::kKeys);
-    if (has_tile_masks(p) && attn_tile_hidden<Tl>(p, b, h, i0, nq, j0, nk)) continue;
+    if (has_tile_masks(p) && attn_tile_hidden<Tl>(p, b, h, i0, nq, j0, nk)) {
+      cp_async_wait<0>();  // a K prefetched for this tile lands before the next one's overwrites it
+      continue;
+    }
     const TcPair pair = tc_pair<Tl>(p, i0, j0, K);
     const int64_t dbase = pair.dbase;
     const bool all_lo = pair.all_lo, all_hi = pair.all_hi, band = pair.band;
-    __syncthreads();  // the previous tile's readers of sK, sVt, sRk, sRvt and the scratch are done
-    tc_stage<T, kD, false>(sK, Tl::kLdK, Tl::kKeys, [&](int r) {
-      return r < nk ? k + (j0 + r) * D : nullptr;
-    }, D);
-    tc_stage<T, kD, true>(sVt, Tl::kLdVt, Tl::kKeys, [&](int r) {
-      return r < nk ? v + (j0 + r) * D : nullptr;
-    }, D);
+    __syncthreads();  // the previous tile's readers of sV, sRk, sRvt and the scratch are done
+    if (k_next != j0) tc_stage_async<T, kD, Tl::kKeys>(sK, Tl::kLdK, k + j0 * D, nk, D);
+    cp_async_commit();  // K's group (empty if prefetched: that group came before)
+    tc_stage_async<T, kD, Tl::kKeys>(sV, Tl::kLdK, v + j0 * D, nk, D);
+    cp_async_commit();
     if (band && ek != nullptr) tc_stage_band<T, kD>(sRk, Tl::kLdK, Tl::kBand, ek, dbase, K, D);
     if (band && ev != nullptr) {
       tc_stage_band<T, kD, true>(sRvt, Tl::kLdRvt, Tl::kBand, ev, dbase, K, D);
     }
     if (band && eb != nullptr) tc_stage_band_bias(sBias, Tl::kBand, eb, dbase, K);
     if constexpr (kRelQ) {
-      if (band) {
-        tc_stage_band<T, kD>(sRq, Tl::kLdK, Tl::kBand, eq, dbase, K, D);
-      } else {
-        tc_key_side_clamped<T>(sKq, k + j0 * D, nk, eq + (all_lo ? 0 : (table_rows - 1) * D), D);
-      }
+      if (band) tc_stage_band<T, kD>(sRq, Tl::kLdK, Tl::kBand, eq, dbase, K, D);
     }
+    cp_async_wait<1>();  // K (every group but V's)
     __syncthreads();
 
     // S = Q K^T
@@ -298,7 +334,9 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
     // + k_j . rel_q[b(i, j)]: KR for the warp's 16 keys and 80 values of c, then (after every
     // warp's) the gather along the skew; one value per key beyond the band.
     if constexpr (kRelQ) {
-      if (band) {
+      if (!band) {
+        tc_key_side_clamped<T, kD>(sKq, sK, Tl::kLdK, sEq + (all_lo ? 0 : kD), D);
+      } else {
         constexpr int kHalf = kCT / 2;
         RELPOS_UNROLL
         for (int half = 0; half < 2; ++half) {
@@ -314,7 +352,7 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
           store_acc(sKR + 16 * warp * Tl::kLdKR + c0, Tl::kLdKR, kr, lane);
         }
       }
-      __syncthreads();  // sKR rows come from every warp (sKq from the staging above)
+      __syncthreads();  // sKR rows, or sKq, come from every warp
       RELPOS_UNROLL
       for (int nt = 0; nt < kNT; ++nt) {
         RELPOS_UNROLL
@@ -413,11 +451,19 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads)
       o[nt][3] *= alpha[1];
     }
 
-    // O += P V, P from the S registers.
-    warp_mma_bt<T, kDT, Tl::kKeys / 16>(
-        o,
-        [&](int kk, uint32_t (&a)[4]) { acc_a_frag<T>(a, s, kk); },
-        sVt, Tl::kLdVt, lane);
+    cp_async_wait<0>();  // V
+    __syncthreads();     // V visible; every warp is done with sK
+    if (j0 + Tl::kKeys < key_end) {
+      const int64_t jn = j0 + Tl::kKeys;
+      const int nkn = static_cast<int>(p.k_len - jn < Tl::kKeys ? p.k_len - jn : Tl::kKeys);
+      tc_stage_async<T, kD, Tl::kKeys>(sK, Tl::kLdK, k + jn * D, nkn, D);
+      k_next = jn;
+    }
+    cp_async_commit();
+
+    // O += P V, P from the S registers, V's fragments by ldmatrix .trans.
+    warp_mma_kn_x4<T, kDT, Tl::kKeys / 16>(
+        o, [&](int kk, uint32_t (&a)[4]) { acc_a_frag<T>(a, s, kk); }, sV, Tl::kLdK, lane);
     // + P' rel_v[b(i, j)]: P along the skew in the scratch, then one more product.
     if (ev != nullptr && band) {
       for (int idx = lane; idx < 16 * Tl::kLdP / 2; idx += 32) st32(pw + 2 * idx, 0u);

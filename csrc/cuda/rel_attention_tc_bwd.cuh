@@ -93,10 +93,10 @@ struct TcBwdKvTile {
   }
   // kRelQ: sRq [kBand][kLdK] | sDSk [kBand][kLdT] (dS' key-major) | the warps' scratch
   // [16][kLdScr] floats | sKm [kKeys][2] floats (the keys' clamped dS masses of a head) | sKq
-  // [kKeys] floats (k_j . rel_q[0 or 2K] beyond the band)
+  // [2][kKeys] floats (k_j . rel_q[0], k_j . rel_q[2K] of a head, for the pairs beyond the band)
   static constexpr size_t smem(bool rel_q) {
     return base() + (rel_q ? size_t(kBand) * kLdK * 2 + size_t(kBand) * kLdT * 2 +
-                                 size_t(kWarps) * 16 * kLdScr * 4 + kKeys * 3 * 4
+                                 size_t(kWarps) * 16 * kLdScr * 4 + kKeys * 4 * 4
                            : 0);
   }
 };
@@ -233,22 +233,17 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
     any_lo |= dbase <= -K;                    // some pair (i, j) in bucket 0
     any_hi |= dbase + Tl::kBand - 2 >= K;     // some in bucket 2K
     __syncthreads();  // the previous pair's readers of every staged tile and overlay are done
-    tc_stage<T, kD, false>(sK, Tl::kLdK, Tl::kKeys, [&](int r) {
-      return r < nk ? k + (j0 + r) * D : nullptr;
-    }, D);
-    tc_stage<T, kD, false>(sV, Tl::kLdK, Tl::kKeys, [&](int r) {
-      return r < nk ? v + (j0 + r) * D : nullptr;
-    }, D);
+    // K and V by cp.async, in flight while the tables are staged.
+    tc_stage_async<T, kD, Tl::kKeys>(sK, Tl::kLdK, k + j0 * D, nk, D);
+    tc_stage_async<T, kD, Tl::kKeys>(sV, Tl::kLdK, v + j0 * D, nk, D);
+    cp_async_commit();
     if (band && ek != nullptr) tc_stage_band<T, kD>(sRk, Tl::kLdK, Tl::kBand, ek, dbase, K, D);
     if (band && ev != nullptr) tc_stage_band<T, kD>(sRv, Tl::kLdK, Tl::kBand, ev, dbase, K, D);
     if (band && eb != nullptr) tc_stage_band_bias(sBias, Tl::kBand, eb, dbase, K);
     if constexpr (kRelQ) {
-      if (band) {
-        tc_stage_band<T, kD>(sRq, Tl::kLdK, Tl::kBand, eq, dbase, K, D);
-      } else {
-        tc_key_side_clamped<T>(sKq, k + j0 * D, nk, eq + (all_lo ? 0 : (table_rows - 1) * D), D);
-      }
+      if (band) tc_stage_band<T, kD>(sRq, Tl::kLdK, Tl::kBand, eq, dbase, K, D);
     }
+    cp_async_wait<0>();
     __syncthreads();
     // + k_j . rel_q[b(i, j)]: as the forward (KR for the warp's 16 keys and 80 values of c, then
     // after every warp's the gather along the skew; one value per key beyond the band)
@@ -256,6 +251,9 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
       if (band) {  // sKR [key][c]: the warp's rows from c = 16 w
         tc_key_side_band<T, kD, Tl::kWarpBand>(sKR + 16 * warp * Tl::kLdKR + 16 * warp, Tl::kLdKR,
                                                sK, sRq, warp, lane);
+      } else {
+        tc_key_side_clamped<T, kD>(sKq, sK, Tl::kLdK,
+                                        eq + (all_lo ? 0 : (table_rows - 1) * D), D);
       }
       __syncthreads();
     }
@@ -509,7 +507,8 @@ template <typename T, int kD, bool kRelQ>
 __global__ void __launch_bounds__(TcBwdTile<kD>::kThreads)
     rel_attention_tc_bwd_dq_kernel(RelAttentionBwdParams bp, const float* ws, int64_t tile) {
   const int64_t q_tiles = (bp.fwd.q_len + TcBwdTile<kD>::kRows - 1) / TcBwdTile<kD>::kRows;
-  const int64_t bh = tile < 0 ? blockIdx.x / q_tiles : blockIdx.x;  // one call site: one inlined copy
+  // One call site: one inlined copy.
+  const int64_t bh = tile < 0 ? blockIdx.x / q_tiles : blockIdx.x;
   tc_bwd_dq_tile<T, kD, kRelQ>(bp, ws, bh, tile < 0 ? blockIdx.x % q_tiles : tile);
 }
 
@@ -597,6 +596,11 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
     float* pq = !kRelQ || bp.drel_q_partial == nullptr
                     ? nullptr : static_cast<float*>(bp.drel_q_partial) + bh * table_rows * D;
     float mk_lo[2] = {0, 0}, mk_hi[2] = {0, 0};  // kRelQ: the keys' (g, g + 8) clamped dS masses
+    if constexpr (kRelQ) {  // the head's sKq, once (visible after the first pair's barrier)
+      __syncthreads();  // the previous head's readers of sKq are done
+      tc_key_side_clamped<T, kD>(sKq, sK, Tl::kLdK, eq, D);
+      tc_key_side_clamped<T, kD>(sKq + Tl::kKeys, sK, Tl::kLdK, eq + (table_rows - 1) * D, D);
+    }
     for (int64_t i0 = (i_first / Tl::kRows) * Tl::kRows; i0 < i_end; i0 += Tl::kRows) {
       const int nq = static_cast<int>(p.q_len - i0 < Tl::kRows ? p.q_len - i0 : Tl::kRows);
       if (has_tile_masks(p) && attn_tile_hidden<Tl>(p, b, h, i0, nq, j0, nk)) continue;
@@ -604,12 +608,10 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
       const int64_t dbase = pair.dbase;
       const bool all_lo = pair.all_lo, band = pair.band;
       __syncthreads();  // the previous pair's readers are done
-      tc_stage<T, kD, false>(sQ, Tl::kLdK, Tl::kRows, [&](int r) {
-        return r < nq ? q + (i0 + r) * D : nullptr;
-      }, D);
-      tc_stage<T, kD, false>(sG, Tl::kLdK, Tl::kRows, [&](int r) {
-        return r < nq ? go + (i0 + r) * D : nullptr;
-      }, D);
+      // Q and dO by cp.async, in flight while the rows' terms and the tables are staged.
+      tc_stage_async<T, kD, Tl::kRows>(sQ, Tl::kLdK, q + i0 * D, nq, D);
+      tc_stage_async<T, kD, Tl::kRows>(sG, Tl::kLdK, go + i0 * D, nq, D);
+      cp_async_commit();
       for (int r = threadIdx.x; r < Tl::kRows; r += Tl::kThreads) {
         const int64_t gi = bh * p.q_len + i0 + r;
         const bool valid = r < nq;
@@ -627,12 +629,9 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
       if (band && ev != nullptr) tc_stage_band<T, kD>(sRv, Tl::kLdK, Tl::kBand, ev, dbase, K, D);
       if (band && eb != nullptr) tc_stage_band_bias(sBias, Tl::kBand, eb, dbase, K);
       if constexpr (kRelQ) {
-        if (band) {
-          tc_stage_band<T, kD>(sRq, Tl::kLdK, Tl::kBand, eq, dbase, K, D);
-        } else {
-          tc_key_side_clamped<T>(sKq, kp, nk, eq + (all_lo ? 0 : (table_rows - 1) * D), D);
-        }
+        if (band) tc_stage_band<T, kD>(sRq, Tl::kLdK, Tl::kBand, eq, dbase, K, D);
       }
+      cp_async_wait<0>();
       __syncthreads();
 
       if (band) {
@@ -682,7 +681,8 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
           RELPOS_UNROLL
           for (int e = 0; e < 4; ++e) {
             const int r = g + (e / 2) * 8, ii = nt * 8 + 2 * t4 + e % 2;
-            st[nt][e] += band ? scr[r * Tl::kLdScr + r - ii + Tl::kRows - 1] : sKq[16 * warp + r];
+            st[nt][e] += band ? scr[r * Tl::kLdScr + r - ii + Tl::kRows - 1]
+                              : sKq[(all_lo ? 0 : Tl::kKeys) + 16 * warp + r];
           }
         }
       }
@@ -850,8 +850,10 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
 // Grid: batch * kv_heads * ceil(k_len / 64) blocks, one key tile each; or, with tile >= 0 (rel_q
 // in deterministic mode: drel_q takes atomics from every key tile), batch * kv_heads blocks that
 // all take key tile `tile`, launched once per tile in order.
+// (At least 1 block a multiprocessor, spelt out as in the forward: without it ptxas held the D = 32
+// rel_q build to 168 registers on sm_90, where it spilled.)
 template <typename T, int kD, bool kRelQ>
-__global__ void __launch_bounds__(TcBwdKvTile<kD>::kThreads)
+__global__ void __launch_bounds__(TcBwdKvTile<kD>::kThreads, 1)
     rel_attention_tc_bwd_dkdv_kernel(RelAttentionBwdParams bp, const float* ws, int64_t tile) {
   const int64_t k_tiles = (bp.fwd.k_len + TcBwdKvTile<kD>::kKeys - 1) / TcBwdKvTile<kD>::kKeys;
   const int64_t bkv = tile < 0 ? blockIdx.x / k_tiles : blockIdx.x;
