@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, as one call on a lent GPU machine (no CI machine has one; README "How
 # CUDA code is verified here"): build relpos_ext against that machine's own torch for one
-# architecture, run the test suite's `cuda` backend, and time benchmarks/bench_cuda.py.
+# architecture, run the test suite's `cuda` backend, time benchmarks/bench_cuda.py, and time each
+# kernel (benchmarks/profile_cuda.py).
 #
 #   bash scripts/gpu_check.sh --prebuild     # here, before the call: .gpu/objs, .gpu/whl
 #   bash scripts/gpu_check.sh                # there (the device tool: carry .gpu)
@@ -14,7 +15,8 @@
 # three minutes of the lent time; without .gpu/objs the .cu files are compiled there.
 #
 # Writes logs, the junit XML and bench_cuda's JSON under $OUT (default build/gpu-out) and prints a
-# summary last. Stage time limits: RELPOS_GPU_TEST_S (default 240), RELPOS_GPU_BENCH_S (200);
+# summary last. Stage time limits: RELPOS_GPU_TEST_S (default 240), RELPOS_GPU_BENCH_S (200),
+# RELPOS_GPU_PROFILE_S (60, benchmarks/profile_cuda.py: per-kernel times; RELPOS_GPU_PROFILE_ARGS);
 # RELPOS_GPU_BENCH_ARGS: more arguments for bench_cuda.py (e.g. --forms ...); RELPOS_GPU_TEST_FILES
 # and RELPOS_GPU_TEST_K: which test files, and pytest's -k (default: the `cuda` backend's tests).
 # Each failing test is written to $OUT/failures.txt the moment it fails
@@ -112,6 +114,13 @@ t0=$SECONDS
 timeout "${RELPOS_GPU_BENCH_S:-200}" $py benchmarks/bench_cuda.py --min-run-time 0.2 \
   --out "$out/bench_cuda.json" ${RELPOS_GPU_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
 summary+=("bench: rc ${PIPESTATUS[0]}, $((SECONDS - t0)) s")
+
+stage profile
+t0=$SECONDS
+# shellcheck disable=SC2086  # RELPOS_GPU_PROFILE_ARGS: extra arguments, split on spaces
+timeout "${RELPOS_GPU_PROFILE_S:-60}" $py benchmarks/profile_cuda.py \
+  --out "$out/profile_cuda.json" ${RELPOS_GPU_PROFILE_ARGS:-} 2>&1 | tee "$out/profile.log"
+summary+=("profile: rc ${PIPESTATUS[0]}, $((SECONDS - t0)) s")
 
 stage summary
 printf '%s\n' "${summary[@]}"
