@@ -16,7 +16,9 @@
 #
 # Writes logs, the junit XML and bench_cuda's JSON under $OUT (default build/gpu-out) and prints a
 # summary last. Stage time limits: RELPOS_GPU_TEST_S (default 240), RELPOS_GPU_BENCH_S (200),
-# RELPOS_GPU_PROFILE_S (60, benchmarks/profile_cuda.py: per-kernel times; RELPOS_GPU_PROFILE_ARGS);
+# RELPOS_GPU_PROFILE_S (60, benchmarks/profile_cuda.py: per-kernel times; RELPOS_GPU_PROFILE_ARGS),
+# RELPOS_GPU_SANITIZER_S (60 a tool: compute-sanitizer racecheck and memcheck on the tensor-core
+# kernels, scripts/gpu_sanitizer_cases.py);
 # RELPOS_GPU_BENCH_ARGS: more arguments for bench_cuda.py (e.g. --forms ...); RELPOS_GPU_TEST_FILES
 # and RELPOS_GPU_TEST_K: which test files, and pytest's -k (default: the `cuda` backend's tests).
 # Each failing test is written to $OUT/failures.txt the moment it fails
@@ -108,6 +110,21 @@ grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -40
 tail -n 3 "$out/pytest.log"
 summary+=("tests: rc $rc, $((SECONDS - t0)) s: $(tail -n 1 "$out/pytest.log")")
 
+stage sanitizer
+t0=$SECONDS
+# Shared-memory races and out-of-bounds accesses of the tensor-core kernels (small cases), both
+# tools' reports in one file (the device tool brings back 8 files at most).
+: > "$out/sanitizer.log"
+for tool in racecheck memcheck; do
+  echo "== compute-sanitizer --tool $tool" >> "$out/sanitizer.log"
+  timeout "${RELPOS_GPU_SANITIZER_S:-60}" compute-sanitizer --tool "$tool" \
+    --kernel-name kns=rel_attention_tc --print-limit 20 $py scripts/gpu_sanitizer_cases.py \
+    >> "$out/sanitizer.log" 2>&1
+  summary+=("sanitizer $tool: rc $?, $(grep -E 'SUMMARY' "$out/sanitizer.log" | tail -n 1)")
+done
+tail -n 12 "$out/sanitizer.log"
+summary+=("sanitizer: $((SECONDS - t0)) s")
+
 stage bench
 t0=$SECONDS
 # shellcheck disable=SC2086  # RELPOS_GPU_BENCH_ARGS: extra arguments, split on spaces
@@ -119,8 +136,8 @@ stage profile
 t0=$SECONDS
 # shellcheck disable=SC2086  # RELPOS_GPU_PROFILE_ARGS: extra arguments, split on spaces
 timeout "${RELPOS_GPU_PROFILE_S:-60}" $py benchmarks/profile_cuda.py \
-  --out "$out/profile_cuda.json" ${RELPOS_GPU_PROFILE_ARGS:-} 2>&1 | tee "$out/profile.log"
-summary+=("profile: rc ${PIPESTATUS[0]}, $((SECONDS - t0)) s")
+  --out "$out/profile_cuda.json" ${RELPOS_GPU_PROFILE_ARGS:-} 2>&1
+summary+=("profile: rc $?, $((SECONDS - t0)) s")
 
 stage summary
 printf '%s\n' "${summary[@]}"
