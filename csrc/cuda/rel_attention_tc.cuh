@@ -38,7 +38,7 @@
 // (j, c): a pair the band reaches stages its 128 rows (sRq), warp w computes KR = K_w sRq^T for
 // its 16 keys of the tile and their 80 values of c (c in [16 w, 16 w + 80)) into sKR, and after a
 // barrier every (i, j) reads KR[j][c(i, j)]; beyond the band, k_j . rel_q[0] (or [2K]) per key,
-// from the staged K tile and the two table rows staged once (sEq).
+// from the staged K tile (tc_key_side_clamped, as the backward).
 #pragma once
 
 #include <cstdint>
@@ -74,10 +74,9 @@ struct TcTile {
   static constexpr size_t kTileBytes =
       2 * (2 * size_t(kKeys) * kLdK + size_t(kBand) * kLdK + size_t(kD) * kLdRvt);
   static constexpr int kLdKR = kBand + 4;  // sKR: [key][c] floats
-  // kRelQ: sRq [kBand][kLdK] elements, sKR [kKeys][kLdKR] floats, sKq [kKeys] floats, sEq [2][kD]
-  // elements (rel_q[0] and rel_q[2K], zero-padded).
+  // kRelQ: sRq [kBand][kLdK] elements, sKR [kKeys][kLdKR] floats, sKq [kKeys] floats.
   static constexpr size_t kRelQBytes =
-      2 * size_t(kBand) * kLdK + 4 * (size_t(kKeys) * kLdKR + kKeys) + 2 * 2 * size_t(kD);
+      2 * size_t(kBand) * kLdK + 4 * (size_t(kKeys) * kLdKR + kKeys);
   static constexpr size_t q_offset(bool rel_q) {
     return kScrBytes + kTileBytes + kBand * 4 + (rel_q ? kRelQBytes : 0);
   }
@@ -220,7 +219,6 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads, 1)
   T* sRq = reinterpret_cast<T*>(sBias + Tl::kBand);               // kRelQ only
   float* sKR = reinterpret_cast<float*>(sRq + Tl::kBand * Tl::kLdK);
   float* sKq = sKR + Tl::kKeys * Tl::kLdKR;
-  T* sEq = reinterpret_cast<T*>(sKq + Tl::kKeys);  // [2][kD]
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t4 = lane % 4;
   const int64_t q_tiles = (p.q_len + Tl::kRows - 1) / Tl::kRows;
@@ -248,9 +246,6 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads, 1)
   tc_stage<T, kD, false>(sQ, Tl::kLdK, Tl::kRows,
                          [&](int r) { return r < nq ? q + static_cast<int64_t>(r) * D : nullptr; },
                          D);
-  if constexpr (kRelQ) {  // sEq: rel_q[0] and rel_q[2K], the key-side term beyond the band
-    tc_stage<T, kD, false>(sEq, kD, 2, [&](int r) { return eq + (r ? table_rows - 1 : 0) * D; }, D);
-  }
   __syncthreads();
   const T* qw = sQ + warp * 16 * Tl::kLdK;  // the warp's rows
   // The A fragment of k-step kk of the warp's 16 rows of Q.
@@ -335,7 +330,7 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads, 1)
     // warp's) the gather along the skew; one value per key beyond the band.
     if constexpr (kRelQ) {
       if (!band) {
-        tc_key_side_clamped<T, kD>(sKq, sK, Tl::kLdK, sEq + (all_lo ? 0 : kD), D);
+        tc_key_side_clamped<T, kD>(sKq, sK, Tl::kLdK, eq + (all_lo ? 0 : (table_rows - 1) * D), D);
       } else {
         constexpr int kHalf = kCT / 2;
         RELPOS_UNROLL
