@@ -471,49 +471,78 @@ def best_fwd_baseline(rows: list[Row]) -> str | None:
     return min(best, key=best.get) if best else None
 
 
+def _round_entry(method: str, got: dict) -> str:
+    """One method's part of a round's line: its time and, for a baseline, the ratio its target
+    takes (baseline / ours, or ours / SDPA for the time target)."""
+    name = "ours" if method == "ours" else SHORT[method]
+    if not got[method]:
+        return f"{name} failed"
+    text = f"{name} {got[method]:.1f} ms"
+    if method == "ours" or not got["ours"]:
+        return text
+    if method == "sdpa":
+        return text + f" (ours takes {got['ours'] / got[method]:.2f}x its time)"
+    return text + f": {got[method] / got['ours']:.2f}x"
+
+
 def target_rounds(rows: list[Row], args: argparse.Namespace) -> dict:
     """After the table: ``args.rounds`` more paired timings of ours and the baseline of each
-    speed-up target at ``TARGET_L`` (forward: the fastest of (3)/(4)/(5) in the table; forward +
-    backward: (3)), each in a fresh child as in the table, ours first and baseline first in turn.
-    A slow spell of this shared machine then lands in one pair instead of in one method, and the
-    verdict takes the median ratio over the pairs. Returns mode -> {"baseline", "pairs":
-    [[ours_ms, baseline_ms], ...]}, the table's own pair first."""
+    target at ``TARGET_L`` (forward: the fastest of (3)/(4)/(5) in the table, and (6) SDPA for
+    the time target; forward + backward: (3)), each in a fresh child as in the table, in an order
+    that turns round from one round to the next. A slow spell of this shared machine then lands
+    in one pair instead of in one method, and the verdict takes the median ratio over the pairs.
+    Returns key -> {"baseline", "pairs": [[ours_ms, baseline_ms], ...]}, the table's own pair
+    first, with keys "fwd", "fwd+bwd" and "fwd/sdpa" (the forward's rounds also time SDPA, against
+    the same timing of ours)."""
     out: dict = {}
     for mode, baseline in (("fwd", best_fwd_baseline(rows)), ("fwd+bwd", "eager")):
         ours = _time(rows, TARGET_L, mode, "ours")
-        base = _time(rows, TARGET_L, mode, baseline) if baseline else None
-        if not (ours and base):
+        bases = [baseline] if baseline else []
+        if mode == "fwd":
+            bases.append("sdpa")
+        keys = {baseline: mode, "sdpa": "fwd/sdpa"}
+        for b in list(bases):
+            base = _time(rows, TARGET_L, mode, b)
+            if ours and base:
+                out[keys[b]] = {"baseline": b, "pairs": [[ours, base]]}
+            else:
+                bases.remove(b)
+        if not bases:
             continue
-        pairs = [[ours, base]]
         for rnd in range(args.rounds):
-            order = (baseline, "ours") if rnd % 2 == 0 else ("ours", baseline)
+            order = (*bases, "ours") if rnd % 2 == 0 else ("ours", *reversed(bases))
             got = {m: in_child(measure, m, mode, TARGET_L, args.max_distance, args).get("time_ms")
                    for m in order}
-            if got["ours"] and got[baseline]:
-                pairs.append([got["ours"], got[baseline]])
-                print(f"  round {rnd + 1}: L={TARGET_L} {mode:<8} ours {got['ours']:.1f} ms, "
-                      f"{SHORT[baseline]} {got[baseline]:.1f} ms: "
-                      f"{got[baseline] / got['ours']:.2f}x", flush=True)
-        out[mode] = {"baseline": baseline, "pairs": pairs}
+            for b in bases:
+                if got["ours"] and got[b]:
+                    out[keys[b]]["pairs"].append([got["ours"], got[b]])
+            print(f"  round {rnd + 1}: L={TARGET_L} {mode:<8} "
+                  + ", ".join(_round_entry(m, got) for m in ("ours", *bases)), flush=True)
     return out
 
 
 def target_verdicts(rows: list[Row], peak_gflops: float | None = None,
                     rounds: dict | None = None, max_distance: int | None = None) -> list[dict]:
-    """The four targets, each PASS, FAIL or N/A (not measured in this run). The speed-up targets
-    take the median ratio over the table's pair and the extra ``rounds`` (:func:`target_rounds`)
-    where there are any, and also carry ``bound``: the ratio the roofline allows on this machine,
-    and ``bound_shaw``: the same with the relative terms' matmuls (given ``max_distance``; see
-    :func:`roofline_note`), None where the peak was not measured."""
+    """The four targets, each PASS, FAIL or N/A (not measured in this run). The three speed
+    targets take the median ratio over the table's pair and the extra ``rounds``
+    (:func:`target_rounds`) where there are any; the two speed-up targets also carry
+    ``bound``: the ratio the roofline allows on this machine, and ``bound_shaw``: the same with
+    the relative terms' matmuls (given ``max_distance``; see :func:`roofline_note`), None where
+    the peak was not measured."""
     out = []
     rounds = rounds or {}
 
-    def paired(mode: str, ours_ms: float | None, base_ms: float | None) -> tuple:
-        """(ratio, ours ms, baseline ms, note): medians over the pairs, or the table's pair."""
-        pairs = rounds.get(mode, {}).get("pairs", [])
+    def paired(key: str, ours_ms: float | None, base_ms: float | None,
+               ours_over_base: bool = False) -> tuple:
+        """(ratio, ours ms, baseline ms, note): medians over the pairs of ``rounds[key]``, or the
+        table's pair. The ratio is baseline / ours, or ours / baseline with ours_over_base."""
+        def ratio(o: float, b: float) -> float:
+            return o / b if ours_over_base else b / o
+
+        pairs = rounds.get(key, {}).get("pairs", [])
         if len(pairs) < 2 or not (ours_ms and base_ms):
-            return (base_ms / ours_ms if ours_ms and base_ms else None), ours_ms, base_ms, ""
-        ratios = [b / o for o, b in pairs]
+            return (ratio(ours_ms, base_ms) if ours_ms and base_ms else None), ours_ms, base_ms, ""
+        ratios = [ratio(o, b) for o, b in pairs]
         note = (f"median of {len(pairs)} paired timings (the table's and {len(pairs) - 1} "
                 f"interleaved rounds): " + ", ".join(f"{r:.2f}" for r in ratios))
         return (statistics.median(ratios), statistics.median(o for o, _ in pairs),
@@ -527,9 +556,9 @@ def target_verdicts(rows: list[Row], peak_gflops: float | None = None,
                     "verdict": "N/A" if value is None else ("PASS" if ok(value) else "FAIL")})
 
     ours_f, sdpa_f = _time(rows, TARGET_L, "fwd", "ours"), _time(rows, TARGET_L, "fwd", "sdpa")
-    verdict(f"fwd L={TARGET_L}: ours / (6) SDPA time",
-            ours_f / sdpa_f if ours_f and sdpa_f else None, lambda x: x <= MAX_VS_SDPA,
-            f"<= {MAX_VS_SDPA}x")
+    ratio, _, _, pnote = paired("fwd/sdpa", ours_f, sdpa_f, ours_over_base=True)
+    verdict(f"fwd L={TARGET_L}: ours / (6) SDPA time", ratio, lambda x: x <= MAX_VS_SDPA,
+            f"<= {MAX_VS_SDPA}x", pnote)
     b = best_fwd_baseline(rows)
     ratio, o_ms, b_ms, pnote = paired("fwd", ours_f, _time(rows, TARGET_L, "fwd", b) if b else None)
     bound, bound_shaw, note = roofline_note("fwd", b_ms, o_ms, peak_gflops, max_distance)
@@ -596,7 +625,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="smoke run (~2 min, most of it compiling): small L, short timings")
     p.add_argument("--rounds", type=int, default=3,
-                   help="extra paired timings of ours and the baseline of each speed-up target "
+                   help="extra paired timings of ours and the baseline of each speed target "
                         "at L=2048, interleaved; the verdicts take the median ratio (default 3)")
     p.add_argument("--mem-cap-gib", type=float, default=6.0,
                    help="skip (3)/(4) where their analytic [L,L]-style live set exceeds this "
@@ -664,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     peak_before = in_child(machine_peak, args.threads)
     rows = run_all(args)
     if args.rounds > 0 and TARGET_L in args.lengths:
-        print(f"interleaved rounds at L={TARGET_L} (ours and the baseline of each speed-up target):",
+        print(f"interleaved rounds at L={TARGET_L} (ours and the baseline of each speed target):",
               flush=True)
     rounds = target_rounds(rows, args) if args.rounds > 0 else {}
     peak_after = in_child(machine_peak, args.threads)

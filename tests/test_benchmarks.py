@@ -1,0 +1,76 @@
+"""The benchmarks' verdict logic (benchmarks/bench_attention.py), with the timings stubbed: which
+methods the interleaved rounds time, in which order, and how the verdicts take their medians."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+bench = pytest.importorskip("bench_attention")
+
+L = bench.TARGET_L
+# the table's times, ms: the forward's best baseline is (4) compiled; ours takes 1.6x SDPA's
+# time in the table (a slow spell), about as long as SDPA in the rounds below
+TABLE = {("fwd", "ours"): 80.0, ("fwd", "eager"): 400.0, ("fwd", "compiled"): 300.0,
+         ("fwd", "flex"): 350.0, ("fwd", "sdpa"): 50.0,
+         ("fwd+bwd", "ours"): 200.0, ("fwd+bwd", "eager"): 800.0, ("fwd+bwd", "compiled"): 600.0,
+         ("fwd+bwd", "sdpa"): 210.0}
+ROUNDS = {("fwd", "ours"): [52.0, 55.0, 50.0], ("fwd", "compiled"): [310.0, 280.0, 300.0],
+          ("fwd", "sdpa"): [53.0, 54.0, 52.0], ("fwd+bwd", "ours"): [190.0, 195.0, 205.0],
+          ("fwd+bwd", "eager"): [790.0, 820.0, 800.0]}
+
+
+@pytest.fixture
+def rounds(monkeypatch: pytest.MonkeyPatch) -> tuple[dict, list]:
+    rows = [bench.Row(L, mode, method, ms) for (mode, method), ms in TABLE.items()]
+    calls: list[tuple[str, str]] = []
+    left = {k: list(v) for k, v in ROUNDS.items()}
+
+    def fake_in_child(fn, method, mode, length, max_distance, args):
+        assert fn is bench.measure and length == L
+        calls.append((mode, method))
+        return {"time_ms": left[(mode, method)].pop(0)}
+
+    monkeypatch.setattr(bench, "in_child", fake_in_child)
+    out = bench.target_rounds(rows, argparse.Namespace(rounds=3, max_distance=64))
+    return out, calls, rows
+
+
+def test_rounds_time_each_target_baseline_in_turn(rounds) -> None:
+    out, calls, _ = rounds
+    assert calls == [
+        ("fwd", "compiled"), ("fwd", "sdpa"), ("fwd", "ours"),  # baselines first
+        ("fwd", "ours"), ("fwd", "sdpa"), ("fwd", "compiled"),  # then ours first
+        ("fwd", "compiled"), ("fwd", "sdpa"), ("fwd", "ours"),
+        ("fwd+bwd", "eager"), ("fwd+bwd", "ours"),
+        ("fwd+bwd", "ours"), ("fwd+bwd", "eager"),
+        ("fwd+bwd", "eager"), ("fwd+bwd", "ours")]
+    assert {k: v["baseline"] for k, v in out.items()} == {
+        "fwd": "compiled", "fwd/sdpa": "sdpa", "fwd+bwd": "eager"}
+    # the table's pair first; both forward targets pair the same timing of ours
+    assert out["fwd"]["pairs"] == [[80.0, 300.0], [52.0, 310.0], [55.0, 280.0], [50.0, 300.0]]
+    assert out["fwd/sdpa"]["pairs"] == [[80.0, 50.0], [52.0, 53.0], [55.0, 54.0], [50.0, 52.0]]
+    assert out["fwd+bwd"]["pairs"] == [[200.0, 800.0], [190.0, 790.0], [195.0, 820.0],
+                                       [205.0, 800.0]]
+
+
+def test_verdicts_take_the_median_of_the_pairs(rounds) -> None:
+    out, _, rows = rounds
+    got = {v["target"]: v for v in bench.target_verdicts(rows, None, out, 64)}
+    sdpa = got[f"fwd L={L}: ours / (6) SDPA time"]
+    # ours / SDPA over the pairs: 1.6, 0.98, 1.02, 0.96 -> median 1.0; the table's pair alone fails
+    assert sdpa["value"] == pytest.approx((52 / 53 + 55 / 54) / 2)
+    assert sdpa["verdict"] == "PASS" and "median of 4 paired timings" in sdpa["detail"]
+    fwd = got[f"fwd L={L}: best of (3)/(4)/(5) / ours"]
+    assert fwd["value"] == pytest.approx((280 / 55 + 310 / 52) / 2)  # 3.75, 5.96, 5.09, 6.0
+    assert fwd["verdict"] == "PASS"
+    bwd = got[f"fwd+bwd L={L}: (3) eager / ours"]
+    assert bwd["value"] == pytest.approx((4.0 + 790 / 190) / 2)  # 4.0, 4.16, 4.21, 3.90
+    # without rounds: the table's pair alone
+    alone = {v["target"]: v for v in bench.target_verdicts(rows, None, {}, 64)}
+    assert alone[f"fwd L={L}: ours / (6) SDPA time"]["value"] == pytest.approx(1.6)
+    assert alone[f"fwd L={L}: ours / (6) SDPA time"]["verdict"] == "FAIL"
