@@ -1,0 +1,7 @@
+// The SIMT launchers of the fused Shaw attention for __nv_bfloat16 (rel_attention_simt.h).
+#include "cuda/rel_attention_simt.cuh"
+
+namespace relpos::cuda {
+template void launch_rel_attention_simt<__nv_bfloat16>(const RelAttentionParams&, Stream);
+template void launch_rel_attention_backward_simt<__nv_bfloat16>(const RelAttentionBwdParams&, void*, Stream);
+}  // namespace relpos::cuda
