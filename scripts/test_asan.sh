@@ -28,4 +28,5 @@ export RELPOS_EMU_ASAN=1
 export RELPOS_REQUIRE_CUDA_EMU=1
 
 cd "$repo"
-exec python -m pytest -m emu "$@"  # testpaths = ["tests"] (pyproject.toml)
+# pytest-xdist: the emulator runs a kernel on one core; a worker per core, one torch thread each.
+OMP_NUM_THREADS=1 exec python -m pytest -m emu -n "${RELPOS_TEST_WORKERS:-auto}" "$@"  # testpaths = ["tests"] (pyproject.toml)

@@ -32,4 +32,5 @@ echo "== pytest on torch $torch_version (CPU build), without the emulator tests"
 # No emulator library (a path that does not exist): tests/test_cuda_emu.py loads it while
 # collecting, and the one in build/cuda_emu is linked against the main venv's torch.
 RELPOS_CUDA_EMU_LIB="$venv/no-emulator.so" RELPOS_REQUIRE_CUDA_EMU=0 RELPOS_REQUIRE_TRANSFORMERS=1 \
-  exec python -m pytest tests -q -p no:cacheprovider -ra -m "not emu" "$@"
+  OMP_NUM_THREADS=1 exec python -m pytest tests -q -p no:cacheprovider -ra -m "not emu" \
+  -n "${RELPOS_TEST_WORKERS:-auto}" "$@"  # as scripts/test.sh's pytest: a worker per core

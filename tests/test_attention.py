@@ -1350,7 +1350,10 @@ def test_rel_attention_backward_under_deterministic_algorithms(backend, tables, 
 def test_gradcheck_rel_attention(dropout_p, bias, isa, monkeypatch):
     """gradcheck through the autograd wrapper; with dropout a fixed seed, so every call of the
     function draws the same mask. bias="rel_q": a bias and a key-side table. isa="auto": the
-    default path, where float64 runs the AVX2/FMA build of the scalar kernels if there is one."""
+    default path, where float64 runs the AVX2/FMA build of the scalar kernels if there is one.
+    The whole Jacobian on the scalar path; on "auto" (the same source, other compiler flags), and
+    for the largest case (D=80: 7-8k inputs, half of the whole check's time), gradcheck's fast
+    mode, which compares u^T J v for random u and v."""
     monkeypatch.setenv("RELPOS_CPU_ISA", isa)
     if isa == "auto" and relpos_ext.build_info()["cpu_float64_attention"] == "scalar":
         pytest.skip("float64 attention runs the scalar kernels on every path of this build")
@@ -1370,7 +1373,8 @@ def test_gradcheck_rel_attention(dropout_p, bias, isa, monkeypatch):
             return relpos_ext.rel_attention(*full, **kw, dropout_p=dropout_p, dropout_seed=seed,
                                             rel_bias=rel_bias, rel_q=rel_q)
 
-        assert torch.autograd.gradcheck(fn, args), name
+        fast = isa == "auto" or name == "padding"
+        assert torch.autograd.gradcheck(fn, args, fast_mode=fast), name
 
 
 @pytest.mark.parametrize("extra", ["none", "dropout", "attn_mask", "segment_ids", "window", "bias",
