@@ -161,8 +161,8 @@ def _call(backend, tensors, kw):
     q, k, v, rk, rv = (None if x is None else backend.tensor(x.detach()) for x in tensors)
     mask = kw["key_padding_mask"]
     return backend.op("rel_attention")(
-        q, k, v, rk, rv, kw["max_distance"], kw["causal"], None, kw["q_offset"], kw["k_offset"],
-        None if mask is None else backend.tensor(mask), *_extra_args(backend, kw),
+        q, k, v, rk, rv, kw["max_distance"], kw["causal"], kw.get("scale"), kw["q_offset"],
+        kw["k_offset"], None if mask is None else backend.tensor(mask), *_extra_args(backend, kw),
     )
 
 
@@ -171,8 +171,8 @@ def _call_backward(backend, grad, tensors, out, lse, kw):
     q, k, v, rk, rv = (None if x is None else backend.tensor(x.detach()) for x in tensors)
     mask = kw["key_padding_mask"]
     return backend.op("rel_attention_backward")(
-        backend.tensor(grad), q, k, v, rk, rv, out, lse, kw["max_distance"], kw["causal"], None,
-        kw["q_offset"], kw["k_offset"], None if mask is None else backend.tensor(mask),
+        backend.tensor(grad), q, k, v, rk, rv, out, lse, kw["max_distance"], kw["causal"],
+        kw.get("scale"), kw["q_offset"], kw["k_offset"], None if mask is None else backend.tensor(mask),
         *_extra_args(backend, kw),
     )
 
@@ -324,6 +324,32 @@ def test_rel_attention_wide_logits(backend):
     _check_forward(backend, torch.float32, CASES["tiles_two_sided"], q_scale=20.0)
     _check_backward(backend, torch.float32, CASES["tiles_two_sided"], q_scale=20.0)
     assert (tiny * 1.5).item() != 0, "the op left flush-to-zero on in the calling thread"
+
+
+# scale: T5's 1 (no 1/sqrt(D)), a small one, a negative one (keys that match the query least
+# weigh most) and 0 (every visible key weighs the same)
+SCALES = [1.0, 0.3, -0.5, 0.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("name", ["tiles_causal_padding", "wide_tiles", "decode_split_keys",
+                                  "tiles_uniform_padding"])
+def test_rel_attention_explicit_scale(backend, dtype, scale, name):
+    """An explicit ``scale`` in place of 1/sqrt(D), forward and backward against the reference
+    (the kernels fold the scale into exp2's argument and into dS, so a sign or a zero shows)."""
+    _attention_backend(backend)
+    _check_forward(backend, dtype, CASES[name], dict(scale=scale))
+    _check_backward(backend, dtype, CASES[name], dict(scale=scale))
+
+
+@pytest.mark.parametrize("scale", [1.0, -0.5])
+@pytest.mark.parametrize("name", ["two_sided", "D128_offsets"])
+def test_rel_attention_explicit_scale_tensor_core_shapes(backend, scale, name):
+    """The same on the CUDA tensor-core kernels' shapes (bfloat16, D = 64 and 128)."""
+    _attention_backend(backend)
+    _check_forward(backend, torch.bfloat16, TC_CASES[name], dict(scale=scale))
+    _check_backward(backend, torch.bfloat16, TC_CASES[name], dict(scale=scale))
 
 
 def random_case(seed: int) -> tuple:
