@@ -18,7 +18,8 @@
 # summary last. Stage time limits: RELPOS_GPU_TEST_S (default 240), RELPOS_GPU_BENCH_S (200),
 # RELPOS_GPU_PROFILE_S (60, benchmarks/profile_cuda.py: per-kernel times; RELPOS_GPU_PROFILE_ARGS),
 # RELPOS_GPU_SANITIZER_S (60 a tool: compute-sanitizer racecheck and memcheck on the tensor-core
-# kernels, scripts/gpu_sanitizer_cases.py);
+# kernels, scripts/gpu_sanitizer_cases.py), RELPOS_GPU_FUZZ_S (60: scripts/fuzz_attention.py on
+# the `cuda` backend, float32/bfloat16/float16, as many seeds as fit);
 # RELPOS_GPU_BENCH_ARGS: more arguments for bench_cuda.py (e.g. --forms ...); RELPOS_GPU_TEST_FILES
 # and RELPOS_GPU_TEST_K: which test files, and pytest's -k (default: the `cuda` backend's tests).
 # Each failing test is written to $OUT/failures.txt the moment it fails
@@ -109,6 +110,15 @@ grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -40
 [ -s "$out/failures.txt" ] && grep '^==== ' "$out/failures.txt" | head -40
 tail -n 3 "$out/pytest.log"
 summary+=("tests: rc $rc, $((SECONDS - t0)) s: $(tail -n 1 "$out/pytest.log")")
+
+stage fuzz
+t0=$SECONDS
+# Random mixes of every option against the reference (scripts/fuzz_attention.py), as many seeds
+# as fit; its lines go to stdout only (the device tool brings back 8 files at most).
+fuzz_s=${RELPOS_GPU_FUZZ_S:-60}
+timeout "$fuzz_s" $py scripts/fuzz_attention.py --seeds 0:100000 --backends cuda \
+  --dtypes float32 bfloat16 float16 --time-limit $((fuzz_s * 3 / 4)) 2>&1 | tail -n 30
+summary+=("fuzz: rc ${PIPESTATUS[0]}, $((SECONDS - t0)) s")
 
 stage sanitizer
 t0=$SECONDS

@@ -1,11 +1,16 @@
-"""The helper scripts' Python parts: scripts/pytest_failures_now.py (used by gpu_check.sh)."""
+"""The helper scripts' Python parts: scripts/pytest_failures_now.py (used by gpu_check.sh) and
+scripts/fuzz_attention.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -28,3 +33,59 @@ def test_failures_now_plugin_writes_each_failure_once(tmp_path: Path) -> None:
     assert "==== test_mixed.py::test_bad (call)" in text
     assert "arithmetic" in text
     assert "test_ok" not in text
+
+
+def _fuzz_module():
+    spec = importlib.util.spec_from_file_location("fuzz_attention", SCRIPTS / "fuzz_attention.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fuzz_attention_passes_and_draws_every_option(monkeypatch, capsys) -> None:
+    """A few seeds on the scalar kernels pass, in float32, float64 and bfloat16 (whose gradients
+    are compared with the reference's corrected for the rounded output the backward reads); the
+    configurations cover every option within the first 200 seeds and stay under the size cap."""
+    fuzz = _fuzz_module()
+    monkeypatch.delenv("RELPOS_CPU_ISA", raising=False)
+    isa_before = os.environ.get("RELPOS_CPU_ISA")
+    assert fuzz.main(["--seeds", "0:4", "--backends", "cpu-scalar", "--dtypes", "float32",
+                      "float64", "bfloat16"]) == 0
+    assert "4 seeds x [cpu-scalar float32, cpu-scalar float64, cpu-scalar bfloat16]: 0 failures" \
+        in capsys.readouterr().out
+    assert os.environ.get("RELPOS_CPU_ISA") == isa_before  # the script leaves it as it was
+    configs = [fuzz.draw(s) for s in range(200)]
+    for flag in ("causal", "per_head", "rel_q", "rel_bias", "padding", "segments", "strided"):
+        assert any(c[flag] for c in configs) and not all(c[flag] for c in configs), flag
+    for option in ("attn_mask", "window", "dropout_p", "scale"):
+        assert len({str(c[option]) for c in configs}) > 1, option
+    assert any(c["H"] > c["Hkv"] for c in configs) and any(c["Lq"] != c["Lk"] for c in configs)
+    assert all(c["B"] * c["H"] * c["Lq"] * c["Lk"] * c["D"] <= fuzz.MAX_SIZE for c in configs)
+
+
+@pytest.mark.parametrize("what", ["out", "lse", "grad", "missing_grad", "exception"])
+def test_fuzz_attention_reports_a_wrong_result(monkeypatch, capsys, what) -> None:
+    """A backend that is off by 2% in one tensor (or returns a gradient the reference has none of,
+    or raises) fails the run, naming the seed."""
+    fuzz = _fuzz_module()
+    monkeypatch.delenv("RELPOS_CPU_ISA", raising=False)
+    run = fuzz.run_backend
+
+    def broken(*args):
+        if what == "exception":
+            raise RuntimeError("rel_attention: broken on purpose")
+        out, lse, grads = run(*args)
+        if what == "out":
+            out = out * 1.02 + 0.05
+        elif what == "lse":
+            lse = lse * 1.02 + 0.05
+        elif what == "grad":
+            grads[1] = grads[1] * 1.02 + 0.05
+        else:
+            grads[6] = torch.ones(1)
+        return out, lse, grads
+
+    monkeypatch.setattr(fuzz, "run_backend", broken)
+    seed = next(s for s in range(100) if fuzz.draw(s)["Lk"] > 1 and not fuzz.draw(s)["rel_q"])
+    assert fuzz.main(["--seeds", f"{seed}:1", "--backends", "cpu-scalar"]) == 1
+    assert f"FAIL seed {seed} cpu-scalar float32" in capsys.readouterr().out
