@@ -13,13 +13,14 @@ time; this looks for the combinations nobody picked.
     python scripts/fuzz_attention.py --seeds 0:2000 --backends cuda --dtypes float32 bfloat16
 
 Error measure: max |got - want| / max(max |want|, 1) per tensor, against a tolerance per dtype
-(float32 2e-4, float64 1e-9, float16 1.5e-3, bfloat16 1e-2; grown with log2(Lk) and with the square
-root of the logits' spread, and 3x for the gradients, which sum over many pairs). Low-precision gradients: the kernels read
-``D_i = dO_i . O_i`` from the rounded output they are handed (as FlashAttention does), which
-moves every ``dS_ij`` by ``-p_ij (D_i - D_i^true)``. That is the gradient of the log-sum-exp, so
-the reference backpropagates ``-dO_i . (O_i^rounded - O_i)`` into its lse as well and the
-comparison sees the kernels' own arithmetic, not that rounding (which, where the true gradients
-cancel, as for a row with one visible key, would swamp them).
+(float32 2e-4, float64 1e-9, float16 1.5e-3, bfloat16 1e-2; grown with log2(Lk) and with the
+square root of the logits' spread, and 3x for the gradients, which sum over many pairs).
+Low-precision gradients: the kernels read ``D_i = dO_i . O_i`` from the rounded output they are
+handed (as FlashAttention does), which moves every ``dS_ij`` by ``-p_ij (D_i - D_i^true)``.
+That is the gradient of the log-sum-exp, so the reference backpropagates
+``-dO_i . (O_i^rounded - O_i)`` into its lse as well and the comparison sees the kernels' own
+arithmetic, not that rounding (which, where the true gradients cancel, as for a row with one
+visible key, would swamp them).
 
 Prints each failing seed with its configuration and the errors over tolerance, and a summary;
 exits 1 if any seed failed. ``--time-limit`` stops early (the GPU check's time box).
@@ -136,18 +137,13 @@ def run_backend(backend: str, tensors: dict, kw: dict, grad: torch.Tensor,
         x = x.to(dev)
         return strided(x) if use_strided and x.is_floating_point() and x.dim() > 1 else x
 
-    t = {n: put(x) for n, x in tensors.items()}
-    seed = (torch.tensor([kw["dropout_seed"]], dtype=torch.int64)
-            if kw.get("dropout_p") else None)
-    head = (kw["max_distance"], kw["causal"], kw["scale"], kw["q_offset"], kw["k_offset"],
-            put(kw.get("key_padding_mask")))
-    tail = (kw.get("dropout_p", 0.0), seed, put(kw.get("attn_mask")), put(kw.get("q_segment_ids")),
-            put(kw.get("k_segment_ids")), kw.get("window_left", -1), kw.get("window_right", -1),
-            t["rel_bias"], t["rel_q"])
-    out, lse = ns.rel_attention.default(t["q"], t["k"], t["v"], t["rel_k"], t["rel_v"], *head,
-                                        *tail)
-    grads = ns.rel_attention_backward.default(put(grad), t["q"], t["k"], t["v"], t["rel_k"],
-                                              t["rel_v"], out, lse, *head, *tail)
+    # by the schemas' argument names (csrc/schemas.h), so no argument order is restated here
+    args = {n: put(x) if isinstance(x, torch.Tensor) or x is None else x
+            for n, x in {"key_padding_mask": None, **tensors, **kw}.items()}
+    if "dropout_seed" in args:
+        args["dropout_seed"] = torch.tensor([args["dropout_seed"]], dtype=torch.int64)
+    out, lse = ns.rel_attention.default(**args)
+    grads = ns.rel_attention_backward.default(grad_out=put(grad), out=out, logsumexp=lse, **args)
     return out.cpu(), lse.cpu(), [x.cpu() for x in grads]
 
 
@@ -162,11 +158,10 @@ def run_reference(tensors: dict, kw: dict, grad: torch.Tensor, out_used: torch.T
                                   rel_q=leaves["rel_q"], **kw64)
     g = grad.double()
     delta = (g * (out_used.double() - out.detach())).sum(-1)
-    finite = torch.isfinite(lse)
-    grad_lse = torch.where(finite, -delta, torch.zeros_like(delta))
     names = ("q", "k", "v", "rel_k", "rel_v", "rel_bias", "rel_q")
     wrt = [leaves[n] for n in names if leaves[n] is not None]
-    lse_term = (lse.masked_fill(~finite, 0.0) * grad_lse).sum()
+    # (rows that see no key have lse = inf and no gradient)
+    lse_term = -(lse.masked_fill(~torch.isfinite(lse), 0.0) * delta).sum()
     got = iter(torch.autograd.grad((out * g).sum() + lse_term, wrt, allow_unused=True))
     grads = []
     for n in names:

@@ -172,8 +172,8 @@ def _call_backward(backend, grad, tensors, out, lse, kw):
     mask = kw["key_padding_mask"]
     return backend.op("rel_attention_backward")(
         backend.tensor(grad), q, k, v, rk, rv, out, lse, kw["max_distance"], kw["causal"],
-        kw.get("scale"), kw["q_offset"], kw["k_offset"], None if mask is None else backend.tensor(mask),
-        *_extra_args(backend, kw),
+        kw.get("scale"), kw["q_offset"], kw["k_offset"],
+        None if mask is None else backend.tensor(mask), *_extra_args(backend, kw),
     )
 
 
