@@ -80,6 +80,17 @@ def skip_unless_bf16_dot(monkeypatch) -> None:
         pytest.skip("no AVX512-BF16 on this CPU")
 
 
+@pytest.fixture(params=["scalar", "avx2", "avx512"])
+def cpu_isa(request, monkeypatch) -> str:
+    """Each CPU kernel path (RELPOS_CPU_ISA) for tests of what sits above the kernels."""
+    if request.param == "avx2" and not _avx2_available():
+        pytest.skip("AVX2 kernels not built")
+    if request.param == "avx512":
+        skip_unless_avx512(monkeypatch)
+    monkeypatch.setenv("RELPOS_CPU_ISA", request.param)
+    return request.param
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch) -> Backend:
     name = request.param

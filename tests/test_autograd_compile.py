@@ -7,17 +7,6 @@ import torch
 
 import relpos_ext
 from relpos_ext import reference as ref
-from conftest import skip_unless_avx512
-
-
-@pytest.fixture(params=["scalar", "avx2", "avx512"])
-def cpu_isa(request, monkeypatch):
-    if request.param == "avx2" and "avx2" not in relpos_ext.build_info()["cpu_kernels"]:
-        pytest.skip("AVX2 kernels not built")
-    if request.param == "avx512":
-        skip_unless_avx512(monkeypatch)
-    monkeypatch.setenv("RELPOS_CPU_ISA", request.param)
-    return request.param
 
 
 def _f64(*shape):

@@ -29,6 +29,48 @@ __all__ = [
 IntLike = Any  # int, or torch.SymInt under torch.compile with dynamic shapes
 
 
+# torch.library.register_autograd builds an autograd.Function whose forward takes ctx, a form
+# torch.func's transforms (grad, vjp, jacrev, vmap over grad: per-sample gradients) refuse
+# ("must override the setup_context staticmethod", pytorch/pytorch#168393). So each op's
+# setup_context and backward are registered twice: with torch.library, for autograd,
+# torch.compile and opcheck, and in a Function of the form torch.func takes, which _apply uses
+# only while one of its transforms is active (never while compiling: torch.compile traces the
+# op itself). Both run the same two functions, so there is one backward per op.
+_FUNC_FUNCTIONS: dict[Any, type[torch.autograd.Function]] = {}
+
+
+def _register_autograd(op: Any, backward: Any, setup_context: Any) -> None:
+    """``torch.library.register_autograd(op, backward, setup_context=...)``, and the same two
+    functions as ``op``'s Function for torch.func (:func:`_apply`)."""
+    torch.library.register_autograd(op, backward, setup_context=setup_context)
+
+    class _Function(torch.autograd.Function):
+        generate_vmap_rule = True  # vmap of forward/backward: the ops' own batching
+
+        @staticmethod
+        def forward(*args: Any) -> Any:
+            # Runs below the transforms, on plain (or vmap-batched) tensors: the op itself.
+            return op(*args)
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+            setup_context(ctx, inputs, output)
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            return backward(ctx, *grads)
+
+    _Function.__name__ = f"{op._opname}_function"
+    _FUNC_FUNCTIONS[op] = _Function
+
+
+def _apply(op: Any, *args: Any) -> Any:
+    """``op(*args)``, through its torch.func form while a torch.func transform is active."""
+    if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+        return _FUNC_FUNCTIONS[op].apply(*args)
+    return op(*args)
+
+
 # --------------------------------------------------------------------------- rel_gather
 def rel_gather(
     table: Tensor,
@@ -51,14 +93,18 @@ def rel_gather(
         :func:`rel_logits` for attention logits. Differentiable w.r.t. ``table`` (a
         deterministic scatter-add).
     """
-    return torch.ops.relpos.rel_gather.default(table, q_len, k_len, max_distance, q_offset, k_offset)
+    return _apply(
+        torch.ops.relpos.rel_gather.default, table, q_len, k_len, max_distance, q_offset, k_offset
+    )
 
 
 def rel_gather_backward(
     grad: Tensor, max_distance: IntLike, q_offset: IntLike = 0, k_offset: IntLike = 0
 ) -> Tensor:
     """Adjoint of :func:`rel_gather`: sum ``grad [(H,) Lq, Lk, D]`` into ``[(H,) 2K+1, D]``."""
-    return torch.ops.relpos.rel_gather_backward.default(grad, max_distance, q_offset, k_offset)
+    return _apply(
+        torch.ops.relpos.rel_gather_backward.default, grad, max_distance, q_offset, k_offset
+    )
 
 
 @torch.library.register_fake("relpos::rel_gather")
@@ -96,11 +142,13 @@ def _rel_gather_backward_bwd(ctx, ggrad: Tensor):
     return g, None, None, None
 
 
-torch.library.register_autograd(
-    "relpos::rel_gather", _rel_gather_bwd, setup_context=_rel_gather_setup
+_register_autograd(
+    torch.ops.relpos.rel_gather.default, _rel_gather_bwd, setup_context=_rel_gather_setup
 )
-torch.library.register_autograd(
-    "relpos::rel_gather_backward", _rel_gather_backward_bwd, setup_context=_rel_gather_backward_setup
+_register_autograd(
+    torch.ops.relpos.rel_gather_backward.default,
+    _rel_gather_backward_bwd,
+    setup_context=_rel_gather_backward_setup,
 )
 
 
@@ -117,12 +165,12 @@ def skew(x: Tensor, causal: bool = False) -> Tensor:
         ``[..., Lq, Lk]`` absolute-position logits, bit-identical to tensor2tensor's
         pad/reshape/slice on the same input (see :func:`relpos_ext.reference.skew_t2t`).
     """
-    return torch.ops.relpos.skew.default(x, causal)
+    return _apply(torch.ops.relpos.skew.default, x, causal)
 
 
 def skew_backward(grad: Tensor, causal: bool = False) -> Tensor:
     """Adjoint of :func:`skew` ("unskew"): ``[..., Lq, Lk]`` -> ``[..., Lq, Lq+Lk-1]``."""
-    return torch.ops.relpos.skew_backward.default(grad, causal)
+    return _apply(torch.ops.relpos.skew_backward.default, grad, causal)
 
 
 @torch.library.register_fake("relpos::skew")
@@ -150,11 +198,15 @@ def _skew_setup(ctx, inputs, output) -> None:
     ctx.causal = inputs[1]
 
 
-torch.library.register_autograd(
-    "relpos::skew", lambda ctx, g: (skew_backward(g, ctx.causal), None), setup_context=_skew_setup
+_register_autograd(
+    torch.ops.relpos.skew.default,
+    lambda ctx, g: (skew_backward(g, ctx.causal), None),
+    setup_context=_skew_setup,
 )
-torch.library.register_autograd(
-    "relpos::skew_backward", lambda ctx, g: (skew(g, ctx.causal), None), setup_context=_skew_setup
+_register_autograd(
+    torch.ops.relpos.skew_backward.default,
+    lambda ctx, g: (skew(g, ctx.causal), None),
+    setup_context=_skew_setup,
 )
 
 
@@ -184,7 +236,9 @@ def rel_logits(
     Returns:
         ``[B, H, Lq, Lk]``. Differentiable w.r.t. ``q`` and ``table``.
     """
-    return torch.ops.relpos.rel_logits.default(q, table, max_distance, k_len, q_offset, k_offset)
+    return _apply(
+        torch.ops.relpos.rel_logits.default, q, table, max_distance, k_len, q_offset, k_offset
+    )
 
 
 def rel_logits_backward(
@@ -199,7 +253,8 @@ def rel_logits_backward(
 
     Uses O(Lq * (Lq + Lk)) extra memory (per-row bucket sums of ``grad``), never ``[Lq, Lk, D]``.
     """
-    return torch.ops.relpos.rel_logits_backward.default(
+    return _apply(
+        torch.ops.relpos.rel_logits_backward.default,
         grad, q, table, max_distance, q_offset, k_offset
     )
 
@@ -261,11 +316,13 @@ def _rel_logits_backward_bwd(ctx, ddq: Tensor | None, ddtable: Tensor | None):
     return dgrad, dq, dtable, None, None, None
 
 
-torch.library.register_autograd(
-    "relpos::rel_logits", _rel_logits_bwd, setup_context=_rel_logits_setup
+_register_autograd(
+    torch.ops.relpos.rel_logits.default, _rel_logits_bwd, setup_context=_rel_logits_setup
 )
-torch.library.register_autograd(
-    "relpos::rel_logits_backward", _rel_logits_backward_bwd, setup_context=_rel_logits_backward_setup
+_register_autograd(
+    torch.ops.relpos.rel_logits_backward.default,
+    _rel_logits_backward_bwd,
+    setup_context=_rel_logits_backward_setup,
 )
 
 
@@ -367,7 +424,8 @@ def rel_attention(
     """
     if dropout_p > 0 and dropout_seed is None:
         dropout_seed = _draw_dropout_seed()
-    out, lse = torch.ops.relpos.rel_attention.default(
+    out, lse = _apply(
+        torch.ops.relpos.rel_attention.default,
         q, k, v, rel_k, rel_v, max_distance, causal, scale, q_offset, k_offset, key_padding_mask,
         dropout_p, dropout_seed, attn_mask, q_segment_ids, k_segment_ids, window_left,
         window_right, rel_bias, rel_q,
@@ -409,7 +467,8 @@ def rel_attention_backward(
     """Gradients ``(dq, dk, dv, drel_k, drel_v, drel_bias, drel_q)`` of :func:`rel_attention`
     (None for absent tables); the masks, segment ids, window, bias and ``dropout_p`` /
     ``dropout_seed`` must be those of the forward."""
-    dq, dk, dv, drk, drv, drb, drq = torch.ops.relpos.rel_attention_backward.default(
+    dq, dk, dv, drk, drv, drb, drq = _apply(
+        torch.ops.relpos.rel_attention_backward.default,
         grad_out, q, k, v, rel_k, rel_v, out, lse, max_distance, causal, scale, q_offset,
         k_offset, key_padding_mask, dropout_p, dropout_seed, attn_mask, q_segment_ids,
         k_segment_ids, window_left, window_right, rel_bias, rel_q,
@@ -473,7 +532,8 @@ def _rel_attention_bwd(ctx, grad_out: Tensor, _grad_lse: Tensor | None):
     # saved_tensors gives back None for the absent tables / masks / seed
     (q, k, v, rel_k, rel_v, out, lse, mask, seed, attn_mask, q_seg, k_seg, rel_bias,
      rel_q) = ctx.saved_tensors
-    dq, dk, dv, drk, drv, drb, drq = torch.ops.relpos.rel_attention_backward.default(
+    dq, dk, dv, drk, drv, drb, drq = _apply(
+        torch.ops.relpos.rel_attention_backward.default,
         grad_out.contiguous(), q, k, v, rel_k, rel_v, out, lse, ctx.max_distance, ctx.causal,
         ctx.scale, ctx.q_offset, ctx.k_offset, mask, ctx.dropout_p, seed, attn_mask, q_seg, k_seg,
         ctx.window_left, ctx.window_right, rel_bias, rel_q,
@@ -483,8 +543,8 @@ def _rel_attention_bwd(ctx, grad_out: Tensor, _grad_lse: Tensor | None):
             drq if rel_q is not None else None)
 
 
-torch.library.register_autograd(
-    "relpos::rel_attention", _rel_attention_bwd, setup_context=_rel_attention_setup
+_register_autograd(
+    torch.ops.relpos.rel_attention.default, _rel_attention_bwd, setup_context=_rel_attention_setup
 )
 
 
@@ -499,8 +559,100 @@ def _rel_attention_double_backward(ctx, *grads):
     )
 
 
-torch.library.register_autograd(
-    "relpos::rel_attention_backward",
+_register_autograd(
+    torch.ops.relpos.rel_attention_backward.default,
     _rel_attention_double_backward,
     setup_context=_rel_attention_backward_setup,
 )
+
+
+
+# --------------------------------------------------------------------------- vmap
+# torch.vmap of rel_attention and its backward (also what torch.func.vmap(torch.func.grad(f))
+# runs: per-sample gradients). The vmapped dimension N joins the heads: N samples' [B, H, L, D]
+# become one call on [B, N*H, L, D], with per-head tables repeated N times. Head n*H + h reads
+# kv head n*Hkv + h // (H / Hkv), so grouped-query attention keeps its groups. The backward
+# makes every table per head, so that each sample gets its own table gradient. Anything else
+# batched (tables, masks, segment ids, the dropout seed), an attn_mask with a head dimension, or
+# dropout (its mask hashes the head index) runs the op once per sample, as torch's fallback
+# would, without its warning.
+def _vmap_loop(op: Any, info: Any, in_dims: tuple, args: tuple) -> tuple[Any, Any]:
+    """``op`` once per sample of the vmapped dimension, outputs stacked along dim 0."""
+    outs = [
+        op(*(a if d is None else a.select(d, n) for a, d in zip(args, in_dims)))
+        for n in range(info.batch_size)
+    ]
+    stacked = tuple(torch.stack(parts) for parts in zip(*outs))
+    return stacked, (0,) * len(stacked)
+
+
+def _with_defaults(op: Any, args: tuple, in_dims: tuple) -> tuple[tuple, tuple]:
+    """``args`` with the defaults the dispatcher dropped put back, and ``in_dims`` to match."""
+    missing = op._schema.arguments[len(args):]
+    return (*args, *(a.default_value for a in missing)), (*in_dims, *([None] * len(missing)))
+
+
+def _foldable(in_dims: tuple, heads_like: tuple[int, ...], attn_mask: Tensor | None,
+              dropout_p: float) -> bool:
+    """Whether only the arguments at ``heads_like`` are batched and the heads can take N."""
+    return (all(d is None for i, d in enumerate(in_dims) if i not in heads_like)
+            and (attn_mask is None or attn_mask.dim() == 2 or attn_mask.shape[1] == 1)
+            and dropout_p == 0)
+
+
+def _fold_heads(t: Tensor, dim: int | None, n: int) -> Tensor:
+    """``[B, H, ...]`` batched at ``dim`` (or shared by the ``n`` samples) -> ``[B, n*H, ...]``."""
+    t = t.movedim(dim, 1) if dim is not None else t.unsqueeze(1).expand(-1, n, *t.shape[1:])
+    return t.reshape(t.shape[0], -1, *t.shape[3:])
+
+
+def _unfold_heads(t: Tensor, n: int) -> Tensor:
+    """``[B, n*H, ...]`` -> ``[B, n, H, ...]``: the vmapped dimension at 1."""
+    return t.view(t.shape[0], n, -1, *t.shape[2:])
+
+
+def _table_for_heads(t: Tensor | None, shared_dims: int, n: int, heads: int) -> Tensor | None:
+    """A table for the folded ``n * heads`` heads: per-head ``[H, ...]`` repeated ``n`` times;
+    a shared one (``shared_dims`` dims) as is, or, with ``heads``, expanded per head."""
+    if t is None or (t.dim() == shared_dims and not heads):
+        return t
+    if t.dim() == shared_dims:
+        return t.expand(n * heads, *t.shape)
+    return t.repeat(n, *([1] * shared_dims))
+
+
+@torch.library.register_vmap("relpos::rel_attention")
+def _rel_attention_vmap(info, in_dims, *args):
+    op = torch.ops.relpos.rel_attention.default
+    args, in_dims = _with_defaults(op, args, in_dims)
+    if not _foldable(in_dims, (0, 1, 2), attn_mask=args[13], dropout_p=args[11]):
+        return _vmap_loop(op, info, in_dims, args)
+    n = info.batch_size
+    qkv = (_fold_heads(t, d, n) for t, d in zip(args[:3], in_dims[:3]))
+    tables = {i: _table_for_heads(args[i], 1 if i == 18 else 2, n, 0) for i in (3, 4, 18, 19)}
+    out, lse = op(*qkv, tables[3], tables[4], *args[5:18], tables[18], tables[19])
+    return (_unfold_heads(out, n), _unfold_heads(lse, n)), (1, 1)
+
+
+@torch.library.register_vmap("relpos::rel_attention_backward")
+def _rel_attention_backward_vmap(info, in_dims, *args):
+    op = torch.ops.relpos.rel_attention_backward.default
+    args, in_dims = _with_defaults(op, args, in_dims)
+    if not _foldable(in_dims, (0, 1, 2, 3, 6, 7), attn_mask=args[16], dropout_p=args[14]):
+        return _vmap_loop(op, info, in_dims, args)
+    n, q, q_dim = info.batch_size, args[1], in_dims[1]
+    heads = q.shape[1 + (q_dim is not None and q_dim <= 1)]  # H, wherever q's N is
+    folded = [_fold_heads(t, d, n) for t, d in zip(args[:4], in_dims[:4])]
+    tables = {i: _table_for_heads(args[i], 1 if i == 21 else 2, n, heads) for i in (4, 5, 21, 22)}
+    out_lse = (_fold_heads(t, d, n) for t, d in zip(args[6:8], in_dims[6:8]))
+    grads = op(*folded, tables[4], tables[5], *out_lse, *args[8:21], tables[21], tables[22])
+    dq, dk, dv = (_unfold_heads(g, n) for g in grads[:3])
+    table_grads = []
+    for g, i in zip(grads[3:], (4, 5, 21, 22)):
+        if args[i] is None:
+            table_grads.append(g)  # the op's empty placeholder
+            continue
+        g = g.view(n, heads, *g.shape[1:])  # [n*H, ...] -> [n, H, ...]
+        table_grads.append(g.sum(1) if args[i].dim() == (1 if i == 21 else 2) else g)
+    out_dims = (1, 1, 1, *(None if args[i] is None else 0 for i in (4, 5, 21, 22)))
+    return (dq, dk, dv, *table_grads), out_dims
