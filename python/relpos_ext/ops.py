@@ -567,15 +567,17 @@ _register_autograd(
 
 
 
+
 # --------------------------------------------------------------------------- vmap
-# torch.vmap of rel_attention and its backward (also what torch.func.vmap(torch.func.grad(f))
-# runs: per-sample gradients). The vmapped dimension N joins the heads: N samples' [B, H, L, D]
-# become one call on [B, N*H, L, D], with per-head tables repeated N times. Head n*H + h reads
-# kv head n*Hkv + h // (H / Hkv), so grouped-query attention keeps its groups. The backward
-# makes every table per head, so that each sample gets its own table gradient. Anything else
-# batched (tables, masks, segment ids, the dropout seed), an attn_mask with a head dimension, or
-# dropout (its mask hashes the head index) runs the op once per sample, as torch's fallback
-# would, without its warning.
+# torch.vmap rules (also what torch.func.vmap(torch.func.grad(f)) runs: per-sample gradients).
+# The vmapped dimension N joins the heads: N samples' [B, H, L, D] become one call on
+# [B, N*H, L, D], with tables per head ([N*H, 2K+1, D]: repeated, or the samples' own). Head
+# n*H + h reads kv head n*Hkv + h // (H / Hkv), so grouped-query attention keeps its groups. The
+# backwards make every table per head, so that each sample gets its own table gradient. For
+# rel_attention, batched masks, segment ids or dropout seeds, an attn_mask with a head dimension,
+# or dropout (its mask hashes the head index) run the op once per sample instead, as torch's
+# fallback would, without its warning. rel_gather and skew take the samples as heads or as a
+# leading dimension.
 def _vmap_loop(op: Any, info: Any, in_dims: tuple, args: tuple) -> tuple[Any, Any]:
     """``op`` once per sample of the vmapped dimension, outputs stacked along dim 0."""
     outs = [
@@ -592,14 +594,6 @@ def _with_defaults(op: Any, args: tuple, in_dims: tuple) -> tuple[tuple, tuple]:
     return (*args, *(a.default_value for a in missing)), (*in_dims, *([None] * len(missing)))
 
 
-def _foldable(in_dims: tuple, heads_like: tuple[int, ...], attn_mask: Tensor | None,
-              dropout_p: float) -> bool:
-    """Whether only the arguments at ``heads_like`` are batched and the heads can take N."""
-    return (all(d is None for i, d in enumerate(in_dims) if i not in heads_like)
-            and (attn_mask is None or attn_mask.dim() == 2 or attn_mask.shape[1] == 1)
-            and dropout_p == 0)
-
-
 def _fold_heads(t: Tensor, dim: int | None, n: int) -> Tensor:
     """``[B, H, ...]`` batched at ``dim`` (or shared by the ``n`` samples) -> ``[B, n*H, ...]``."""
     t = t.movedim(dim, 1) if dim is not None else t.unsqueeze(1).expand(-1, n, *t.shape[1:])
@@ -611,26 +605,62 @@ def _unfold_heads(t: Tensor, n: int) -> Tensor:
     return t.view(t.shape[0], n, -1, *t.shape[2:])
 
 
-def _table_for_heads(t: Tensor | None, shared_dims: int, n: int, heads: int) -> Tensor | None:
-    """A table for the folded ``n * heads`` heads: per-head ``[H, ...]`` repeated ``n`` times;
-    a shared one (``shared_dims`` dims) as is, or, with ``heads``, expanded per head."""
-    if t is None or (t.dim() == shared_dims and not heads):
-        return t
-    if t.dim() == shared_dims:
-        return t.expand(n * heads, *t.shape)
-    return t.repeat(n, *([1] * shared_dims))
+def _heads_of(t: Tensor, dim: int | None) -> int:
+    """``H`` of a ``[B, H, ...]`` argument batched at ``dim``."""
+    return t.shape[1 + (dim is not None and dim <= 1)]
+
+
+def _shared(t: Tensor, dim: int | None, shared_dims: int) -> bool:
+    """Whether a table is shared by the heads (``shared_dims`` dims) rather than per head."""
+    return t.dim() - (dim is not None) == shared_dims
+
+
+def _table_for_heads(t: Tensor | None, dim: int | None, shared_dims: int, n: int, heads: int,
+                     keep_shared: bool = False) -> Tensor | None:
+    """A table for the ``n * heads`` folded heads, ``[n*H, ...]``, from a shared
+    (``shared_dims`` dims) or per-head ``[H, ...]`` table, batched at ``dim`` or common to the
+    samples; with ``keep_shared``, a common shared table stays as it is (a forward: no gradient
+    to split per sample)."""
+    if t is None:
+        return None
+    if dim is None:
+        if _shared(t, dim, shared_dims):
+            return t if keep_shared else t.expand(n * heads, *t.shape)
+        return t.repeat(n, *([1] * shared_dims))
+    t = t.movedim(dim, 0)
+    if _shared(t, 0, shared_dims):
+        t = t.unsqueeze(1).expand(n, heads, *t.shape[1:])
+    return t.reshape(n * heads, *t.shape[2:])
+
+
+def _table_grad(g: Tensor, t: Tensor, dim: int | None, shared_dims: int, n: int) -> Tensor:
+    """The folded heads' gradient ``[n*H, ...]`` of table ``t`` -> each sample's, dim 0."""
+    g = g.view(n, -1, *g.shape[1:])
+    return g.sum(1) if _shared(t, dim, shared_dims) else g
+
+
+def _foldable(in_dims: tuple, heads_like: tuple[int, ...], attn_mask: Tensor | None,
+              dropout_p: float) -> bool:
+    """Whether only the arguments at ``heads_like`` are batched and the heads can take N."""
+    return (all(d is None for i, d in enumerate(in_dims) if i not in heads_like)
+            and (attn_mask is None or attn_mask.dim() == 2 or attn_mask.shape[1] == 1)
+            and dropout_p == 0)
 
 
 @torch.library.register_vmap("relpos::rel_attention")
 def _rel_attention_vmap(info, in_dims, *args):
     op = torch.ops.relpos.rel_attention.default
     args, in_dims = _with_defaults(op, args, in_dims)
-    if not _foldable(in_dims, (0, 1, 2), attn_mask=args[13], dropout_p=args[11]):
+    tables = {3: 2, 4: 2, 18: 1, 19: 2}  # rel_k, rel_v, rel_bias, rel_q: their shared dims
+    if not _foldable(in_dims, (0, 1, 2, *tables), attn_mask=args[13], dropout_p=args[11]):
         return _vmap_loop(op, info, in_dims, args)
-    n = info.batch_size
-    qkv = (_fold_heads(t, d, n) for t, d in zip(args[:3], in_dims[:3]))
-    tables = {i: _table_for_heads(args[i], 1 if i == 18 else 2, n, 0) for i in (3, 4, 18, 19)}
-    out, lse = op(*qkv, tables[3], tables[4], *args[5:18], tables[18], tables[19])
+    n, heads = info.batch_size, _heads_of(args[0], in_dims[0])
+    new = list(args)
+    for i in (0, 1, 2):
+        new[i] = _fold_heads(args[i], in_dims[i], n)
+    for i, shared_dims in tables.items():
+        new[i] = _table_for_heads(args[i], in_dims[i], shared_dims, n, heads, keep_shared=True)
+    out, lse = op(*new)
     return (_unfold_heads(out, n), _unfold_heads(lse, n)), (1, 1)
 
 
@@ -638,21 +668,63 @@ def _rel_attention_vmap(info, in_dims, *args):
 def _rel_attention_backward_vmap(info, in_dims, *args):
     op = torch.ops.relpos.rel_attention_backward.default
     args, in_dims = _with_defaults(op, args, in_dims)
-    if not _foldable(in_dims, (0, 1, 2, 3, 6, 7), attn_mask=args[16], dropout_p=args[14]):
+    tables = {4: 2, 5: 2, 21: 1, 22: 2}  # rel_k, rel_v, rel_bias, rel_q: their shared dims
+    if not _foldable(in_dims, (0, 1, 2, 3, 6, 7, *tables), attn_mask=args[16],
+                     dropout_p=args[14]):
         return _vmap_loop(op, info, in_dims, args)
-    n, q, q_dim = info.batch_size, args[1], in_dims[1]
-    heads = q.shape[1 + (q_dim is not None and q_dim <= 1)]  # H, wherever q's N is
-    folded = [_fold_heads(t, d, n) for t, d in zip(args[:4], in_dims[:4])]
-    tables = {i: _table_for_heads(args[i], 1 if i == 21 else 2, n, heads) for i in (4, 5, 21, 22)}
-    out_lse = (_fold_heads(t, d, n) for t, d in zip(args[6:8], in_dims[6:8]))
-    grads = op(*folded, tables[4], tables[5], *out_lse, *args[8:21], tables[21], tables[22])
-    dq, dk, dv = (_unfold_heads(g, n) for g in grads[:3])
-    table_grads = []
-    for g, i in zip(grads[3:], (4, 5, 21, 22)):
-        if args[i] is None:
-            table_grads.append(g)  # the op's empty placeholder
-            continue
-        g = g.view(n, heads, *g.shape[1:])  # [n*H, ...] -> [n, H, ...]
-        table_grads.append(g.sum(1) if args[i].dim() == (1 if i == 21 else 2) else g)
-    out_dims = (1, 1, 1, *(None if args[i] is None else 0 for i in (4, 5, 21, 22)))
-    return (dq, dk, dv, *table_grads), out_dims
+    n, heads = info.batch_size, _heads_of(args[1], in_dims[1])
+    new = list(args)
+    for i in (0, 1, 2, 3, 6, 7):  # grad_out, q, k, v, out, lse
+        new[i] = _fold_heads(args[i], in_dims[i], n)
+    for i, shared_dims in tables.items():
+        new[i] = _table_for_heads(args[i], in_dims[i], shared_dims, n, heads)
+    grads = op(*new)
+    table_grads = [
+        g if args[i] is None else _table_grad(g, args[i], in_dims[i], shared_dims, n)
+        for g, (i, shared_dims) in zip(grads[3:], tables.items())
+    ]  # an absent table's gradient is the op's empty placeholder, not batched
+    out_dims = (1, 1, 1, *(None if args[i] is None else 0 for i in tables))
+    return (*(_unfold_heads(g, n) for g in grads[:3]), *table_grads), out_dims
+
+
+@torch.library.register_vmap("relpos::rel_logits")
+def _rel_logits_vmap(info, in_dims, q, table, *rest):
+    n, heads = info.batch_size, _heads_of(q, in_dims[0])
+    out = torch.ops.relpos.rel_logits.default(
+        _fold_heads(q, in_dims[0], n),
+        _table_for_heads(table, in_dims[1], 2, n, heads, keep_shared=True), *rest)
+    return _unfold_heads(out, n), 1
+
+
+@torch.library.register_vmap("relpos::rel_logits_backward")
+def _rel_logits_backward_vmap(info, in_dims, grad, q, table, *rest):
+    n, heads = info.batch_size, _heads_of(q, in_dims[1])
+    dq, dtable = torch.ops.relpos.rel_logits_backward.default(
+        _fold_heads(grad, in_dims[0], n), _fold_heads(q, in_dims[1], n),
+        _table_for_heads(table, in_dims[2], 2, n, heads), *rest)
+    return (_unfold_heads(dq, n), _table_grad(dtable, table, in_dims[2], 2, n)), (1, 0)
+
+
+@torch.library.register_vmap("relpos::rel_gather")
+def _rel_gather_vmap(info, in_dims, table, *rest):
+    # the samples' tables as heads: [N, 2K+1, D] or [N*H, 2K+1, D]
+    t = table.movedim(in_dims[0], 0)
+    out = torch.ops.relpos.rel_gather.default(t.reshape(-1, *t.shape[-2:]), *rest)
+    return out.view(*t.shape[:-2], *out.shape[1:]), 0
+
+
+@torch.library.register_vmap("relpos::rel_gather_backward")
+def _rel_gather_backward_vmap(info, in_dims, grad, *rest):
+    g = grad.movedim(in_dims[0], 0)
+    out = torch.ops.relpos.rel_gather_backward.default(g.reshape(-1, *g.shape[-3:]), *rest)
+    return out.view(*g.shape[:-3], *out.shape[1:]), 0
+
+
+@torch.library.register_vmap("relpos::skew")
+def _skew_vmap(info, in_dims, x, *rest):
+    return torch.ops.relpos.skew.default(x.movedim(in_dims[0], 0), *rest), 0
+
+
+@torch.library.register_vmap("relpos::skew_backward")
+def _skew_backward_vmap(info, in_dims, grad, *rest):
+    return torch.ops.relpos.skew_backward.default(grad.movedim(in_dims[0], 0), *rest), 0
