@@ -4,6 +4,7 @@ methods the interleaved rounds time, in which order, and how the verdicts take t
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -74,3 +75,13 @@ def test_verdicts_take_the_median_of_the_pairs(rounds) -> None:
     alone = {v["target"]: v for v in bench.target_verdicts(rows, None, {}, 64)}
     assert alone[f"fwd L={L}: ours / (6) SDPA time"]["value"] == pytest.approx(1.6)
     assert alone[f"fwd L={L}: ours / (6) SDPA time"]["verdict"] == "FAIL"
+
+
+def test_bench_per_sample_quick(tmp_path: Path) -> None:
+    """bench_per_sample.py --quick runs its three methods and writes one row each."""
+    per_sample = pytest.importorskip("bench_per_sample")
+    out = tmp_path / "per_sample.json"
+    assert per_sample.main(["--quick", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == list(per_sample.METHODS)
+    assert all(r["time_ms"] > 0 for r in rows) and rows[0]["ratio_vs_fold"] == 1.0
