@@ -37,6 +37,8 @@ IntLike = Any  # int, or torch.SymInt under torch.compile with dynamic shapes
 # only while one of its transforms is active (never while compiling: torch.compile traces the
 # op itself). Both run the same two functions, so there is one backward per op.
 _FUNC_FUNCTIONS: dict[Any, type[torch.autograd.Function]] = {}
+# private in torch (every version we admit has it); were it gone, no transform would be seen
+_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 
 def _register_autograd(op: Any, backward: Any, setup_context: Any) -> None:
@@ -66,7 +68,7 @@ def _register_autograd(op: Any, backward: Any, setup_context: Any) -> None:
 
 def _apply(op: Any, *args: Any) -> Any:
     """``op(*args)``, through its torch.func form while a torch.func transform is active."""
-    if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+    if not torch.compiler.is_compiling() and _transforms_active():
         return _FUNC_FUNCTIONS[op].apply(*args)
     return op(*args)
 
