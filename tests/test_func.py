@@ -273,3 +273,27 @@ def test_vmap_and_per_sample_grads_other_ops(cpu_isa, case, last):
         sample = [x if d is None else x.select(d, i) for x, d in zip(inputs, dims)]
         _assert_all_close([out[i]], [fn(*sample)])  # table sums: other order
         _assert_all_close([g[i] for g in grads], _autograd_grads(loss, sample))
+
+
+@pytest.mark.parametrize("padding", [False, True], ids=["fold", "loop"])
+def test_vmap_no_samples(loops, padding):
+    """Zero samples (a Poisson-sampled private batch can be empty): empty outputs and
+    gradients of the right shapes, on both paths of the rules."""
+    q, ek = _t(0, 2, 4, 5, 8), _t(4, 5, 8)
+    mask = torch.zeros(0, 2, 5, dtype=torch.bool) if padding else None
+
+    def loss(q, m, ek):
+        return relpos_ext.rel_attention(q, q, q, ek, ek[0], 2, key_padding_mask=m).sum()
+
+    mask_dim = 0 if padding else None
+    out = torch.func.vmap(lambda q, m: relpos_ext.rel_attention(q, q, q, ek, ek[0], 2,
+                                                                key_padding_mask=m),
+                          in_dims=(0, mask_dim))(q, mask)
+    dq, dek = torch.func.vmap(torch.func.grad(loss, argnums=(0, 2)),
+                              in_dims=(0, mask_dim, None))(q, mask, ek)
+    assert out.shape == dq.shape == q.shape and dek.shape == (0, *ek.shape)
+    assert (len(loops) > 0) == padding
+    for fn, x in [(lambda t: relpos_ext.rel_gather(t, 3, 4, 2), _t(0, 5, 8)),
+                  (relpos_ext.skew, _t(0, 3, 3, 5)),
+                  (lambda q: relpos_ext.rel_logits(q, ek[0], 2, 6), _t(0, 1, 2, 5, 8))]:
+        assert torch.func.vmap(torch.func.grad(lambda x: fn(x).sum()))(x).shape == x.shape

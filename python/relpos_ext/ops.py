@@ -582,6 +582,10 @@ _register_autograd(
 # leading dimension.
 def _vmap_loop(op: Any, info: Any, in_dims: tuple, args: tuple) -> tuple[Any, Any]:
     """``op`` once per sample of the vmapped dimension, outputs stacked along dim 0."""
+    if info.batch_size == 0:  # no samples: the outputs' shapes from one sample of zeros
+        one = op(*(a if d is None else a.new_zeros(a.shape[:d] + a.shape[d + 1:])
+                   for a, d in zip(args, in_dims)))
+        return tuple(t.new_empty((0, *t.shape)) for t in one), (0,) * len(one)
     outs = [
         op(*(a if d is None else a.select(d, n) for a, d in zip(args, in_dims)))
         for n in range(info.batch_size)
@@ -602,9 +606,9 @@ def _fold_heads(t: Tensor, dim: int | None, n: int) -> Tensor:
     return t.reshape(t.shape[0], -1, *t.shape[3:])
 
 
-def _unfold_heads(t: Tensor, n: int) -> Tensor:
+def _unfold_heads(t: Tensor, n: int, heads: int) -> Tensor:
     """``[B, n*H, ...]`` -> ``[B, n, H, ...]``: the vmapped dimension at 1."""
-    return t.view(t.shape[0], n, -1, *t.shape[2:])
+    return t.view(t.shape[0], n, heads, *t.shape[2:])
 
 
 def _heads_of(t: Tensor, dim: int | None) -> int:
@@ -635,9 +639,10 @@ def _table_for_heads(t: Tensor | None, dim: int | None, shared_dims: int, n: int
     return t.reshape(n * heads, *t.shape[2:])
 
 
-def _table_grad(g: Tensor, t: Tensor, dim: int | None, shared_dims: int, n: int) -> Tensor:
+def _table_grad(g: Tensor, t: Tensor, dim: int | None, shared_dims: int, n: int,
+                heads: int) -> Tensor:
     """The folded heads' gradient ``[n*H, ...]`` of table ``t`` -> each sample's, dim 0."""
-    g = g.view(n, -1, *g.shape[1:])
+    g = g.view(n, heads, *g.shape[1:])
     return g.sum(1) if _shared(t, dim, shared_dims) else g
 
 
@@ -663,7 +668,7 @@ def _rel_attention_vmap(info, in_dims, *args):
     for i, shared_dims in tables.items():
         new[i] = _table_for_heads(args[i], in_dims[i], shared_dims, n, heads, keep_shared=True)
     out, lse = op(*new)
-    return (_unfold_heads(out, n), _unfold_heads(lse, n)), (1, 1)
+    return (_unfold_heads(out, n, heads), _unfold_heads(lse, n, heads)), (1, 1)
 
 
 @torch.library.register_vmap("relpos::rel_attention_backward")
@@ -682,11 +687,13 @@ def _rel_attention_backward_vmap(info, in_dims, *args):
         new[i] = _table_for_heads(args[i], in_dims[i], shared_dims, n, heads)
     grads = op(*new)
     table_grads = [
-        g if args[i] is None else _table_grad(g, args[i], in_dims[i], shared_dims, n)
+        g if args[i] is None else _table_grad(g, args[i], in_dims[i], shared_dims, n, heads)
         for g, (i, shared_dims) in zip(grads[3:], tables.items())
     ]  # an absent table's gradient is the op's empty placeholder, not batched
     out_dims = (1, 1, 1, *(None if args[i] is None else 0 for i in tables))
-    return (*(_unfold_heads(g, n) for g in grads[:3]), *table_grads), out_dims
+    kv_heads = _heads_of(args[2], in_dims[2])
+    dq, dk, dv = (_unfold_heads(g, n, h) for g, h in zip(grads[:3], (heads, kv_heads, kv_heads)))
+    return (dq, dk, dv, *table_grads), out_dims
 
 
 @torch.library.register_vmap("relpos::rel_logits")
@@ -695,7 +702,7 @@ def _rel_logits_vmap(info, in_dims, q, table, *rest):
     out = torch.ops.relpos.rel_logits.default(
         _fold_heads(q, in_dims[0], n),
         _table_for_heads(table, in_dims[1], 2, n, heads, keep_shared=True), *rest)
-    return _unfold_heads(out, n), 1
+    return _unfold_heads(out, n, heads), 1
 
 
 @torch.library.register_vmap("relpos::rel_logits_backward")
@@ -704,7 +711,8 @@ def _rel_logits_backward_vmap(info, in_dims, grad, q, table, *rest):
     dq, dtable = torch.ops.relpos.rel_logits_backward.default(
         _fold_heads(grad, in_dims[0], n), _fold_heads(q, in_dims[1], n),
         _table_for_heads(table, in_dims[2], 2, n, heads), *rest)
-    return (_unfold_heads(dq, n), _table_grad(dtable, table, in_dims[2], 2, n)), (1, 0)
+    dtable = _table_grad(dtable, table, in_dims[2], 2, n, heads)
+    return (_unfold_heads(dq, n, heads), dtable), (1, 0)
 
 
 @torch.library.register_vmap("relpos::rel_gather")
