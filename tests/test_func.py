@@ -297,3 +297,23 @@ def test_vmap_no_samples(loops, padding):
                   (relpos_ext.skew, _t(0, 3, 3, 5)),
                   (lambda q: relpos_ext.rel_logits(q, ek[0], 2, 6), _t(0, 1, 2, 5, 8))]:
         assert torch.func.vmap(torch.func.grad(lambda x: fn(x).sum()))(x).shape == x.shape
+
+
+def test_vmap_empty_lengths(loops):
+    """Samples with no queries or no keys (L = 0) fold as any others."""
+    ek = _t(5, 8)
+    for lq, lk in [(0, 4), (3, 0), (0, 0)]:
+        q, k = _t(2, 1, 2, lq, 8), _t(2, 1, 2, lk, 8)
+
+        def loss(q, k, ek):
+            return relpos_ext.rel_attention(q, k, k, ek, ek, 2).sum()
+
+        dq, dk, dek = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)),
+                                      in_dims=(0, 0, None))(q, k, ek)
+        assert dq.shape == q.shape and dk.shape == k.shape and dek.shape == (2, *ek.shape)
+        assert not dq.any() and not dk.any() and not dek.any()
+        logits = torch.func.vmap(lambda q: relpos_ext.rel_logits(q, ek, 2, lk))(q)
+        assert logits.shape == (2, 1, 2, lq, lk)
+        dtable = torch.func.vmap(lambda g: relpos_ext.rel_gather_backward(g, 2))(_t(2, lq, lk, 8))
+        assert dtable.shape == (2, 5, 8)
+    assert not loops

@@ -603,7 +603,7 @@ def _with_defaults(op: Any, args: tuple, in_dims: tuple) -> tuple[tuple, tuple]:
 def _fold_heads(t: Tensor, dim: int | None, n: int) -> Tensor:
     """``[B, H, ...]`` batched at ``dim`` (or shared by the ``n`` samples) -> ``[B, n*H, ...]``."""
     t = t.movedim(dim, 1) if dim is not None else t.unsqueeze(1).expand(-1, n, *t.shape[1:])
-    return t.reshape(t.shape[0], -1, *t.shape[3:])
+    return t.reshape(t.shape[0], t.shape[1] * t.shape[2], *t.shape[3:])  # no -1: L may be 0
 
 
 def _unfold_heads(t: Tensor, n: int, heads: int) -> Tensor:
@@ -719,14 +719,16 @@ def _rel_logits_backward_vmap(info, in_dims, grad, q, table, *rest):
 def _rel_gather_vmap(info, in_dims, table, *rest):
     # the samples' tables as heads: [N, 2K+1, D] or [N*H, 2K+1, D]
     t = table.movedim(in_dims[0], 0)
-    out = torch.ops.relpos.rel_gather.default(t.reshape(-1, *t.shape[-2:]), *rest)
+    out = torch.ops.relpos.rel_gather.default(t.reshape(t.shape[:-2].numel(), *t.shape[-2:]),
+                                              *rest)
     return out.view(*t.shape[:-2], *out.shape[1:]), 0
 
 
 @torch.library.register_vmap("relpos::rel_gather_backward")
 def _rel_gather_backward_vmap(info, in_dims, grad, *rest):
     g = grad.movedim(in_dims[0], 0)
-    out = torch.ops.relpos.rel_gather_backward.default(g.reshape(-1, *g.shape[-3:]), *rest)
+    out = torch.ops.relpos.rel_gather_backward.default(
+        g.reshape(g.shape[:-3].numel(), *g.shape[-3:]), *rest)
     return out.view(*g.shape[:-3], *out.shape[1:]), 0
 
 
