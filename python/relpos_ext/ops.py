@@ -568,8 +568,6 @@ _register_autograd(
 )
 
 
-
-
 # --------------------------------------------------------------------------- vmap
 # torch.vmap rules (also what torch.func.vmap(torch.func.grad(f)) runs: per-sample gradients).
 # The vmapped dimension N joins the heads: N samples' [B, H, L, D] become one call on
