@@ -644,6 +644,16 @@ def _table_grad(g: Tensor, t: Tensor, dim: int | None, shared_dims: int, n: int,
     return g.sum(1) if _shared(t, dim, shared_dims) else g
 
 
+def _positions(op: Any, *names: str) -> tuple[int, ...]:
+    """Where ``op``'s schema (csrc/schemas.h) puts the arguments called ``names``."""
+    index = {a.name: i for i, a in enumerate(op._schema.arguments)}
+    return tuple(index[name] for name in names)
+
+
+_TABLES = ("rel_k", "rel_v", "rel_bias", "rel_q")
+_TABLE_SHARED_DIMS = (2, 2, 1, 2)  # each table's dims when the heads share it
+
+
 def _foldable(in_dims: tuple, heads_like: tuple[int, ...], attn_mask: Tensor | None,
               dropout_p: float) -> bool:
     """Whether only the arguments at ``heads_like`` are batched and the heads can take N."""
@@ -656,12 +666,14 @@ def _foldable(in_dims: tuple, heads_like: tuple[int, ...], attn_mask: Tensor | N
 def _rel_attention_vmap(info, in_dims, *args):
     op = torch.ops.relpos.rel_attention.default
     args, in_dims = _with_defaults(op, args, in_dims)
-    tables = {3: 2, 4: 2, 18: 1, 19: 2}  # rel_k, rel_v, rel_bias, rel_q: their shared dims
-    if not _foldable(in_dims, (0, 1, 2, *tables), attn_mask=args[13], dropout_p=args[11]):
+    tables = dict(zip(_positions(op, *_TABLES), _TABLE_SHARED_DIMS))
+    heads_like = _positions(op, "q", "k", "v")
+    mask, p = _positions(op, "attn_mask", "dropout_p")
+    if not _foldable(in_dims, (*heads_like, *tables), attn_mask=args[mask], dropout_p=args[p]):
         return _vmap_loop(op, info, in_dims, args)
     n, heads = info.batch_size, _heads_of(args[0], in_dims[0])
     new = list(args)
-    for i in (0, 1, 2):
+    for i in heads_like:
         new[i] = _fold_heads(args[i], in_dims[i], n)
     for i, shared_dims in tables.items():
         new[i] = _table_for_heads(args[i], in_dims[i], shared_dims, n, heads, keep_shared=True)
@@ -673,13 +685,14 @@ def _rel_attention_vmap(info, in_dims, *args):
 def _rel_attention_backward_vmap(info, in_dims, *args):
     op = torch.ops.relpos.rel_attention_backward.default
     args, in_dims = _with_defaults(op, args, in_dims)
-    tables = {4: 2, 5: 2, 21: 1, 22: 2}  # rel_k, rel_v, rel_bias, rel_q: their shared dims
-    if not _foldable(in_dims, (0, 1, 2, 3, 6, 7, *tables), attn_mask=args[16],
-                     dropout_p=args[14]):
+    tables = dict(zip(_positions(op, *_TABLES), _TABLE_SHARED_DIMS))
+    heads_like = _positions(op, "grad_out", "q", "k", "v", "out", "logsumexp")
+    mask, p = _positions(op, "attn_mask", "dropout_p")
+    if not _foldable(in_dims, (*heads_like, *tables), attn_mask=args[mask], dropout_p=args[p]):
         return _vmap_loop(op, info, in_dims, args)
     n, heads = info.batch_size, _heads_of(args[1], in_dims[1])
     new = list(args)
-    for i in (0, 1, 2, 3, 6, 7):  # grad_out, q, k, v, out, lse
+    for i in heads_like:
         new[i] = _fold_heads(args[i], in_dims[i], n)
     for i, shared_dims in tables.items():
         new[i] = _table_for_heads(args[i], in_dims[i], shared_dims, n, heads)
