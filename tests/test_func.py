@@ -1,5 +1,6 @@
 """torch.func transforms over the ops: grad, jacrev, vmap, and vmap over grad (per-sample
-gradients), against plain autograd through the same ops, sample by sample."""
+gradients), against plain autograd through the same ops, sample by sample; forward mode (jvp,
+jacfwd, torch.autograd.forward_ad) against forward mode through relpos_ext.reference."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 import relpos_ext
 from relpos_ext import ops
+from relpos_ext import reference as ref
 from relpos_ext.nn import RelativeMultiheadAttention
 
 F64 = torch.float64
@@ -82,8 +84,9 @@ def test_func_second_order(cpu_isa):
     att = lambda q: relpos_ext.rel_attention(q, k, v, t, t, 2).sin().sum()  # noqa: E731
     with pytest.raises(NotImplementedError, match="does not support double backward"):
         torch.func.grad(lambda q: torch.func.grad(att)(q).square().sum())(q)
-    with pytest.raises(NotImplementedError, match="jvp"):
-        torch.func.jvp(att, (q,), (q,))
+    # forward over reverse (torch.func.hessian) needs the backward's forward-mode derivative
+    with pytest.raises(NotImplementedError, match="rel_attention_backward has no forward-mode"):
+        torch.func.hessian(att)(q)
 
 
 # --------------------------------------------------------------------------- per-sample grads
@@ -317,3 +320,225 @@ def test_vmap_empty_lengths(loops):
         dtable = torch.func.vmap(lambda g: relpos_ext.rel_gather_backward(g, 2))(_t(2, lq, lk, 8))
         assert dtable.shape == (2, 5, 8)
     assert not loops
+
+
+# --------------------------------------------------------------------------- forward mode
+# rel_attention's option mixes: (q heads, kv heads, Lq, Lk, K, tables per head, options)
+JVP_CASES = {
+    "plain": (2, 2, 5, 6, 2, False, {}),
+    "per_head_causal_offsets": (4, 2, 6, 8, 3, True, {"causal": True, "q_offset": 3,
+                                                       "k_offset": 1}),
+    "k_beyond_lengths": (2, 1, 4, 3, 9, False, {"scale": 0.7}),
+    "no_buckets": (2, 2, 3, 5, 0, True, {}),
+    "masks_window_segments": (2, 2, 7, 6, 2, False, {
+        "window_left": 3, "window_right": 2,
+        "q_segment_ids": torch.tensor([[0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0]]),
+        "k_segment_ids": torch.tensor([[0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1]])}),
+    "padding_and_empty_rows": (2, 2, 5, 6, 2, True, {"causal": True, "k_offset": 2}),
+    "attn_mask_per_head": (4, 4, 6, 6, 2, False, {}),
+    "dropout": (2, 1, 9, 7, 2, True, {"dropout_p": 0.3, "dropout_seed": torch.tensor([11])}),
+}
+# which of (q, k, v, rel_k, rel_v, rel_bias, rel_q) carry a tangent
+JVP_TANGENTS = {"all": (True,) * 7, "q_and_tables": (True, False, False, True, True, True, True),
+                "k_v": (False, True, True, False, False, False, False)}
+
+
+def _jvp_case(name, b=2, d=8):
+    h, hkv, lq, lk, k, per_head, kw = JVP_CASES[name]
+    kw = {"max_distance": k, **kw}
+    if name == "padding_and_empty_rows":  # causal with k_offset 2: rows 0-1 see no key
+        pad = torch.zeros(b, lk, dtype=torch.bool)
+        pad[0, 3:] = True
+        kw["key_padding_mask"] = pad
+    if name == "attn_mask_per_head":
+        kw["attn_mask"] = torch.rand(b, h, lq, lk) < 0.4
+    table = lambda *s: _t(*((h,) if per_head else ()), 2 * k + 1, *s)  # noqa: E731
+    args = (_t(b, h, lq, d), _t(b, hkv, lk, d), _t(b, hkv, lk, d), table(d), table(d), table(),
+            table(d))
+    return args, kw
+
+
+def _attention(impl, kw):
+    names = ("rel_k", "rel_v", "rel_bias", "rel_q")
+
+    def fn(q, k, v, *tables):
+        out, lse = impl(q, k, v, **dict(zip(names, tables)), **kw, return_lse=True)
+        return out, lse
+    return fn
+
+
+@pytest.mark.parametrize("which", list(JVP_TANGENTS))
+@pytest.mark.parametrize("name", list(JVP_CASES))
+def test_jvp_rel_attention(cpu_isa, monkeypatch, name, which):
+    """torch.func.jvp and torch.autograd.forward_ad give the output tangent of forward mode
+    through the reference; blocks of 2 query rows (dropout's rows and the masks' rows are taken
+    per block). lse, non-differentiable as in reverse mode, gets no
+    tangent."""
+    torch.manual_seed(0)
+    args, kw = _jvp_case(name)
+    batch, heads, _, _ = args[0].shape
+    monkeypatch.setattr(ops, "_JVP_BLOCK_ENTRIES", 2 * batch * heads * args[1].shape[2])
+    ours, oracle = _attention(relpos_ext.rel_attention, kw), _attention(ref.shaw_attention, kw)
+    tangents = tuple(torch.randn_like(a) if keep else torch.zeros_like(a)
+                     for a, keep in zip(args, JVP_TANGENTS[which]))
+    (out, lse), (t_out, t_lse) = torch.func.jvp(ours, args, tangents)
+    (want_out, _), (want, _) = torch.func.jvp(oracle, args, tangents)
+    _assert_all_close([out, t_out], [want_out, want])
+    assert not t_lse.any()
+    with torch.autograd.forward_ad.dual_level():
+        duals = [torch.autograd.forward_ad.make_dual(a, t) if keep else a
+                 for a, t, keep in zip(args, tangents, JVP_TANGENTS[which])]
+        out, lse = ours(*duals)
+        got = torch.autograd.forward_ad.unpack_dual(out).tangent
+        assert torch.autograd.forward_ad.unpack_dual(lse).tangent is None
+    _assert_all_close([got], [want])
+
+
+def _exception_chain(e):
+    while e is not None:
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def test_jvp_under_torch_compile():
+    """torch.compile would trace the op with a zero tangent, silently: instead the op breaks
+    the graph and runs eagerly with its jvp, and fullgraph=True fails saying why. A dual
+    tensor passed into a compiled function gets its tangent too."""
+    torch._dynamo.reset()
+    args, kw = _jvp_case("plain", b=1, d=4)
+    q, rest = args[0], args[1:]
+    tq = torch.randn_like(q)
+    fn = lambda q: _attention(relpos_ext.rel_attention, kw)(q, *rest)[0]  # noqa: E731
+    _, want = torch.func.jvp(lambda q: _attention(ref.shaw_attention, kw)(q, *rest)[0], (q,),
+                             (tq,))
+    jvp = lambda q: torch.func.jvp(fn, (q,), (tq,))[1]  # noqa: E731
+    _assert_all_close([torch.compile(jvp, backend="eager")(q)], [want])
+    with torch.autograd.forward_ad.dual_level():
+        out = torch.compile(fn, backend="eager")(torch.autograd.forward_ad.make_dual(q, tq))
+        _assert_all_close([torch.autograd.forward_ad.unpack_dual(out).tangent], [want])
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        torch.compile(lambda q: torch.func.jvp(fn, (q,), (tq,))[1], backend="eager",
+                      fullgraph=True)(q)
+    assert any("forward-mode AD" in str(e) for e in _exception_chain(info.value))
+    torch._dynamo.reset()
+
+
+def test_jacfwd_rel_attention(cpu_isa):
+    """jacfwd (vmap over the jvp) is jacrev: forward and reverse mode agree."""
+    args, kw = _jvp_case("per_head_causal_offsets", b=1, d=4)
+    for argnum in range(7):
+        fn = lambda *xs: _attention(relpos_ext.rel_attention, kw)(*xs)[0]  # noqa: E731
+        _assert_all_close([torch.func.jacfwd(fn, argnums=argnum)(*args)],
+                          [torch.func.jacrev(fn, argnums=argnum)(*args)])
+
+
+def test_grad_of_jvp_rel_attention(cpu_isa):
+    """Reverse over forward (torch.func.grad of a jvp, as the JVP-regularised losses of
+    consistency and MeanFlow models take it): the jvp's own ops are differentiated."""
+    args, kw = _jvp_case("per_head_causal_offsets", b=1, d=4)
+    tangents = tuple(torch.randn_like(a) for a in args)
+
+    def loss(impl):
+        fn = lambda *xs: _attention(impl, kw)(*xs)[0]  # noqa: E731
+        return lambda *xs: torch.func.jvp(fn, xs, tangents)[1].sin().sum()
+
+    argnums = tuple(range(len(args)))
+    _assert_all_close(torch.func.grad(loss(relpos_ext.rel_attention), argnums=argnums)(*args),
+                      torch.func.grad(loss(ref.shaw_attention), argnums=argnums)(*args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_jvp_rel_attention_low_precision(cpu_isa, dtype):
+    """Tangents of float32/bfloat16/float16 calls (computed in float32) against the float64
+    reference on the same rounded inputs."""
+    args, kw = _jvp_case("per_head_causal_offsets", d=64)
+    args = tuple(a.to(dtype) for a in args)
+    tangents = tuple(torch.randn_like(a) for a in args)
+    _, (t_out, _) = torch.func.jvp(_attention(relpos_ext.rel_attention, kw), args, tangents)
+    _, (want, _) = torch.func.jvp(_attention(ref.shaw_attention, kw),
+                                  tuple(a.double() for a in args),
+                                  tuple(t.double() for t in tangents))
+    assert t_out.dtype == dtype
+    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}[dtype]
+    torch.testing.assert_close(t_out.double(), want, atol=tol * want.abs().max().item(), rtol=tol)
+
+
+def test_jvp_module(cpu_isa):
+    """torch.func.jvp through the layer, with respect to its input and to all its parameters,
+    against the plain-PyTorch reference layer with the same parameters."""
+    torch.manual_seed(0)
+    kw = dict(embed_dim=16, num_heads=4, max_distance=3, num_kv_heads=2, per_head_tables=True,
+              rel_bias=True, dtype=F64)
+    layer = RelativeMultiheadAttention(**kw)
+    oracle = ref.RelativeMultiheadAttentionReference(**kw)
+    oracle.load_state_dict(layer.state_dict())
+    params = {name: p.detach() for name, p in layer.named_parameters()}
+    tangents = {name: torch.randn_like(p) for name, p in params.items()}
+    x, tx = _t(2, 7, 16), _t(2, 7, 16)
+
+    def run(module):
+        def fn(params, x):
+            out = torch.func.functional_call(module, params, (x, x, x), {"is_causal": True})
+            return out[0] if isinstance(out, tuple) else out
+        return torch.func.jvp(fn, (params, x), (tangents, tx))
+
+    _assert_all_close(run(layer), run(oracle))
+
+
+def _ref_adjoint(fn, *primals):
+    """The adjoint of the reference's linear map fn at primals: g -> vjp(fn, *primals)(g)."""
+    return lambda g: torch.func.vjp(fn, *primals)[1](g)
+
+
+# op -> (our op, the reference, shapes of its inputs)
+JVP_OPS = {
+    "rel_gather": (lambda t: relpos_ext.rel_gather(t, 4, 6, 2, 1, 0),
+                   lambda t: ref.rel_gather(t, 4, 6, 2, 1, 0), [(2, 5, 3)]),
+    "skew": (relpos_ext.skew, ref.skew, [(2, 4, 9)]),
+    "skew_causal": (lambda x: relpos_ext.skew(x, True), lambda x: ref.skew(x, True),
+                    [(2, 4, 4)]),
+    "rel_logits": (lambda q, t: relpos_ext.rel_logits(q, t, 2, 7, 0, 1),
+                   lambda q, t: ref.rel_logits(q, t, 2, 7, 0, 1), [(2, 2, 4, 5), (2, 5, 5)]),
+    "rel_gather_backward": (
+        lambda g: relpos_ext.rel_gather_backward(g, 2, 0, 1),
+        lambda g: _ref_adjoint(lambda t: ref.rel_gather(t, 4, 6, 2, 0, 1), _t(5, 3))(g)[0],
+        [(4, 6, 3)]),
+    "skew_backward": (relpos_ext.skew_backward,
+                      lambda g: _ref_adjoint(ref.skew, _t(2, 4, 9))(g)[0], [(2, 4, 6)]),
+    "rel_logits_backward": (
+        lambda g, q, t: _flat(relpos_ext.rel_logits_backward(g, q, t, 2, 1, 0)),
+        lambda g, q, t: _flat(_ref_adjoint(lambda q, t: ref.rel_logits(q, t, 2, 6, 1, 0),
+                                           q, t)(g)),
+        [(2, 2, 4, 6), (2, 2, 4, 5), (2, 5, 5)]),
+}
+
+
+@pytest.mark.parametrize("case", list(JVP_OPS))
+def test_jvp_other_ops(cpu_isa, case):
+    """Forward mode through rel_gather, skew, rel_logits and their backwards (whose jvp makes
+    forward-over-reverse second derivatives work: torch.func.hessian)."""
+    fn, oracle, shapes = JVP_OPS[case]
+    primals = tuple(_t(*s) for s in shapes)
+    tangents = tuple(_t(*s) for s in shapes)
+    _, got = torch.func.jvp(fn, primals, tangents)
+    _, want = torch.func.jvp(oracle, primals, tangents)
+    _assert_all_close([got], [want])
+    with torch.autograd.forward_ad.dual_level():
+        duals = [torch.autograd.forward_ad.make_dual(p, t) for p, t in zip(primals, tangents)]
+        _assert_all_close([torch.autograd.forward_ad.unpack_dual(fn(*duals)).tangent], [want])
+
+
+def test_hessian_rel_logits(cpu_isa):
+    q, t = _t(1, 2, 3, 4), _t(2, 5, 4)
+    loss = lambda q, t: relpos_ext.rel_logits(q, t, 2, 5).sin().sum()  # noqa: E731
+    want = lambda q, t: ref.rel_logits(q, t, 2, 5).sin().sum()  # noqa: E731
+    for argnum in (0, 1):
+        _assert_all_close([torch.func.hessian(loss, argnums=argnum)(q, t)],
+                          [torch.func.hessian(want, argnums=argnum)(q, t)])
+
+
+def test_dropout_keep_row_start():
+    """A block of rows of the dropout mask, alone, is those rows of the whole mask."""
+    whole = ref.dropout_keep(5, 2, 3, 9, 7, 0.4)
+    torch.testing.assert_close(ref.dropout_keep(5, 2, 3, 4, 7, 0.4, row_start=3), whole[:, :, 3:7])

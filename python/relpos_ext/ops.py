@@ -12,8 +12,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad as _fwAD
 
 from . import _C  # noqa: F401  (loading the module registers torch.ops.relpos.*)
+from . import reference
 
 __all__ = [
     "rel_gather",
@@ -31,23 +33,36 @@ IntLike = Any  # int, or torch.SymInt under torch.compile with dynamic shapes
 
 # torch.library.register_autograd builds an autograd.Function whose forward takes ctx, a form
 # torch.func's transforms (grad, vjp, jacrev, vmap over grad: per-sample gradients) refuse
-# ("must override the setup_context staticmethod", pytorch/pytorch#168393). So each op's
+# ("must override the setup_context staticmethod", pytorch/pytorch#168393), and it has no
+# forward-mode derivative: a dual tensor's tangent was silently dropped. So each op's
 # setup_context and backward are registered twice: with torch.library, for autograd,
 # torch.compile and opcheck, and in a Function of the form torch.func takes, which _apply uses
-# only while one of its transforms is active (never while compiling: torch.compile traces the
-# op itself). Both run the same two functions, so there is one backward per op.
+# only while one of its transforms or forward-mode AD (torch.autograd.forward_ad) is active
+# (never while compiling: torch.compile traces the op itself). Both run the same two functions,
+# so there is one backward per op. The Function also carries the op's jvp, where it has one.
 _FUNC_FUNCTIONS: dict[Any, type[torch.autograd.Function]] = {}
 # private in torch (every version we admit has it); were it gone, no transform would be seen
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+_SAVED = object()  # marks, in a Function's ctx.jvp_values, an entry kept by save_for_forward
 
 
-def _register_autograd(op: Any, backward: Any, setup_context: Any) -> None:
+def _forward_ad_active() -> bool:
+    """Whether a ``torch.autograd.forward_ad.dual_level`` is open (a module global of torch's)."""
+    return getattr(_fwAD, "_current_level", -1) >= 0
+
+
+def _register_autograd(op: Any, backward: Any, setup_context: Any, jvp: Any = None) -> None:
     """``torch.library.register_autograd(op, backward, setup_context=...)``, and the same two
-    functions as ``op``'s Function for torch.func (:func:`_apply`)."""
+    functions as ``op``'s Function for torch.func and forward-mode AD (:func:`_apply`).
+
+    ``jvp(inputs, outputs, tangents)`` gives the outputs' tangents (a tuple when the op returns
+    one) from the inputs' (None where an input has none); without it forward-mode AD through
+    ``op`` raises."""
     torch.library.register_autograd(op, backward, setup_context=setup_context)
+    name = op._opname
 
     class _Function(torch.autograd.Function):
-        generate_vmap_rule = True  # vmap of forward/backward: the ops' own batching
+        generate_vmap_rule = True  # vmap of forward/backward/jvp: the ops' own batching
 
         @staticmethod
         def forward(*args: Any) -> Any:
@@ -57,20 +72,73 @@ def _register_autograd(op: Any, backward: Any, setup_context: Any) -> None:
         @staticmethod
         def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
             setup_context(ctx, inputs, output)
+            # jvp reads inputs and outputs back from save_for_forward (saved_tensors there);
+            # the rest of them, non-tensors or None, ride in ctx.jvp_values.
+            values = (*inputs, *(output if isinstance(output, tuple) else (output,)))
+            ctx.jvp_values = tuple(_SAVED if isinstance(x, Tensor) else x for x in values)
+            ctx.jvp_inputs = len(inputs)
+            ctx.save_for_forward(*(x for x in values if isinstance(x, Tensor)))
 
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> Any:
             return backward(ctx, *grads)
 
-    _Function.__name__ = f"{op._opname}_function"
+        @staticmethod
+        def jvp(ctx: Any, *tangents: Any) -> Any:
+            if jvp is None:
+                raise NotImplementedError(
+                    f"relpos::{name} has no forward-mode derivative (torch.func.jvp, jacfwd, "
+                    "torch.autograd.forward_ad): it is a gradient, and second derivatives of "
+                    "rel_attention are not implemented; use relpos_ext.reference.shaw_attention"
+                )
+            saved = iter(ctx.saved_tensors)
+            values = tuple(next(saved) if x is _SAVED else x for x in ctx.jvp_values)
+            return jvp(values[:ctx.jvp_inputs], values[ctx.jvp_inputs:], tangents)
+
+    _Function.__name__ = f"{name}_function"
     _FUNC_FUNCTIONS[op] = _Function
 
 
 def _apply(op: Any, *args: Any) -> Any:
-    """``op(*args)``, through its torch.func form while a torch.func transform is active."""
-    if not torch.compiler.is_compiling() and _transforms_active():
+    """``op(*args)``, through its Function while a torch.func transform or forward AD is active."""
+    if torch.compiler.is_compiling():
+        if _forward_ad_active():
+            # Traced, the op would get a zero tangent (a torch.library op has no forward-mode
+            # formula), silently. Raising makes Dynamo break the graph here and run the op
+            # eagerly, through its Function; under fullgraph=True the compile fails with this.
+            raise NotImplementedError(
+                f"{op._opname}: forward-mode AD (torch.func.jvp, jacfwd, forward_ad) of a relpos "
+                "op cannot be traced by torch.compile; without fullgraph=True the op runs "
+                "eagerly, or call torch.func.jvp outside torch.compile"
+            )
+        return op(*args)
+    if _transforms_active() or _forward_ad_active():
         return _FUNC_FUNCTIONS[op].apply(*args)
     return op(*args)
+
+
+def _add(*terms: Tensor | None) -> Tensor | None:
+    """The sum of the terms that are not None (None if all are): tangents of absent inputs."""
+    present = [t for t in terms if t is not None]
+    return sum(present[1:], present[0]) if present else None
+
+
+def _concat_pairs(pairs: list) -> tuple[Tensor | None, Tensor | None]:
+    """``sum_p x_p . y_p`` as one product ``[x_1 | x_2 ..] . [y_1 | y_2 ..]``: the pairs with
+    both factors present, concatenated along the features (None, None if there are none)."""
+    pairs = [(x, y) for x, y in pairs if x is not None and y is not None]
+    if len(pairs) <= 1:
+        return pairs[0] if pairs else (None, None)
+    return torch.cat([x for x, _ in pairs], -1), torch.cat([y for _, y in pairs], -1)
+
+
+def _linear_jvp(op: Any) -> Any:
+    """The jvp of an op linear in its first argument (rel_gather, skew and their adjoints).
+    Like every jvp here it calls the ops through _apply, so that transforms above the jvp
+    (torch.func.grad of a jvp: reverse over forward) differentiate them."""
+    def jvp(inputs: tuple, outputs: tuple, tangents: tuple) -> Tensor | None:
+        return None if tangents[0] is None else _apply(op, tangents[0], *inputs[1:])
+    return jvp
 
 
 # --------------------------------------------------------------------------- rel_gather
@@ -145,12 +213,14 @@ def _rel_gather_backward_bwd(ctx, ggrad: Tensor):
 
 
 _register_autograd(
-    torch.ops.relpos.rel_gather.default, _rel_gather_bwd, setup_context=_rel_gather_setup
+    torch.ops.relpos.rel_gather.default, _rel_gather_bwd, setup_context=_rel_gather_setup,
+    jvp=_linear_jvp(torch.ops.relpos.rel_gather.default),
 )
 _register_autograd(
     torch.ops.relpos.rel_gather_backward.default,
     _rel_gather_backward_bwd,
     setup_context=_rel_gather_backward_setup,
+    jvp=_linear_jvp(torch.ops.relpos.rel_gather_backward.default),
 )
 
 
@@ -204,11 +274,13 @@ _register_autograd(
     torch.ops.relpos.skew.default,
     lambda ctx, g: (skew_backward(g, ctx.causal), None),
     setup_context=_skew_setup,
+    jvp=_linear_jvp(torch.ops.relpos.skew.default),
 )
 _register_autograd(
     torch.ops.relpos.skew_backward.default,
     lambda ctx, g: (skew(g, ctx.causal), None),
     setup_context=_skew_setup,
+    jvp=_linear_jvp(torch.ops.relpos.skew_backward.default),
 )
 
 
@@ -318,13 +390,34 @@ def _rel_logits_backward_bwd(ctx, ddq: Tensor | None, ddtable: Tensor | None):
     return dgrad, dq, dtable, None, None, None
 
 
+def _rel_logits_jvp(inputs: tuple, outputs: tuple, tangents: tuple) -> Tensor | None:
+    # bilinear in (q, table)
+    q, table, *rest = inputs
+    tq, ttable = tangents[:2]
+    return _add(None if tq is None else rel_logits(tq, table, *rest),
+                None if ttable is None else rel_logits(q, ttable, *rest))
+
+
+def _rel_logits_backward_jvp(inputs: tuple, outputs: tuple, tangents: tuple):
+    # dq is bilinear in (grad, table), dtable in (grad, q)
+    grad, q, table, *rest = inputs
+    tgrad, tq, ttable = tangents[:3]
+    op = rel_logits_backward
+    by_grad = (None, None) if tgrad is None else op(tgrad, q, table, *rest)
+    dq = None if ttable is None else op(grad, q, ttable, *rest)[0]
+    dtable = None if tq is None else op(grad, tq, table, *rest)[1]
+    return _add(by_grad[0], dq), _add(by_grad[1], dtable)
+
+
 _register_autograd(
-    torch.ops.relpos.rel_logits.default, _rel_logits_bwd, setup_context=_rel_logits_setup
+    torch.ops.relpos.rel_logits.default, _rel_logits_bwd, setup_context=_rel_logits_setup,
+    jvp=_rel_logits_jvp,
 )
 _register_autograd(
     torch.ops.relpos.rel_logits_backward.default,
     _rel_logits_backward_bwd,
     setup_context=_rel_logits_backward_setup,
+    jvp=_rel_logits_backward_jvp,
 )
 
 
@@ -375,6 +468,10 @@ def rel_attention(
     only where the user allows float32 matmuls in bfloat16:
     ``torch.set_float32_matmul_precision("medium")``, or
     ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``, as torch's own CPU matmuls do.
+    Forward mode (``torch.func.jvp``, ``jacfwd``, ``torch.autograd.forward_ad``) computes the
+    output's tangent in eager PyTorch by blocks of query rows (no fused kernel: about 11x the
+    forward's time, never ``[Lq, Lk, D]``); the log-sum-exp, non-differentiable, gets none.
+    Second derivatives (grad of grad, ``hessian``) raise ``NotImplementedError``.
 
     Args:
         q: ``[B, H, Lq, D]``.
@@ -545,8 +642,105 @@ def _rel_attention_bwd(ctx, grad_out: Tensor, _grad_lse: Tensor | None):
             drq if rel_q is not None else None)
 
 
+# Forward-mode derivative (torch.func.jvp, jacfwd, torch.autograd.forward_ad), in eager PyTorch
+# by blocks of query rows: no fused kernel computes it yet. With s the scaled, masked logits,
+# p = softmax(s), f the dropout factors, x_ij = v_j + rel_v[b(i, j)] and ts the logits' tangent
+# (bilinear: each factor's tangent against the others),
+#     c_i = sum_j p_ij ts_ij  (the tangent of lse, which like its gradient is not given:
+#                              lse is marked non-differentiable),
+#     t_out_i = sum_j f_ij p_ij ((ts_ij - c_i) x_ij + tv_j + t_rel_v[b(i, j)]).
+# The sums over rel_v rows are rel_logits_backward's dq (sum_j g_ij table[b(i, j)]) and
+# k_j . rel_q[b(i, j)] is rel_logits from the keys' side with the table's rows reversed
+# (bucket 2K - b), so nothing [Lq, Lk, D] is built. A block holds a few [B, H, rows, Lk]
+# tensors of at most _JVP_BLOCK_ENTRIES entries each, in float32 (float64 for float64 inputs).
+_JVP_BLOCK_ENTRIES = 1 << 20
+
+
+def _rel_attention_jvp(inputs: tuple, outputs: tuple, tangents: tuple):
+    (q, k, v, rel_k, rel_v, max_distance, causal, scale, q_offset, k_offset, mask, dropout_p,
+     seed, attn_mask, q_seg, k_seg, window_left, window_right, rel_bias, rel_q) = inputs
+    out, lse = outputs
+    tq, tk, tv, trk, trv = tangents[:5]
+    trb, trq = tangents[18:20]
+    if all(t is None for t in (tq, tk, tv, trk, trv, trb, trq)):
+        return None, None
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    batch, heads, q_len, dim = q.shape
+    k_len = k.shape[2]
+    group = heads // k.shape[1] if k.shape[1] else 1
+    scale = dim**-0.5 if scale is None else scale
+
+    def cast(t: Tensor | None, flip: bool = False) -> Tensor | None:
+        return None if t is None else (t.to(acc).flip(-2) if flip else t.to(acc))
+
+    def heads_of_q(t: Tensor | None) -> Tensor | None:  # grouped-query attention
+        if t is None:
+            return None
+        return t.to(acc) if group == 1 else t.to(acc).repeat_interleave(group, dim=1)
+
+    k_, v_, tk_, tv_ = heads_of_q(k), heads_of_q(v), heads_of_q(tk), heads_of_q(tv)
+    rk, rv, rb, trk_, trv_, trb_ = map(cast, (rel_k, rel_v, rel_bias, trk, trv, trb))
+    rq, trq_ = cast(rel_q, flip=True), cast(trq, flip=True)
+    logits, adjoint = rel_logits, rel_logits_backward  # through _apply: transforms above jvp
+    rows = max(1, _JVP_BLOCK_ENTRIES // max(1, batch * heads * k_len))
+    t_out = []
+    for i0 in range(0, q_len, rows):
+        n = min(rows, q_len - i0)
+        q_pos = q_offset + i0
+
+        def raw(dense: list, by_rel_k: list, by_rel_q: list) -> Tensor | None:
+            """sum a . b + sum a . ek[bucket] + sum b . eq[bucket] over the three lists' pairs
+            (a: this block's queries, b: keys), each sum one product of concatenated factors."""
+            (a, b), (a2, ek), (b2, eq) = map(_concat_pairs, (dense, by_rel_k, by_rel_q))
+            return _add(
+                None if a is None else a @ b.transpose(-1, -2),
+                None if a2 is None else logits(a2, ek, max_distance, k_len, q_pos, k_offset),
+                None if b2 is None else logits(b2, eq, max_distance, n, k_offset,
+                                               q_pos).transpose(-1, -2),
+            )
+
+        qb = q[:, :, i0:i0 + n].to(acc)
+        tqb = None if tq is None else tq[:, :, i0:i0 + n].to(acc)
+        buckets = reference.shaw_buckets(n, k_len, max_distance, q_pos, k_offset, q.device)
+        s = raw([(qb, k_)], [(qb, rk)], [(k_, rq)]) * scale
+        ts = raw([(tqb, k_), (qb, tk_)], [(tqb, rk), (qb, trk_)], [(tk_, rq), (k_, trq_)])
+        ts = None if ts is None else ts * scale
+        if rb is not None:
+            s = s + rb[..., buckets]
+        if trb_ is not None:
+            ts = _add(ts, trb_[..., buckets])
+        block_mask = None if attn_mask is None else attn_mask[..., i0:i0 + n, :]
+        visible = reference.visible_keys(
+            batch, n, k_len, causal, q_pos, k_offset, mask, q.device, block_mask,
+            None if q_seg is None else q_seg[:, i0:i0 + n], k_seg, window_left, window_right)
+        any_visible = visible.any(-1, keepdim=True)
+        p = torch.softmax(s.masked_fill(~visible, float("-inf")).masked_fill(~any_visible, 0.0),
+                          dim=-1) * any_visible
+        if dropout_p > 0:
+            pd = p * reference.dropout_factors(seed, batch, heads, n, k_len, dropout_p, q.device,
+                                               acc, row_start=i0)
+        else:
+            pd = p
+        terms = []
+        if ts is not None:
+            ts = torch.where(visible, ts, 0.0)
+            w = pd * (ts - (p * ts).sum(-1, keepdim=True))
+            terms.append(w @ v_)
+            if rv is not None:
+                terms.append(adjoint(w, qb, rv, max_distance, q_pos, k_offset)[0])
+        if tv_ is not None:
+            terms.append(pd @ tv_)
+        if trv_ is not None:
+            terms.append(adjoint(pd, qb, trv_, max_distance, q_pos, k_offset)[0])
+        t_out.append(_add(*terms) if terms else torch.zeros_like(qb))
+    if not t_out:  # no queries
+        return torch.zeros_like(out), None
+    return torch.cat(t_out, dim=2).to(out.dtype), None
+
+
 _register_autograd(
-    torch.ops.relpos.rel_attention.default, _rel_attention_bwd, setup_context=_rel_attention_setup
+    torch.ops.relpos.rel_attention.default, _rel_attention_bwd, setup_context=_rel_attention_setup,
+    jvp=_rel_attention_jvp,
 )
 
 
