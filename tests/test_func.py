@@ -529,6 +529,18 @@ def test_jvp_other_ops(cpu_isa, case):
         _assert_all_close([torch.autograd.forward_ad.unpack_dual(fn(*duals)).tangent], [want])
 
 
+@pytest.mark.parametrize("name", ["per_head_causal_offsets", "dropout"])
+def test_gradcheck_forward_ad_rel_attention(cpu_isa, name):
+    """torch.autograd.gradcheck's forward-mode check: the jvp's Jacobian against finite
+    differences (its batched form runs torch's legacy vmap, which lacks rules for slicing;
+    test_jacfwd_rel_attention vmaps the jvp with torch.func)."""
+    args, kw = _jvp_case(name, b=1, d=4)
+    args = tuple(a.requires_grad_() for a in args)
+    fn = lambda *xs: _attention(relpos_ext.rel_attention, kw)(*xs)[0]  # noqa: E731
+    assert torch.autograd.gradcheck(fn, args, check_forward_ad=True, check_backward_ad=False,
+                                    check_undefined_grad=False)
+
+
 def test_hessian_rel_logits(cpu_isa):
     q, t = _t(1, 2, 3, 4), _t(2, 5, 4)
     loss = lambda q, t: relpos_ext.rel_logits(q, t, 2, 5).sin().sum()  # noqa: E731

@@ -38,8 +38,9 @@ IntLike = Any  # int, or torch.SymInt under torch.compile with dynamic shapes
 # setup_context and backward are registered twice: with torch.library, for autograd,
 # torch.compile and opcheck, and in a Function of the form torch.func takes, which _apply uses
 # only while one of its transforms or forward-mode AD (torch.autograd.forward_ad) is active
-# (never while compiling: torch.compile traces the op itself). Both run the same two functions,
-# so there is one backward per op. The Function also carries the op's jvp, where it has one.
+# (never while compiling: torch.compile traces the op itself, and where forward-mode AD is
+# active there, _apply breaks the graph). Both run the same two functions, so there is one
+# backward per op. The Function also carries the op's jvp, where it has one.
 _FUNC_FUNCTIONS: dict[Any, type[torch.autograd.Function]] = {}
 # private in torch (every version we admit has it); were it gone, no transform would be seen
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
