@@ -91,3 +91,17 @@ def test_fma_peak(monkeypatch):
         assert 5 < rate < 400
     monkeypatch.setenv("RELPOS_CPU_ISA", "scalar")
     assert _C._fma_peak_gflops(1, 0.05) is None
+
+
+def test_nested_tensors_say_what_to_do():
+    """Nested (jagged) tensors: a message pointing at segment ids or padding, not the
+    dispatcher's bare 'NotImplementedError: relpos.rel_attention.default'."""
+    def jagged(*lengths):
+        return torch.nested.nested_tensor([torch.randn(2, n, 8) for n in lengths],
+                                          layout=torch.jagged)
+
+    q, table = jagged(3, 5), torch.randn(5, 8)
+    with pytest.raises(NotImplementedError, match="nested .* q_segment_ids"):
+        relpos_ext.rel_attention(q, q, q, table, table, 2)
+    with pytest.raises(NotImplementedError, match="relpos::rel_logits does not take nested"):
+        relpos_ext.rel_logits(q, table, 2, 5)
