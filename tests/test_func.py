@@ -337,6 +337,10 @@ JVP_CASES = {
     "padding_and_empty_rows": (2, 2, 5, 6, 2, True, {"causal": True, "k_offset": 2}),
     "attn_mask_per_head": (4, 4, 6, 6, 2, False, {}),
     "dropout": (2, 1, 9, 7, 2, True, {"dropout_p": 0.3, "dropout_seed": torch.tensor([11])}),
+    # blocks see only some keys: their columns of the dropout mask
+    "causal_window_dropout": (2, 2, 9, 11, 2, False, {
+        "causal": True, "window_left": 3, "k_offset": -2, "dropout_p": 0.4,
+        "dropout_seed": torch.tensor([5])}),
 }
 # which of (q, k, v, rel_k, rel_v, rel_bias, rel_q) carry a tangent
 JVP_TANGENTS = {"all": (True,) * 7, "q_and_tables": (True, False, False, True, True, True, True),

@@ -477,8 +477,9 @@ def rel_attention(
     ``torch.set_float32_matmul_precision("medium")``, or
     ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``, as torch's own CPU matmuls do.
     Forward mode (``torch.func.jvp``, ``jacfwd``, ``torch.autograd.forward_ad``) computes the
-    output's tangent in eager PyTorch by blocks of query rows (no fused kernel: about 11x the
-    forward's time, never ``[Lq, Lk, D]``); the log-sum-exp, non-differentiable, gets none.
+    output's tangent in eager PyTorch by blocks of query rows (no fused kernel: 9-16x the
+    forward's time at L = 512-8192, never ``[Lq, Lk, D]``); the log-sum-exp,
+    non-differentiable, gets none.
     Second derivatives (grad of grad, ``hessian``) raise ``NotImplementedError``.
 
     Args:
@@ -690,56 +691,84 @@ def _rel_attention_jvp(inputs: tuple, outputs: tuple, tangents: tuple):
     rk, rv, rb, trk_, trv_, trb_ = map(cast, (rel_k, rel_v, rel_bias, trk, trv, trb))
     rq, trq_ = cast(rel_q, flip=True), cast(trq, flip=True)
     logits, adjoint = rel_logits, rel_logits_backward  # through _apply: transforms above jvp
+    masked = (causal or mask is not None or attn_mask is not None or q_seg is not None
+              or window_left >= 0 or window_right >= 0)
     rows = max(1, _JVP_BLOCK_ENTRIES // max(1, batch * heads * k_len))
     t_out = []
     for i0 in range(0, q_len, rows):
         n = min(rows, q_len - i0)
         q_pos = q_offset + i0
+        # the keys that causal and the window leave to some row of the block: [j0, j1)
+        j0 = 0 if window_left < 0 else min(max(0, q_pos - window_left - k_offset), k_len)
+        j1 = k_len
+        if causal:
+            j1 = min(j1, max(0, q_pos + n - k_offset))
+        if window_right >= 0:
+            j1 = min(j1, max(0, q_pos + n + window_right - k_offset))
+        j1 = max(j0, j1)
+        kb_len, kb_pos = j1 - j0, k_offset + j0
 
-        def raw(dense: list, by_rel_k: list, by_rel_q: list) -> Tensor | None:
-            """sum a . b + sum a . ek[bucket] + sum b . eq[bucket] over the three lists' pairs
-            (a: this block's queries, b: keys), each sum one product of concatenated factors."""
+        def keys(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[:, :, j0:j1]
+
+        kb, vb, tkb, tvb = keys(k_), keys(v_), keys(tk_), keys(tv_)
+        def raw(dense: list, by_rel_k: list, by_rel_q: list,
+                bias: Tensor | None) -> Tensor | None:
+            """scale * (sum a . b + sum a . ek[bucket] + sum b . eq[bucket]) + bias over the
+            lists' pairs (a: this block's queries, b: keys). Each sum is one product of factors
+            concatenated along the features, with the scale on the small factor, and the dense
+            one adds the others in (baddbmm): [rows, Lk] passes are what this costs."""
             (a, b), (a2, ek), (b2, eq) = map(_concat_pairs, (dense, by_rel_k, by_rel_q))
-            return _add(
-                None if a is None else a @ b.transpose(-1, -2),
-                None if a2 is None else logits(a2, ek, max_distance, k_len, q_pos, k_offset),
-                None if b2 is None else logits(b2, eq, max_distance, n, k_offset,
+            rel = _add(
+                None if a2 is None else logits(a2 * scale, ek, max_distance, kb_len, q_pos,
+                                               kb_pos),
+                None if b2 is None else logits(b2 * scale, eq, max_distance, n, kb_pos,
                                                q_pos).transpose(-1, -2),
+                bias,
             )
+            if a is None:
+                return rel
+            a, b_t = (a * scale).flatten(0, 1), b.flatten(0, 1).transpose(-1, -2)
+            if rel is None:
+                return (a @ b_t).unflatten(0, (batch, heads))
+            rel = rel.expand(batch, heads, n, kb_len).flatten(0, 1)
+            return torch.baddbmm(rel, a, b_t).unflatten(0, (batch, heads))
 
         qb = q[:, :, i0:i0 + n].to(acc)
         tqb = None if tq is None else tq[:, :, i0:i0 + n].to(acc)
-        buckets = reference.shaw_buckets(n, k_len, max_distance, q_pos, k_offset, q.device)
-        s = raw([(qb, k_)], [(qb, rk)], [(k_, rq)]) * scale
-        ts = raw([(tqb, k_), (qb, tk_)], [(tqb, rk), (qb, trk_)], [(tk_, rq), (k_, trq_)])
-        ts = None if ts is None else ts * scale
-        if rb is not None:
-            s = s + rb[..., buckets]
-        if trb_ is not None:
-            ts = _add(ts, trb_[..., buckets])
-        block_mask = None if attn_mask is None else attn_mask[..., i0:i0 + n, :]
-        visible = reference.visible_keys(
-            batch, n, k_len, causal, q_pos, k_offset, mask, q.device, block_mask,
-            None if q_seg is None else q_seg[:, i0:i0 + n], k_seg, window_left, window_right)
-        any_visible = visible.any(-1, keepdim=True)
-        p = torch.softmax(s.masked_fill(~visible, float("-inf")).masked_fill(~any_visible, 0.0),
-                          dim=-1) * any_visible
+        buckets = reference.shaw_buckets(n, kb_len, max_distance, q_pos, kb_pos, q.device)
+        s = raw([(qb, kb)], [(qb, rk)], [(kb, rq)], None if rb is None else rb[..., buckets])
+        ts = raw([(tqb, kb), (qb, tkb)], [(tqb, rk), (qb, trk_)], [(tkb, rq), (kb, trq_)],
+                 None if trb_ is None else trb_[..., buckets])
+        if masked:
+            visible = reference.visible_keys(
+                batch, n, kb_len, causal, q_pos, kb_pos,
+                None if mask is None else mask[:, j0:j1], q.device,
+                None if attn_mask is None else attn_mask[..., i0:i0 + n, j0:j1],
+                None if q_seg is None else q_seg[:, i0:i0 + n],
+                None if k_seg is None else k_seg[:, j0:j1], window_left, window_right)
+            any_visible = visible.any(-1, keepdim=True)
+            p = torch.softmax(s.masked_fill(~visible, float("-inf")).masked_fill(~any_visible,
+                                                                                  0.0),
+                              dim=-1) * any_visible
+            ts = None if ts is None else torch.where(visible, ts, 0.0)
+        else:  # every key visible to every query: no [rows, Lk] masking passes
+            p = torch.softmax(s, dim=-1)
         if dropout_p > 0:
             pd = p * reference.dropout_factors(seed, batch, heads, n, k_len, dropout_p, q.device,
-                                               acc, row_start=i0)
+                                               acc, row_start=i0)[..., j0:j1]
         else:
             pd = p
         terms = []
         if ts is not None:
-            ts = torch.where(visible, ts, 0.0)
-            w = pd * (ts - (p * ts).sum(-1, keepdim=True))
-            terms.append(w @ v_)
+            w = pd * (ts - torch.einsum("...j,...j->...", p, ts).unsqueeze(-1))
+            terms.append(w @ vb)
             if rv is not None:
-                terms.append(adjoint(w, qb, rv, max_distance, q_pos, k_offset)[0])
-        if tv_ is not None:
-            terms.append(pd @ tv_)
+                terms.append(adjoint(w, qb, rv, max_distance, q_pos, kb_pos)[0])
+        if tvb is not None:
+            terms.append(pd @ tvb)
         if trv_ is not None:
-            terms.append(adjoint(pd, qb, trv_, max_distance, q_pos, k_offset)[0])
+            terms.append(adjoint(pd, qb, trv_, max_distance, q_pos, kb_pos)[0])
         t_out.append(_add(*terms) if terms else torch.zeros_like(qb))
     if not t_out:  # no queries
         return torch.zeros_like(out), None
