@@ -201,6 +201,19 @@ def error_cell(res: dict, width: int = 60) -> str:
     return "error: " + res["error"].splitlines()[0][:width]
 
 
+def time_rounds(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each call of each ``fns`` entry, the entries taking turns, ``rounds`` times
+    after a round that warms up (so that drifts of the machine's speed touch them alike)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for r in range(rounds + 1):  # round 0 warms up
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if r > 0:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def time_interleaved(
     methods: dict[str, tuple[str, Callable[[], torch.Tensor]]],
     env_var: str,

@@ -28,7 +28,8 @@ import torch
 import relpos_ext
 from relpos_ext import ops
 
-from _common import RESULTS, check_platform, print_environment, timestamp, write_json
+from _common import (RESULTS, check_platform, print_environment, time_rounds, timestamp,
+                     write_json)
 
 METHODS = {"fold": "(1) vmap fold", "vmap_loop": "(2) vmap loop",
            "autograd_loop": "(3) autograd loop"}
@@ -86,13 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     for shape in shapes:
         fns = methods_for(*shape)
-        times: dict[str, list[float]] = {m: [] for m in fns}
-        for r in range(rounds + 1):  # round 0 warms up
-            for name, fn in fns.items():
-                t0 = time.perf_counter()
-                fn()
-                if r > 0:
-                    times[name].append(time.perf_counter() - t0)
+        times = time_rounds(fns, rounds)
         fold_ms = statistics.median(times["fold"]) * 1e3
         for name, ts in times.items():
             ms = statistics.median(ts) * 1e3

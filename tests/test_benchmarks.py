@@ -85,3 +85,14 @@ def test_bench_per_sample_quick(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     assert [r["method"] for r in rows] == list(per_sample.METHODS)
     assert all(r["time_ms"] > 0 for r in rows) and rows[0]["ratio_vs_fold"] == 1.0
+
+
+def test_bench_jvp_quick(tmp_path: Path) -> None:
+    """bench_jvp.py --quick times its three methods and measures the jvp's memory."""
+    jvp = pytest.importorskip("bench_jvp")
+    out = tmp_path / "jvp.json"
+    assert jvp.main(["--quick", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == 2 * list(jvp.METHODS)
+    assert all(r["time_ms"] > 0 for r in rows)
+    assert all(r["peak_extra_mib"] >= 0 for r in rows if r["method"] == "jvp")
