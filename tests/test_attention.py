@@ -802,7 +802,8 @@ def test_rel_attention_low_precision_rounds_float32_once(backend, dtype, name, m
     dominates gradients that cancel, such as a K = 0 table's). The AVX-512 forward's bfloat16
     dot products (test_rel_attention_bf16_dot) are switched off here, and so is the CUDA
     tensor-core forward, which rounds the probabilities to the dtype for its products as
-    FlashAttention does (the tensor_core tests compare it with the reference)."""
+    FlashAttention does (the tensor_core tests compare it with the reference): on cuda-emu the
+    forward runs the SIMT kernels of csrc/cuda/rel_attention_simt.cuh."""
     _attention_backend(backend)
     monkeypatch.setenv("RELPOS_CPU_BF16_DOT", "0")
     monkeypatch.setenv("RELPOS_CUDA_TC", "0")

@@ -555,6 +555,8 @@ def test_hessian_rel_logits(cpu_isa):
 
 
 def test_dropout_keep_row_start():
-    """A block of rows of the dropout mask, alone, is those rows of the whole mask."""
+    """A block of rows and columns of the dropout mask, alone, is that block of the whole mask."""
     whole = ref.dropout_keep(5, 2, 3, 9, 7, 0.4)
     torch.testing.assert_close(ref.dropout_keep(5, 2, 3, 4, 7, 0.4, row_start=3), whole[:, :, 3:7])
+    torch.testing.assert_close(ref.dropout_keep(5, 2, 3, 4, 3, 0.4, row_start=3, col_start=2),
+                               whole[:, :, 3:7, 2:5])

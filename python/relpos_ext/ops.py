@@ -755,8 +755,8 @@ def _rel_attention_jvp(inputs: tuple, outputs: tuple, tangents: tuple):
         else:  # every key visible to every query: no [rows, Lk] masking passes
             p = torch.softmax(s, dim=-1)
         if dropout_p > 0:
-            pd = p * reference.dropout_factors(seed, batch, heads, n, k_len, dropout_p, q.device,
-                                               acc, row_start=i0)[..., j0:j1]
+            pd = p * reference.dropout_factors(seed, batch, heads, n, kb_len, dropout_p,
+                                               q.device, acc, row_start=i0, col_start=j0)
         else:
             pd = p
         terms = []

@@ -161,14 +161,16 @@ def dropout_keep(
     dropout_p: float,
     device: torch.device | str | None = None,
     row_start: int = 0,
+    col_start: int = 0,
 ) -> Tensor:
     """Which attention probabilities ``rel_attention`` keeps under dropout: ``[B, H, Lq, Lk]`` bool.
 
     The counter-based hash of csrc/common/dropout.h, in int64 arithmetic: ``(seed, b * H + h, i,
     j)`` -> 32 bits ``u``; kept iff ``u >> 1 >= min(floor(p * 2^31), 2^31 - 1)``. The same mask
     in the forward and the backward, whatever the tiling. ``i`` is the query row of the call
-    (not its position ``q_offset + i``); ``row_start`` gives rows ``row_start ..`` of a call's
-    mask, so that a block of rows can be taken alone.
+    (not its position ``q_offset + i``), ``j`` its key column; ``row_start`` and ``col_start``
+    give rows ``row_start ..`` and columns ``col_start ..`` of a call's mask, so that a block
+    can be taken alone.
     """
     if not isinstance(seed, Tensor):  # as the op takes it: int64, two's complement
         seed = torch.tensor((int(seed) + 2**63) % 2**64 - 2**63, dtype=torch.int64)
@@ -180,7 +182,7 @@ def dropout_keep(
     head = _mix32((_mix32(bh ^ hi) + lo) & _MASK32)
     i = torch.arange(row_start, row_start + q_len, dtype=torch.int64, device=device)
     row = _mix32(head[:, None] ^ _mul32(i, 0x9E3779B9)[None, :])  # [B*H, Lq]
-    j = torch.arange(k_len, dtype=torch.int64, device=device)
+    j = torch.arange(col_start, col_start + k_len, dtype=torch.int64, device=device)
     u = _mix32((row[:, :, None] + _mul32(j, 0x85EBCA6B)) & _MASK32)
     return ((u >> 1) >= threshold).view(batch, heads, q_len, k_len)
 
@@ -235,11 +237,13 @@ def dropout_factors(
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
     row_start: int = 0,
+    col_start: int = 0,
 ) -> Tensor:
     """What dropout multiplies each probability by: ``dropout_keep / (1 - p)`` (0 for p = 1),
     ``[B, H, Lq, Lk]`` in ``dtype`` (float64 keeps ``1 / (1 - p)`` exact for gradcheck);
-    ``row_start`` as for :func:`dropout_keep`."""
-    keep = dropout_keep(seed, batch, heads, q_len, k_len, dropout_p, device, row_start).to(dtype)
+    ``row_start`` and ``col_start`` as for :func:`dropout_keep`."""
+    keep = dropout_keep(seed, batch, heads, q_len, k_len, dropout_p, device, row_start,
+                        col_start).to(dtype)
     return keep * (1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0)
 
 
