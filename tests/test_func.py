@@ -560,3 +560,67 @@ def test_dropout_keep_row_start():
     torch.testing.assert_close(ref.dropout_keep(5, 2, 3, 4, 7, 0.4, row_start=3), whole[:, :, 3:7])
     torch.testing.assert_close(ref.dropout_keep(5, 2, 3, 4, 3, 0.4, row_start=3, col_start=2),
                                whole[:, :, 3:7, 2:5])
+
+
+# --------------------------------------------------------------------------- on a GPU
+def _cuda_transform(case):
+    """(function of CPU-or-CUDA tensors returning a tuple of tensors, its float64 inputs)."""
+    torch.manual_seed(0)
+    if case in ("jvp_rel_attention", "jvp_float32", "grad_of_jvp"):
+        args, kw = _jvp_case("per_head_causal_offsets", d=16)
+        tangents = tuple(torch.randn_like(a) for a in args)
+        n = len(args)
+        fn = lambda *xs: _attention(relpos_ext.rel_attention, kw)(*xs)[0]  # noqa: E731
+        if case == "grad_of_jvp":
+            loss = lambda *xs: torch.func.jvp(fn, xs[:n], xs[n:])[1].sin().sum()  # noqa: E731
+            return (lambda *xs: torch.func.grad(loss, argnums=tuple(range(n)))(*xs),
+                    (*args, *tangents))
+        return (lambda *xs: torch.func.jvp(fn, xs[:n], xs[n:]), (*args, *tangents))
+    if case == "per_sample_grads":
+        (q, k, v), tables, kw, _, _ = _per_sample_case("gqa_bias_rel_q")
+        names = list(tables)
+
+        def sample_loss(q, k, v, *tabs):
+            return relpos_ext.rel_attention(q, k, v, **dict(zip(names, tabs)), **kw).sin().sum()
+
+        per_sample = torch.func.vmap(torch.func.grad(sample_loss,
+                                                     argnums=tuple(range(3 + len(names)))),
+                                     in_dims=(0, 0, 0, *([None] * len(names))))
+        return per_sample, (q, k, v, *tables.values())
+    if case == "vmap_forward":
+        ek, eb = _t(4, 5, 8), _t(5)
+        fn = lambda q, k, v: relpos_ext.rel_attention(  # noqa: E731
+            q, k, v, ek.to(q.device), ek[0].to(q.device), 2, return_lse=True,
+            rel_bias=eb.to(q.device))
+        return torch.func.vmap(fn, in_dims=(3, 4, 0)), (_t(2, 4, 5, 3, 8), _t(2, 2, 6, 8, 3),
+                                                        _t(3, 2, 2, 6, 8))
+    fn, _, shapes = JVP_OPS[case.removeprefix("jvp_")]
+    n = len(shapes)
+    return (lambda *xs: torch.func.jvp(fn, xs[:n], xs[n:]),
+            tuple(_t(*s) for s in shapes + shapes))
+
+
+CUDA_TRANSFORMS = ["jvp_rel_attention", "jvp_float32", "grad_of_jvp", "per_sample_grads",
+                   "vmap_forward", *(f"jvp_{op}" for op in JVP_OPS)]
+
+
+@pytest.mark.parametrize("case", CUDA_TRANSFORMS)
+def test_transforms_cuda(case):
+    """On a GPU (scripts/gpu_check.sh runs these): forward mode, reverse over forward, per-sample
+    gradients and vmap on CUDA tensors give what they give on the CPU, whose paths the tests
+    above check against the reference. float64, and one float32 jvp against float64."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    fn, args = _cuda_transform(case)
+    want = torch.utils._pytree.tree_leaves(fn(*args))
+    if case == "jvp_float32":
+        args = tuple(a.float() for a in args)
+    got = torch.utils._pytree.tree_leaves(fn(*(a.cuda() for a in args)))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.device.type == "cuda" and g.dtype == args[0].dtype
+        if g.dtype == F64:
+            torch.testing.assert_close(g.cpu(), w, atol=1e-9, rtol=1e-9)
+        else:
+            torch.testing.assert_close(g.cpu().double(), w, rtol=1e-4,
+                                       atol=2e-5 * max(w.abs().max().item(), 1.0))
