@@ -313,6 +313,33 @@ def test_rel_attention_tensor_core_options(backend, dtype, name):
     _check_backward(backend, dtype, case, extra)
 
 
+class _Misaligned(Backend):
+    """The backend's tensors as contiguous views one element past the start of a buffer (as
+    slices of a packed buffer give): 2 or 4 bytes off a 16-byte boundary."""
+
+    def tensor(self, t: torch.Tensor) -> torch.Tensor:
+        t = super().tensor(t)
+        view = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape)
+        return view.copy_(t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", ["two_sided", "D128_offsets"])
+def test_rel_attention_misaligned_inputs(backend, dtype, name):
+    """Inputs off a 16-byte boundary are no case for the tensor-core kernels, whose cp.async and
+    ldmatrix take aligned addresses only (on a GPU a misaligned one is an error; the emulator
+    checks every one): the other kernels give the reference's results, forward and backward
+    (with rel_q where the tensor-core kernels take it)."""
+    _attention_backend(backend)
+    odd = _Misaligned(backend.name, backend.device, backend.namespace)
+    case = TC_CASES[name]
+    extra = {"rel_q": random_rel_q(case, True).to(dtype)} if case[5] <= 64 else {}
+    with torch.no_grad():
+        assert odd.tensor(torch.ones(8, dtype=dtype)).data_ptr() % 16 != 0
+    _check_forward(odd, dtype, case, extra)
+    _check_backward(odd, dtype, case, extra)
+
+
 def test_rel_attention_wide_logits(backend):
     """Queries scaled by 20 spread a row's logits over hundreds of units, so that many
     probabilities and dS entries fall below float32's normal range. The AVX2 kernels flush those

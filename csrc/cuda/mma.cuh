@@ -22,6 +22,9 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#if defined(RELPOS_CUDA_EMU)
+#include <stdexcept>
+#endif
 
 #include "cuda/dtype.cuh"
 
@@ -187,6 +190,11 @@ RELPOS_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const T* row) {
   const unsigned tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
   const T** w = rows[tid / 32];
   const int lane = static_cast<int>(tid % 32), g = lane / 4, t = lane % 4;
+  // The device takes 16-byte aligned rows only (else an error at run time); the emulator's
+  // dynamic shared memory is 16-byte aligned, as the device's, so offsets check the same.
+  if (reinterpret_cast<uintptr_t>(row) % 16 != 0) {
+    throw std::runtime_error("ldmatrix: a row address that is not 16-byte aligned");
+  }
   w[lane] = row;
   __syncwarp();
   for (int i = 0; i < 4; ++i) {
@@ -231,6 +239,10 @@ RELPOS_DEVICE void load_b_frags_kn_x4(uint32_t (&b)[2][2], const T* m, int ld, i
 // the emulator it is a plain copy.
 RELPOS_DEVICE void cp_async16(void* dst, const void* src, bool valid) {
 #if defined(RELPOS_CUDA_EMU)
+  if (reinterpret_cast<uintptr_t>(dst) % 16 != 0 ||
+      (valid && reinterpret_cast<uintptr_t>(src) % 16 != 0)) {
+    throw std::runtime_error("cp.async: an address that is not 16-byte aligned");
+  }
   if (valid) {
     std::memcpy(dst, src, 16);
   } else {
