@@ -15,9 +15,11 @@
 # scripts/gpu_nvcc_cache.sh then copies those objects instead of running nvcc, which saves about
 # three minutes of the lent time; without .gpu/objs the .cu files are compiled there.
 #
-# Writes logs and bench_cuda's JSON under $OUT (default build/gpu-out) and prints a
-# summary last. Stage time limits: RELPOS_GPU_TEST_S (default 240), RELPOS_GPU_BENCH_S (200),
+# Writes logs, bench_cuda's JSON and Nsight Compute's report (ncu.txt) under $OUT (default
+# build/gpu-out) and prints a summary last. Stage time limits: RELPOS_GPU_TEST_S (default 240),
+# RELPOS_GPU_BENCH_S (200),
 # RELPOS_GPU_PROFILE_S (60, benchmarks/profile_cuda.py: per-kernel times; RELPOS_GPU_PROFILE_ARGS),
+# RELPOS_GPU_NCU_S (120, ncu on scripts/gpu_ncu_cases.py; RELPOS_GPU_NCU_ARGS, _LAUNCHES),
 # RELPOS_GPU_SANITIZER_S (60 a tool: compute-sanitizer racecheck and memcheck on the tensor-core
 # kernels, scripts/gpu_sanitizer_cases.py), RELPOS_GPU_FUZZ_S (60: scripts/fuzz_attention.py on
 # the `cuda` backend, float32/bfloat16/float16, as many seeds as fit);
@@ -92,12 +94,12 @@ export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 t0=$SECONDS
 if ! $py -m pip install --no-build-isolation --no-deps -v . -Cbuild-dir=/tmp/relpos-gpu-build \
     -Ccmake.define.RELPOS_CUDA_ARCHS="$arch" -Ccmake.define.RELPOS_REQUIRE_CUDA=ON "${launcher[@]}" \
-    > "$out/build.log" 2>&1; then
-  tail -n 60 "$out/build.log"
+    > /tmp/relpos-gpu-build.log 2>&1; then
+  tail -n 60 /tmp/relpos-gpu-build.log
   echo "== build FAILED"
   exit 1
 fi
-grep -E "gpu_nvcc_cache|relpos_ext:" "$out/build.log" | sed 's/^ *//'
+grep -E "gpu_nvcc_cache|relpos_ext:" /tmp/relpos-gpu-build.log | sed 's/^ *//'
 summary+=("build: $((SECONDS - t0)) s")
 (cd /tmp && $py -c "import relpos_ext; print(relpos_ext.build_info())")
 
@@ -163,6 +165,22 @@ t0=$SECONDS
 timeout "${RELPOS_GPU_PROFILE_S:-60}" $py benchmarks/profile_cuda.py \
   --out "$out/profile_cuda.json" ${RELPOS_GPU_PROFILE_ARGS:-} 2>&1
 summary+=("profile: rc $?, $((SECONDS - t0)) s")
+
+stage ncu
+t0=$SECONDS
+# Nsight Compute on one launch of each tensor-core kernel at a training size
+# (scripts/gpu_ncu_cases.py; RELPOS_GPU_NCU_ARGS, e.g. --dims 64 128, and RELPOS_GPU_NCU_LAUNCHES
+# to match): stall reasons, occupancy and its limits, pipe and memory use, all in ncu.txt.
+ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu \
+  2>/dev/null | head -n 1)
+# shellcheck disable=SC2086  # RELPOS_GPU_NCU_ARGS: extra arguments, split on spaces
+timeout "${RELPOS_GPU_NCU_S:-120}" "${ncu_bin:-ncu}" --kernel-name regex:rel_attention_tc \
+  --launch-count "${RELPOS_GPU_NCU_LAUNCHES:-3}" --clock-control none --set full \
+  --print-details all $py scripts/gpu_ncu_cases.py ${RELPOS_GPU_NCU_ARGS:-} > "$out/ncu.txt" 2>&1
+summary+=("ncu: rc $?, $((SECONDS - t0)) s")
+grep -E "rel_attention_tc|Duration|Achieved Occupancy|Block Limit|Warp Cycles Per Issued" \
+  "$out/ncu.txt" | head -n 60
+grep -iE "stall" "$out/ncu.txt" | grep -v "^ *-" | head -n 30
 
 if [ -n "${RELPOS_GPU_REST_K:-}" ]; then
   # More tests (RELPOS_GPU_REST_K, e.g. the cuda tests the first -k left out) in the time left

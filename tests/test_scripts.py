@@ -1,5 +1,5 @@
-"""The helper scripts' Python parts: scripts/pytest_failures_now.py (used by gpu_check.sh) and
-scripts/fuzz_attention.py."""
+"""The helper scripts: scripts/pytest_failures_now.py (used by gpu_check.sh),
+scripts/fuzz_attention.py, and gpu_ab.sh's part on the GPU machine with the GPU faked."""
 
 from __future__ import annotations
 
@@ -89,3 +89,56 @@ def test_fuzz_attention_reports_a_wrong_result(monkeypatch, capsys, what) -> Non
     seed = next(s for s in range(100) if fuzz.draw(s)["Lk"] > 1 and not fuzz.draw(s)["rel_q"])
     assert fuzz.main(["--seeds", f"{seed}:1", "--backends", "cpu-scalar"]) == 1
     assert f"FAIL seed {seed} cpu-scalar float32" in capsys.readouterr().out
+
+
+_FAKE_PYTHON = """#!/usr/bin/env bash
+# python3 for gpu_ab.sh without a GPU: pip logs the objects the launcher would copy, pytest
+# passes, bench_cuda.py writes one row whose time is the run's (new 1.0 ms, base 1.5 ms).
+case "$*" in
+  "-m pip install"*) for o in "$RELPOS_GPU_OBJS"/*.o; do echo "gpu_nvcc_cache: x from $o"; done
+                     basename "$RELPOS_GPU_OBJS" >> "$LOG" ;;
+  "-m pytest"*) echo "3 passed in 1.0s" ;;
+  benchmarks/bench_cuda.py*)
+    out=$(echo "$*" | sed -E 's/.*--out ([^ ]+).*/\\1/')
+    ms=$(tail -n 1 "$LOG" | sed 's/ab_new/1.0/; s/ab_base/1.5/')
+    echo "{\\"rows\\": [{\\"form\\": \\"ours_shaw\\", \\"L\\": 2048, \\"mode\\": \\"fwd\\", \\"time_ms\\": $ms}]}" > "$out" ;;
+  *) exec {real} "$@" ;;
+esac
+"""
+
+
+def test_gpu_ab_times_new_base_new(tmp_path: Path) -> None:
+    """scripts/gpu_ab.sh's part on the GPU machine, with python3 and nvidia-smi faked: it builds
+    with the working tree's objects, the base objects in place of those that differ, then the
+    working tree's again, benches each and prints base/new per row."""
+    for name in ("gpu_ab.sh", "gpu_nvcc_cache.sh"):
+        (tmp_path / "scripts").mkdir(exist_ok=True)
+        (tmp_path / "scripts" / name).write_text((SCRIPTS / name).read_text())
+    (tmp_path / "csrc" / "cuda").mkdir(parents=True)
+    gpu = tmp_path / ".gpu"
+    for sub, names in (("objs", ["a.cu", "b.cu"]), ("objs_base", ["b.cu"])):
+        (gpu / sub).mkdir(parents=True)
+        for n in names:
+            (tmp_path / "csrc" / "cuda" / n).write_text("")
+            (gpu / sub / f"{n}.o").write_text(sub)
+        subprocess.run(["tar", "czf", f"{sub}.tgz", sub], cwd=gpu, check=True)
+        subprocess.run(["rm", "-r", sub], cwd=gpu, check=True)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(_FAKE_PYTHON.replace("{real}", sys.executable))
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'Fake GPU, 0'\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    log = tmp_path / "builds.log"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+           "LOG": str(log), "RELPOS_AB_DIMS": "64"}
+    run = subprocess.run(["bash", "scripts/gpu_ab.sh"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "kernels that differ: csrc/cuda/b.cu" in run.stdout
+    assert log.read_text().split() == ["ab_new", "ab_base", "ab_new"]
+    assert (gpu / "ab_base" / "a.cu.o").read_text() == "objs"  # the rest: the working tree's
+    assert (gpu / "ab_base" / "b.cu.o").read_text() == "objs_base"
+    row = run.stdout.strip().splitlines()[-1].split()
+    assert row[:4] == ["64", "ours_shaw", "2048", "fwd"]
+    assert [float(x) for x in row[4:]] == [1.5, 1.0, 1.0, 1.5, 1.5]
