@@ -21,8 +21,9 @@
 // Relative terms. For a (query tile, key tile) pair, with c = (j - j0) - (i - i0) + 63 in
 // [0, 127), the distance is (k_offset + j0) - (q_offset + i0) - 63 + c: the bucket of every (i, j)
 // is a function of c alone, clamped or not. So a pair that the band reaches stages the table rows
-// of its 128 values of c (sRk, and rel_v transposed in sRvt), and then, per warp (its 16 rows meet
-// the 80 values c in [48 - 16 w, 128 - 16 w)):
+// of its 128 values of c (sRk, and rel_v transposed in sRvt; at kD = 128, and with rel_q, in sRk's
+// space once the key term is done, TcTile::share_band), and then, per warp (its 16 rows meet the
+// 80 values c in [48 - 16 w, 128 - 16 w)):
 //   keys:   S_rel = Q sRk^T [16 x 80] on tensor cores, through the warp's scratch, and
 //           s_ij += S_rel[i][c(i, j)] (the skew as a gather);
 //   values: P scattered along the skew into the scratch (P'[i][c(i, j)] = p_ij, zero elsewhere),
@@ -71,14 +72,35 @@ struct TcTile {
   static_assert(size_t(kRows) * kLdK * 2 <= kScrBytes, "sQ lives in the scratch before the loop");
   // Q's fragments in registers (else sQ keeps its own shared memory, after everything else).
   static constexpr bool kQRegs = kD <= 64;
-  static constexpr size_t kTileBytes =
-      2 * (2 * size_t(kKeys) * kLdK + size_t(kBand) * kLdK + size_t(kD) * kLdRvt);
+  static constexpr size_t kRkBytes = 2 * size_t(kBand) * kLdK, kRvtBytes = 2 * size_t(kD) * kLdRvt;
   static constexpr int kLdKR = kBand + 4;  // sKR: [key][c] floats
   // kRelQ: sRq [kBand][kLdK] elements, sKR [kKeys][kLdKR] floats, sKq [kKeys] floats.
   static constexpr size_t kRelQBytes =
       2 * size_t(kBand) * kLdK + 4 * (size_t(kKeys) * kLdKR + kKeys);
+  // Shared memory but sRk, sRvt: the scratch, sK, sV, sBias, rel_q's, and sQ beyond kQRegs.
+  static constexpr size_t other_bytes(bool rel_q) {
+    return kScrBytes + 4 * size_t(kKeys) * kLdK + kBand * 4 + (rel_q ? kRelQBytes : 0) +
+           (kQRegs ? 0 : 2 * size_t(kRows) * kLdK);
+  }
+  // share_band: sRvt in sRk's space, staged once every warp is done with the key term (on band
+  // pairs a staging after the softmax and one more barrier), where that is what lets two blocks
+  // share a multiprocessor of sm_90 (228 KiB, of which 1 KiB a block is reserved); the registers
+  // allow two at most. At kD = 128 it takes a block from 140.5 to 106.5 KiB, with rel_q at
+  // kD = 64 from 125.8 to 108.8 KiB.
+  static constexpr size_t kTwoBlocksBytes = 113 * 1024;
+  static constexpr bool share_band(bool rel_q) {
+    return other_bytes(rel_q) + kRkBytes + kRvtBytes > kTwoBlocksBytes;
+  }
+  static constexpr size_t band_bytes(bool rel_q) {
+    return share_band(rel_q) ? (kRkBytes > kRvtBytes ? kRkBytes : kRvtBytes)
+                             : kRkBytes + kRvtBytes;
+  }
+  // Layout: the scratch | sK | sV | sRk | sRvt (unless shared) | sBias | rel_q's | sQ.
+  static constexpr size_t bias_offset(bool rel_q) {
+    return kScrBytes + 4 * size_t(kKeys) * kLdK + band_bytes(rel_q);
+  }
   static constexpr size_t q_offset(bool rel_q) {
-    return kScrBytes + kTileBytes + kBand * 4 + (rel_q ? kRelQBytes : 0);
+    return bias_offset(rel_q) + kBand * 4 + (rel_q ? kRelQBytes : 0);
   }
   static constexpr size_t smem_bytes(bool rel_q) {
     return q_offset(rel_q) + (kQRegs ? 0 : 2 * size_t(kRows) * kLdK);
@@ -214,8 +236,9 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads, 1)
   T* sK = reinterpret_cast<T*>(smem + Tl::kScrBytes);
   T* sV = sK + Tl::kKeys * Tl::kLdK;
   T* sRk = sV + Tl::kKeys * Tl::kLdK;
-  T* sRvt = sRk + Tl::kBand * Tl::kLdK;
-  float* sBias = reinterpret_cast<float*>(smem + Tl::kScrBytes + Tl::kTileBytes);  // [kBand]
+  constexpr bool kShareBand = Tl::share_band(kRelQ);
+  T* sRvt = kShareBand ? sRk : sRk + Tl::kBand * Tl::kLdK;
+  float* sBias = reinterpret_cast<float*>(smem + Tl::bias_offset(kRelQ));  // [kBand]
   T* sRq = reinterpret_cast<T*>(sBias + Tl::kBand);               // kRelQ only
   float* sKR = reinterpret_cast<float*>(sRq + Tl::kBand * Tl::kLdK);
   float* sKq = sKR + Tl::kKeys * Tl::kLdKR;
@@ -312,7 +335,9 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads, 1)
     tc_stage_async<T, kD, Tl::kKeys>(sV, Tl::kLdK, v + j0 * D, nk, D);
     cp_async_commit();
     if (band && ek != nullptr) tc_stage_band<T, kD>(sRk, Tl::kLdK, Tl::kBand, ek, dbase, K, D);
-    if (band && ev != nullptr) {
+    // With kShareBand and a key table, rel_v's rows wait until the key term is done (below).
+    const bool late_rv = kShareBand && band && ev != nullptr && ek != nullptr;
+    if (band && ev != nullptr && !late_rv) {
       tc_stage_band<T, kD, true>(sRvt, Tl::kLdRvt, Tl::kBand, ev, dbase, K, D);
     }
     if (band && eb != nullptr) tc_stage_band_bias(sBias, Tl::kBand, eb, dbase, K);
@@ -447,7 +472,7 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads, 1)
     }
 
     cp_async_wait<0>();  // V
-    __syncthreads();     // V visible; every warp is done with sK
+    __syncthreads();     // V visible; every warp is done with sK (and sRk)
     if (j0 + Tl::kKeys < key_end) {
       const int64_t jn = j0 + Tl::kKeys;
       const int nkn = static_cast<int>(p.k_len - jn < Tl::kKeys ? p.k_len - jn : Tl::kKeys);
@@ -455,10 +480,12 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads, 1)
       k_next = jn;
     }
     cp_async_commit();
+    if (late_rv) tc_stage_band<T, kD, true>(sRvt, Tl::kLdRvt, Tl::kBand, ev, dbase, K, D);
 
     // O += P V, P from the S registers, V's fragments by ldmatrix .trans.
     warp_mma_kn_x4<T, kDT, Tl::kKeys / 16>(
         o, [&](int kk, uint32_t (&a)[4]) { acc_a_frag<T>(a, s, kk); }, sV, Tl::kLdK, lane);
+    if (late_rv) __syncthreads();  // sRvt from every thread
     // + P' rel_v[b(i, j)]: P along the skew in the scratch, then one more product.
     if (ev != nullptr && band) {
       for (int idx = lane; idx < 16 * Tl::kLdP / 2; idx += 32) st32(pw + 2 * idx, 0u);
