@@ -22,7 +22,7 @@
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-arch=${RELPOS_GPU_ARCH:-90}
+arch=${RELPOS_GPU_ARCH:-90}  # as scripts/gpu_nvcc_objs.sh's
 
 if [ "${1:-}" = --prebuild ]; then
   set -e
@@ -37,14 +37,7 @@ if [ "${1:-}" = --prebuild ]; then
   git worktree add -q --detach "$tree" "$base"
   trap 'git worktree remove --force "$tree"' EXIT
   rm -rf .gpu/objs_base && mkdir -p .gpu/objs_base
-  nvcc=${CUDA_HOME:-/usr/local/cuda}/bin/nvcc
-  for f in "$tree"/csrc/cuda/*.cu; do
-    # The flags of gpu_check.sh --prebuild (CMakeLists.txt's relpos_cuda_kernels target).
-    "$nvcc" -I"$tree/csrc" --expt-relaxed-constexpr --expt-extended-lambda -O3 -DNDEBUG \
-      -std=c++20 "--generate-code=arch=compute_$arch,code=[sm_$arch]" -Xcompiler=-fPIC \
-      -c "$f" -o ".gpu/objs_base/$(basename "$f").o" &
-  done
-  wait
+  bash scripts/gpu_nvcc_objs.sh "$tree" .gpu/objs_base
   for o in .gpu/objs_base/*.o; do  # only the objects that differ need to travel
     cmp -s "$o" ".gpu/objs/$(basename "$o")" && rm "$o"
   done

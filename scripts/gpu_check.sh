@@ -9,7 +9,7 @@
 #                                            # and .gpu/whl)
 #
 # --prebuild compiles csrc/cuda/*.cu for RELPOS_GPU_ARCH (default 90) with this machine's nvcc
-# into .gpu/objs (the .cu files include no torch header, so the objects do not depend on the torch
+# (scripts/gpu_nvcc_objs.sh) into .gpu/objs (the .cu files include no torch header, so the objects do not depend on the torch
 # they are linked with), and downloads the wheels the GPU machine's image may lack (expecttest for
 # torch.library.opcheck; cmake >= 4, which the build wants) into .gpu/whl. On the GPU machine
 # scripts/gpu_nvcc_cache.sh then copies those objects instead of running nvcc, which saves about
@@ -38,15 +38,7 @@ if [ "${1:-}" = --prebuild ]; then
   set -e
   mkdir -p .gpu/objs .gpu/whl
   grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
-  nvcc=${CUDA_HOME:-/usr/local/cuda}/bin/nvcc
-  # The CUDA flags of CMakeLists.txt's relpos_cuda_kernels target (keep them in step).
-  for f in csrc/cuda/*.cu; do
-    echo "== nvcc $f (sm_$arch)"
-    "$nvcc" -Icsrc --expt-relaxed-constexpr --expt-extended-lambda -O3 -DNDEBUG -std=c++20 \
-      "--generate-code=arch=compute_$arch,code=[sm_$arch]" -Xcompiler=-fPIC \
-      -c "$f" -o ".gpu/objs/$(basename "$f").o" &
-  done
-  wait
+  bash scripts/gpu_nvcc_objs.sh . .gpu/objs
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .gpu/whl expecttest==0.3.0 cmake==4.1.2
