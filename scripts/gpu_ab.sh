@@ -22,7 +22,6 @@
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-arch=${RELPOS_GPU_ARCH:-90}  # as scripts/gpu_nvcc_objs.sh's
 
 if [ "${1:-}" = --prebuild ]; then
   set -e
@@ -62,11 +61,8 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 build() {  # $1: new or base
   local t0=$SECONDS
   touch "${changed[@]}"  # ninja recompiles them: the launcher copies $1's objects
-  RELPOS_GPU_OBJS=$root/.gpu/ab_$1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} $py -m pip install \
-    --no-build-isolation --no-deps -v . -Cbuild-dir=/tmp/relpos-gpu-ab-build \
-    -Ccmake.define.RELPOS_CUDA_ARCHS="$arch" -Ccmake.define.RELPOS_REQUIRE_CUDA=ON \
-    "-Ccmake.define.CMAKE_CUDA_COMPILER_LAUNCHER=$root/scripts/gpu_nvcc_cache.sh" \
-    > "/tmp/gpu_ab_build_$1.log" 2>&1 || { tail -n 40 "/tmp/gpu_ab_build_$1.log"; exit 1; }
+  bash scripts/gpu_build.sh "$root/.gpu/ab_$1" /tmp/relpos-gpu-ab-build "/tmp/gpu_ab_build_$1.log" ||
+    exit 1
   grep -c "gpu_nvcc_cache: .* from $root/.gpu/ab_$1/" "/tmp/gpu_ab_build_$1.log" |
     sed "s/^/== build $1: objects copied: /"
   echo "== build $1: $((SECONDS - t0)) s"

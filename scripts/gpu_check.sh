@@ -9,16 +9,17 @@
 #                                            # and .gpu/whl)
 #
 # --prebuild compiles csrc/cuda/*.cu for RELPOS_GPU_ARCH (default 90) with this machine's nvcc
-# (scripts/gpu_nvcc_objs.sh) into .gpu/objs (the .cu files include no torch header, so the objects do not depend on the torch
-# they are linked with), and downloads the wheels the GPU machine's image may lack (expecttest for
-# torch.library.opcheck; cmake >= 4, which the build wants) into .gpu/whl. On the GPU machine
+# (scripts/gpu_nvcc_objs.sh) into .gpu/objs (the .cu files include no torch header, so the
+# objects do not depend on the torch they are linked with), and downloads the wheels the GPU
+# machine's image may lack (expecttest for torch.library.opcheck; cmake >= 4, which the build
+# wants) into .gpu/whl. On the GPU machine
 # scripts/gpu_nvcc_cache.sh then copies those objects instead of running nvcc, which saves about
 # three minutes of the lent time; without .gpu/objs the .cu files are compiled there.
 #
 # Writes logs, bench_cuda's JSON and Nsight Compute's report (ncu.txt) under $OUT (default
 # build/gpu-out) and prints a summary last. Stage time limits: RELPOS_GPU_TEST_S (default 240),
-# RELPOS_GPU_BENCH_S (200),
-# RELPOS_GPU_PROFILE_S (60, benchmarks/profile_cuda.py: per-kernel times; RELPOS_GPU_PROFILE_ARGS),
+# RELPOS_GPU_BENCH_S (200), RELPOS_GPU_PROFILE_S (60, benchmarks/profile_cuda.py: per-kernel
+# times; RELPOS_GPU_PROFILE_ARGS),
 # RELPOS_GPU_NCU_S (120, ncu on scripts/gpu_ncu_cases.py; RELPOS_GPU_NCU_ARGS, _LAUNCHES),
 # RELPOS_GPU_SANITIZER_S (60 a tool: compute-sanitizer racecheck and memcheck on the tensor-core
 # kernels, scripts/gpu_sanitizer_cases.py), RELPOS_GPU_FUZZ_S (60: scripts/fuzz_attention.py on
@@ -32,7 +33,6 @@
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-arch=${RELPOS_GPU_ARCH:-90}
 
 if [ "${1:-}" = --prebuild ]; then
   set -e
@@ -74,23 +74,13 @@ fi
 cmake --version | head -1
 
 stage build
-launcher=()
 if [ -f .gpu/objs.tgz ] && ! compgen -G ".gpu/objs/*.o" > /dev/null; then
   tar xzf .gpu/objs.tgz -C .gpu
 fi
-if compgen -G ".gpu/objs/*.o" > /dev/null; then
-  export RELPOS_GPU_OBJS=$root/.gpu/objs
-  launcher=("-Ccmake.define.CMAKE_CUDA_COMPILER_LAUNCHER=$root/scripts/gpu_nvcc_cache.sh")
-fi
-export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+objs=""
+compgen -G ".gpu/objs/*.o" > /dev/null && objs=$root/.gpu/objs
 t0=$SECONDS
-if ! $py -m pip install --no-build-isolation --no-deps -v . -Cbuild-dir=/tmp/relpos-gpu-build \
-    -Ccmake.define.RELPOS_CUDA_ARCHS="$arch" -Ccmake.define.RELPOS_REQUIRE_CUDA=ON "${launcher[@]}" \
-    > /tmp/relpos-gpu-build.log 2>&1; then
-  tail -n 60 /tmp/relpos-gpu-build.log
-  echo "== build FAILED"
-  exit 1
-fi
+bash scripts/gpu_build.sh "$objs" /tmp/relpos-gpu-build /tmp/relpos-gpu-build.log || exit 1
 grep -E "gpu_nvcc_cache|relpos_ext:" /tmp/relpos-gpu-build.log | sed 's/^ *//'
 summary+=("build: $((SECONDS - t0)) s")
 (cd /tmp && $py -c "import relpos_ext; print(relpos_ext.build_info())")

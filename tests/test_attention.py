@@ -334,8 +334,7 @@ def test_rel_attention_misaligned_inputs(backend, dtype, name):
     odd = _Misaligned(backend.name, backend.device, backend.namespace)
     case = TC_CASES[name]
     extra = {"rel_q": random_rel_q(case, True).to(dtype)} if case[5] <= 64 else {}
-    with torch.no_grad():
-        assert odd.tensor(torch.ones(8, dtype=dtype)).data_ptr() % 16 != 0
+    assert odd.tensor(torch.ones(8, dtype=dtype)).data_ptr() % 16 != 0
     _check_forward(odd, dtype, case, extra)
     _check_backward(odd, dtype, case, extra)
 

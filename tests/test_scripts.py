@@ -111,7 +111,7 @@ def test_gpu_ab_times_new_base_new(tmp_path: Path) -> None:
     """scripts/gpu_ab.sh's part on the GPU machine, with python3 and nvidia-smi faked: it builds
     with the working tree's objects, the base objects in place of those that differ, then the
     working tree's again, benches each and prints base/new per row."""
-    for name in ("gpu_ab.sh", "gpu_nvcc_cache.sh"):
+    for name in ("gpu_ab.sh", "gpu_build.sh", "gpu_nvcc_cache.sh"):
         (tmp_path / "scripts").mkdir(exist_ok=True)
         (tmp_path / "scripts" / name).write_text((SCRIPTS / name).read_text())
     (tmp_path / "csrc" / "cuda").mkdir(parents=True)
