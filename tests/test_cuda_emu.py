@@ -197,6 +197,8 @@ MISUSE_REPORTS = {
     "warp_vs_block": r"deadlock, no thread can continue: .*__syncwarp\(mask 0xffffffff\)",
     "mask_excludes_lane": r"__shfl_sync\(mask 0x00000001\).*which its mask excludes",
     "bad_width": r"__shfl_xor_sync at emu_test_kernels.cuh:\d+: width 3 is not a power of two",
+    "mma_divergent": r"deadlock, no thread can continue: (?=.*warp_collective\(mask 0xffffffff\) "
+                     r"at mma.cuh:\d+)(?=.*__syncwarp\(mask 0xffffffff\))",
 }
 
 
@@ -207,6 +209,32 @@ def test_misuse_is_reported_not_hung(kind: str) -> None:
     # The failed launch left nothing behind: the next one runs normally.
     x, expected = reversal_input()
     assert_same(emu().racy_reverse(x, True), expected)
+
+
+# ---- tensor cores ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("block", [32, 96, 48])
+def test_mma_matches_matmul(dtype: torch.dtype, block: int) -> None:
+    """The emulated mma.sync m16n8k16 (one warp_collective per warp) adds A B to D, the fragments
+    placed as the PTX ISA lays them out. Small integers: every summation order is exact. In a
+    partial warp (block 48) the lanes that exist get NaN, as mma.sync is undefined there."""
+    warps = (block + 31) // 32
+    g = torch.Generator().manual_seed(block)
+    a = torch.randint(-8, 8, (warps, 16, 16), generator=g).to(dtype)
+    b = torch.randint(-8, 8, (warps, 16, 8), generator=g).to(dtype)
+    d = torch.randint(-50, 50, (warps, 16, 8), generator=g).float()
+    out = emu().mma_test(a, b, d, block)
+    expected = d + a.float() @ b.float()
+    full = block // 32
+    assert_same(out[:full], expected[:full])
+    if block % 32:
+        # lanes 0..15 of the last warp: rows g and g + 8 (g = lane / 4 in 0..3), all 8 columns
+        nan = torch.zeros(16, 8, dtype=torch.bool)
+        nan[[0, 1, 2, 3, 8, 9, 10, 11]] = True
+        assert out[full][nan].isnan().all()
+        assert_same(out[full][~nan], d[full][~nan])
 
 
 # ---- half precision ----------------------------------------------------------------------------

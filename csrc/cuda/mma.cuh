@@ -14,9 +14,10 @@
 // next product (FlashAttention-2's register reuse of P).
 //
 // Under the emulator (RELPOS_CUDA_EMU, which has no inline PTX) mma_16816 computes the same
-// product from that layout: every lane leaves its fragments in a per-warp table, a __syncwarp,
-// each lane computes its four sums in float32, another __syncwarp. A kernel whose fragments do not
-// follow the layout gets wrong results under the emulator too.
+// product from that layout: a warp-wide operation (relpos_emu::warp_collective) that, once every
+// lane waits at it, assembles A and B from the 32 lanes' fragments and adds each lane's four sums
+// in float32 to its accumulators. A kernel whose fragments do not follow the layout gets wrong
+// results under the emulator too.
 #pragma once
 
 #include <cstdint>
@@ -77,31 +78,57 @@ inline float unpack_half(uint32_t u, int hi) {
   return to_float(from_bits16<T>(static_cast<uint16_t>(hi ? u >> 16 : u & 0xffffu)));
 }
 
+// One lane's registers of an emulated mma.sync.
+struct MmaLane {
+  const uint32_t* a;  // [4]
+  const uint32_t* b;  // [2]
+  float* d;           // [4]
+};
+
+// The product of the whole warp, once every lane waits at it (relpos_emu::warp_collective):
+// A and B assembled from the lanes' fragments as the layout above places them, then each lane's
+// four sums in float32, k ascending. With a lane missing (exited: mma.sync is undefined there)
+// every lane's result is NaN.
+template <typename T>
+inline void mma_16816_complete(void* const* args, uint32_t group) {
+  if (group != 0xffffffffu) {
+    for (int lane = 0; lane < 32; ++lane) {
+      if (args[lane] == nullptr) continue;
+      float* d = static_cast<const MmaLane*>(args[lane])->d;
+      for (int e = 0; e < 4; ++e) d[e] = __int_as_float(0x7fffffff);
+    }
+    return;
+  }
+  float am[16][16], bm[8][16];  // A[row][k], B stored as [col][k]
+  for (int lane = 0; lane < 32; ++lane) {
+    const MmaLane& x = *static_cast<const MmaLane*>(args[lane]);
+    const int g = lane / 4, t = lane % 4;
+    for (int hi = 0; hi < 2; ++hi) {
+      am[g][2 * t + hi] = unpack_half<T>(x.a[0], hi);
+      am[g + 8][2 * t + hi] = unpack_half<T>(x.a[1], hi);
+      am[g][2 * t + 8 + hi] = unpack_half<T>(x.a[2], hi);
+      am[g + 8][2 * t + 8 + hi] = unpack_half<T>(x.a[3], hi);
+      bm[g][2 * t + hi] = unpack_half<T>(x.b[0], hi);
+      bm[g][2 * t + 8 + hi] = unpack_half<T>(x.b[1], hi);
+    }
+  }
+  for (int lane = 0; lane < 32; ++lane) {
+    float* d = static_cast<const MmaLane*>(args[lane])->d;
+    const int g = lane / 4, t = lane % 4;
+    for (int e = 0; e < 4; ++e) {
+      const float* ar = am[g + (e >= 2 ? 8 : 0)];
+      const float* bc = bm[2 * t + (e & 1)];
+      float acc = 0;
+      for (int k = 0; k < 16; ++k) acc += ar[k] * bc[k];
+      d[e] += acc;
+    }
+  }
+}
+
 template <typename T>
 inline void mma_16816_emu(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  struct Frag {
-    uint32_t a[4], b[2];
-  };
-  // [warp][lane] of the block this OS thread runs (blocks run one after another on it).
-  thread_local Frag frags[32][32];
-  const unsigned tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
-  Frag* w = frags[tid / 32];
-  const int lane = static_cast<int>(tid % 32), g = lane / 4, t = lane % 4;
-  w[lane] = Frag{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}};
-  __syncwarp();
-  for (int e = 0; e < 4; ++e) {
-    const int row = g + (e >= 2 ? 8 : 0), col = 2 * t + (e & 1);
-    float acc = 0;
-    for (int k = 0; k < 16; ++k) {
-      const int tk = (k % 8) / 2, hi = k & 1;
-      const int ai = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
-      const float av = unpack_half<T>(w[(row % 8) * 4 + tk].a[ai], hi);
-      const float bv = unpack_half<T>(w[col * 4 + tk].b[k >= 8 ? 1 : 0], hi);
-      acc += av * bv;
-    }
-    d[e] += acc;
-  }
-  __syncwarp();  // no lane overwrites its fragments before every lane has read them
+  MmaLane lane{a, b, d};
+  relpos_emu::warp_collective(0xffffffffu, &mma_16816_complete<T>, &lane);
 }
 #endif
 

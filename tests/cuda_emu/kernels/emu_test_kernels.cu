@@ -72,6 +72,14 @@ void round_trip(const float* x, float* out, int64_t n, bool bfloat16) {
   }
 }
 
+void mma_test(const uint16_t* a, const uint16_t* b, float* d, int block, bool bfloat16) {
+  if (bfloat16) {
+    relpos::cuda::launch(mma_test_kernel<__nv_bfloat16>, dim3(1), dim3(block), 0, nullptr, a, b, d);
+  } else {
+    relpos::cuda::launch(mma_test_kernel<__half>, dim3(1), dim3(block), 0, nullptr, a, b, d);
+  }
+}
+
 void oob_read(const float* x, int64_t n, float* out, OobMemory memory) {
   switch (memory) {
     case OobMemory::kGlobal: return launch_oob_read<OobMemory::kGlobal>(x, n, out);
@@ -87,6 +95,7 @@ void misuse(float* out, int block, Misuse kind) {
     case Misuse::kWarpVsBlock: return launch_misuse<Misuse::kWarpVsBlock>(out, block);
     case Misuse::kMaskExcludesLane: return launch_misuse<Misuse::kMaskExcludesLane>(out, block);
     case Misuse::kBadWidth: return launch_misuse<Misuse::kBadWidth>(out, block);
+    case Misuse::kMmaDivergent: return launch_misuse<Misuse::kMmaDivergent>(out, block);
   }
 }
 

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "cuda/mma.cuh"
 #include "emu_test_kernels.h"
 #include "launch.cuh"
 
@@ -115,6 +116,36 @@ __global__ void round_trip_kernel(const float* __restrict__ x, float* __restrict
   }
 }
 
+// ---- tensor cores ----------------------------------------------------------------------------
+// Warp w: d[w] += a[w] b[w] by one mma_16816, the fragments read element by element as the PTX
+// ISA places them (lane = 4 g + t; a[0] = A[g][2t, 2t+1], a[1] = A[g+8][2t, 2t+1], a[2] =
+// A[g][2t+8, 2t+9], a[3] = A[g+8][2t+8, 2t+9]; b[0] = B[2t, 2t+1][g], b[1] = B[2t+8, 2t+9][g];
+// d[0], d[1] = D[g][2t, 2t+1], d[2], d[3] = D[g+8][2t, 2t+1]), not with mma.cuh's loaders.
+template <typename T>
+__global__ void mma_test_kernel(const uint16_t* __restrict__ a, const uint16_t* __restrict__ b,
+                                float* __restrict__ d) {
+  const unsigned warp = threadIdx.x / warpSize, lane = threadIdx.x % warpSize;
+  const unsigned g = lane / 4, t = lane % 4;
+  const uint16_t* aw = a + warp * 256;
+  const uint16_t* bw = b + warp * 128;
+  float* dw = d + warp * 128;
+  const auto pair = [](uint16_t lo, uint16_t hi) {
+    return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  };
+  const auto a_at = [&](unsigned r, unsigned c) { return pair(aw[r * 16 + c], aw[r * 16 + c + 1]); };
+  const auto b_at = [&](unsigned k, unsigned n) { return pair(bw[k * 8 + n], bw[(k + 1) * 8 + n]); };
+  const uint32_t af[4] = {a_at(g, 2 * t), a_at(g + 8, 2 * t), a_at(g, 2 * t + 8),
+                          a_at(g + 8, 2 * t + 8)};
+  const uint32_t bf[2] = {b_at(2 * t, g), b_at(2 * t + 8, g)};
+  float acc[4] = {dw[g * 8 + 2 * t], dw[g * 8 + 2 * t + 1], dw[(g + 8) * 8 + 2 * t],
+                  dw[(g + 8) * 8 + 2 * t + 1]};
+  relpos::cuda::mma_16816<T>(acc, af, bf);
+  dw[g * 8 + 2 * t] = acc[0];
+  dw[g * 8 + 2 * t + 1] = acc[1];
+  dw[(g + 8) * 8 + 2 * t] = acc[2];
+  dw[(g + 8) * 8 + 2 * t + 1] = acc[3];
+}
+
 // ---- memory errors for AddressSanitizer ------------------------------------------------------
 // One block of 64 threads; the last thread reads one element past the end of `x` (n elements),
 // of a static shared array or of the dynamic shared memory (64 floats).
@@ -170,6 +201,16 @@ __global__ void misuse_kernel(float* __restrict__ out) {
       break;
     case Misuse::kBadWidth:
       v = __shfl_xor_sync(0xffffffffu, v, 1, 3);
+      break;
+    case Misuse::kMmaDivergent:
+      if (t % warpSize < 16) {
+        float acc[4] = {};
+        const uint32_t af[4] = {}, bf[2] = {};
+        relpos::cuda::mma_16816<__nv_bfloat16>(acc, af, bf);
+        v = acc[0];
+      } else {
+        __syncwarp();
+      }
       break;
   }
   out[t] = v;

@@ -17,6 +17,7 @@ enum class Misuse : int {
   kWarpVsBlock,       // half of each warp at __syncwarp(), the other half at __syncthreads()
   kMaskExcludesLane,  // __shfl_sync(0x1, ...) called by every lane
   kBadWidth,          // __shfl_xor_sync(..., width = 3)
+  kMmaDivergent,      // half of each warp at an mma.sync (relpos::cuda::mma_16816), half not
 };
 
 // out = x reversed within each block of kReverseBlock elements; n a multiple of kReverseBlock.
@@ -34,6 +35,11 @@ void warp_test(const T* x, T* out, int64_t n, int block, WarpTest op, int width)
 
 // out = float(half(x)) or float(bfloat16(x)).
 void round_trip(const float* x, float* out, int64_t n, bool bfloat16);
+
+// relpos::cuda::mma_16816 (mma.sync m16n8k16, emulated by one warp_collective) per warp of one
+// block of `block` threads: d[w] += a[w] b[w] with a [warps][16][16] and b [warps][16][8] float16
+// or bfloat16 bits, d [warps][16][8]; each lane loads its fragments by the PTX ISA's layout.
+void mma_test(const uint16_t* a, const uint16_t* b, float* d, int block, bool bfloat16);
 
 // One block of kOobBlock threads reading x[0..kOobBlock) (n >= kOobBlock) and, in its last thread,
 // one element past the end of `memory`; x must hold exactly n elements.

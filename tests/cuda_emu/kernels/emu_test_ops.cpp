@@ -107,6 +107,29 @@ at::Tensor round_trip_op(const at::Tensor& x, const std::string& dtype) {
   return out;
 }
 
+// d + a b per warp of one block of `block` threads (mma_test); a [warps, 16, 16] and b
+// [warps, 16, 8] float16 or bfloat16, d [warps, 16, 8] float32, warps = ceil(block / 32).
+at::Tensor mma_test_op(const at::Tensor& a, const at::Tensor& b, const at::Tensor& d,
+                       int64_t block) {
+  const at::ScalarType dtype = a.scalar_type();
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
+              "mma_test: a must be float16 or bfloat16, got ", dtype);
+  TORCH_CHECK(block >= 1 && block <= 1024, "mma_test: block must be in [1, 1024], got ", block);
+  const int64_t warps = (block + 31) / 32;
+  const at::Tensor ai = contiguous_cpu(a, dtype, "mma_test: a");
+  const at::Tensor bi = contiguous_cpu(b, dtype, "mma_test: b");
+  at::Tensor out = contiguous_cpu(d, at::kFloat, "mma_test: d").clone();
+  TORCH_CHECK(ai.sizes() == at::IntArrayRef({warps, 16, 16}) &&
+                  bi.sizes() == at::IntArrayRef({warps, 16, 8}) &&
+                  out.sizes() == at::IntArrayRef({warps, 16, 8}),
+              "mma_test: expected a [", warps, ", 16, 16], b and d [", warps, ", 16, 8], got ",
+              ai.sizes(), ", ", bi.sizes(), ", ", out.sizes());
+  mma_test(static_cast<const uint16_t*>(ai.const_data_ptr()),
+           static_cast<const uint16_t*>(bi.const_data_ptr()), out.data_ptr<float>(),
+           static_cast<int>(block), dtype == at::kBFloat16);
+  return out;
+}
+
 at::Tensor oob_read_op(const at::Tensor& x, const std::string& memory) {
   const at::Tensor in = contiguous_cpu(x, at::kFloat, "oob_read: x");
   const int64_t n = in.numel();
@@ -142,9 +165,11 @@ at::Tensor misuse_op(const std::string& kind, int64_t block) {
     m = Misuse::kMaskExcludesLane;
   } else if (kind == "bad_width") {
     m = Misuse::kBadWidth;
+  } else if (kind == "mma_divergent") {
+    m = Misuse::kMmaDivergent;
   } else {
     TORCH_CHECK(false, "misuse: kind must be early_exit, two_barriers, warp_vs_block, ",
-                "mask_excludes_lane or bad_width, got '", kind, "'");
+                "mask_excludes_lane, bad_width or mma_divergent, got '", kind, "'");
   }
   at::Tensor out = at::zeros({block}, at::TensorOptions().dtype(at::kFloat));
   misuse(out.data_ptr<float>(), static_cast<int>(block), m);
@@ -165,4 +190,5 @@ TORCH_LIBRARY(relpos_emu_test, m) {
   m.def("round_trip(Tensor x, str dtype) -> Tensor", &round_trip_op);
   m.def("oob_read(Tensor x, str memory=\"global\") -> Tensor", &oob_read_op);
   m.def("misuse(str kind, int block=64) -> Tensor", &misuse_op);
+  m.def("mma_test(Tensor a, Tensor b, Tensor d, int block) -> Tensor", &mma_test_op);
 }

@@ -57,6 +57,13 @@ uint64_t sync_warp(WarpOp op, unsigned mask, uint64_t value, int lane_arg, int w
       .sync_warp(op, mask, value, lane_arg, width, site);
 }
 
+void warp_collective(unsigned mask, WarpCollective complete, void* arg,
+                     const std::source_location& site) {
+  BlockScheduler::running(warp_op_name(WarpOp::kCollective), site)
+      .sync_warp(WarpOp::kCollective, mask, reinterpret_cast<uintptr_t>(arg), 0, kLanes, site,
+                 complete);
+}
+
 void BlockScheduler::run(const Kernel& kernel, dim3 block_dim, Rng& rng) {
   kernel_ = &kernel;
   num_threads_ = block_dim.x * block_dim.y * block_dim.z;
@@ -156,7 +163,8 @@ int BlockScheduler::sync_block(BlockSync op, int predicate, const std::source_lo
 }
 
 uint64_t BlockScheduler::sync_warp(WarpOp op, unsigned mask, uint64_t value, int lane_arg,
-                                   int width, const std::source_location& site) {
+                                   int width, const std::source_location& site,
+                                   WarpCollective collective) {
   const unsigned t = current_;
   if (aborting_) throw FiberAbort{};
   const unsigned lane = t % kLanes;
@@ -175,6 +183,7 @@ uint64_t BlockScheduler::sync_warp(WarpOp op, unsigned mask, uint64_t value, int
   th.warp_op = op;
   th.mask = mask;
   th.value = value;
+  th.collective = collective;
   th.lane_arg = lane_arg;
   th.width = width;
   th.site = site;
@@ -199,7 +208,8 @@ void BlockScheduler::release_warps() {
 }
 
 // A warp operation completes when every non-exited lane of its mask waits at the same operation
-// with the same mask; lanes that exited are not waited for (PTX: "all non-exited threads").
+// with the same mask (for a collective, the same function); lanes that exited are not waited for
+// (PTX: "all non-exited threads").
 void BlockScheduler::release_warp(unsigned warp) {
   const unsigned base = warp * kLanes;
   const unsigned lanes = std::min(kLanes, num_threads_ - base);
@@ -217,7 +227,10 @@ void BlockScheduler::release_warp(unsigned warp) {
     for (uint32_t m = pending; m != 0; m &= m - 1) {
       const unsigned l = std::countr_zero(m);
       const Thread& th = threads_[base + l];
-      if (th.warp_op == first.warp_op && th.mask == first.mask) same |= 1u << l;
+      if (th.warp_op == first.warp_op && th.mask == first.mask &&
+          th.collective == first.collective) {
+        same |= 1u << l;
+      }
     }
     pending &= ~same;
     const uint32_t group = first.mask & alive;
@@ -226,7 +239,16 @@ void BlockScheduler::release_warp(unsigned warp) {
 }
 
 void BlockScheduler::complete_warp_op(unsigned base, uint32_t group) {
-  const WarpOp op = threads_[base + std::countr_zero(group)].warp_op;
+  const Thread& first = threads_[base + std::countr_zero(group)];
+  const WarpOp op = first.warp_op;
+  if (op == WarpOp::kCollective) {
+    void* args[kLanes] = {};
+    for (uint32_t m = group; m != 0; m &= m - 1) {
+      const unsigned l = std::countr_zero(m);
+      args[l] = reinterpret_cast<void*>(static_cast<uintptr_t>(threads_[base + l].value));
+    }
+    first.collective(args, group);
+  }
   uint32_t ballot = 0;
   for (uint32_t m = group; m != 0; m &= m - 1) {
     const unsigned l = std::countr_zero(m);
@@ -237,6 +259,7 @@ void BlockScheduler::complete_warp_op(unsigned base, uint32_t group) {
     Thread& th = threads_[base + l];
     switch (op) {
       case WarpOp::kSync:
+      case WarpOp::kCollective:
         th.result = 0;
         break;
       case WarpOp::kBallot:

@@ -25,7 +25,7 @@ class BlockScheduler {
   // The yield points, called on the running kernel thread.
   int sync_block(BlockSync op, int predicate, const std::source_location& site);
   uint64_t sync_warp(WarpOp op, unsigned mask, uint64_t value, int lane_arg, int width,
-                     const std::source_location& site);
+                     const std::source_location& site, WarpCollective collective = nullptr);
 
   // The scheduler whose block is running; throws if none is (a synchronisation function called
   // outside a kernel).
@@ -45,7 +45,8 @@ class BlockScheduler {
     unsigned mask;
     int lane_arg;
     int width;
-    uint64_t value;   // shuffled bits or predicate
+    uint64_t value;   // shuffled bits, predicate, or a collective's argument
+    WarpCollective collective;  // kCollective: the function that completes it
     uint64_t result;  // filled in when the barrier or warp operation releases
   };
 

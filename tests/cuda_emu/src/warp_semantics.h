@@ -71,6 +71,7 @@ inline const char* warp_op_name(WarpOp op) {
     case WarpOp::kBallot: return "__ballot_sync";
     case WarpOp::kAny: return "__any_sync";
     case WarpOp::kAll: return "__all_sync";
+    case WarpOp::kCollective: return "warp_collective";
   }
   return "?";
 }

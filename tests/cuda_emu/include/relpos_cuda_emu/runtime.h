@@ -55,11 +55,21 @@ inline const ThreadContext& current() { return g_current; }
 enum class BlockSync : uint8_t { kSync, kCount, kAnd, kOr };
 int sync_block(BlockSync op, int predicate, const std::source_location& site);
 
-enum class WarpOp : uint8_t { kSync, kShflIdx, kShflUp, kShflDown, kShflXor, kBallot, kAny, kAll };
+enum class WarpOp : uint8_t {
+  kSync, kShflIdx, kShflUp, kShflDown, kShflXor, kBallot, kAny, kAll, kCollective
+};
 // `value` carries a shuffled value's bits or a vote's predicate; returns the shuffled bits, the
 // ballot mask or the vote's result.
 uint64_t sync_warp(WarpOp op, unsigned mask, uint64_t value, int lane_arg, int width,
                    const std::source_location& site);
+
+// A warp operation whose result one function computes for all its lanes (relpos_emu::
+// warp_collective in sync.h): args[l] is lane l's argument for the lanes of `group` (the lanes of
+// the mask that had not exited), nullptr for the others. It runs on the scheduler's stack while
+// the lanes wait, so it must not throw or reach a yield point.
+using WarpCollective = void (*)(void* const* args, uint32_t group);
+void warp_collective(unsigned mask, WarpCollective complete, void* arg,
+                     const std::source_location& site);
 
 // A launch, type-erased: `run(closure)` runs the kernel body for the current thread; `entry` is the
 // __global__ function, named in error messages.

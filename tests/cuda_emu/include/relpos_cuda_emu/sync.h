@@ -49,6 +49,21 @@ inline int __all_sync(unsigned mask, int predicate,
                                                         predicate != 0, 0, warpSize, site));
 }
 
+namespace relpos_emu {
+
+// A warp operation computed once for the whole warp, where CUDA has one instruction that takes
+// every lane's registers (mma.sync: csrc/cuda/mma.cuh). Every lane of `mask` calls it with the same
+// `complete` and its own `arg`; it releases as __syncwarp(mask) does (every non-exited lane of the
+// mask waits at the same operation), after complete(args, group) has run once with each waiting
+// lane's arg (detail::WarpCollective). One yield point where a __syncwarp before and after the
+// computation would be two, and one computation where each lane would repeat the gathering.
+inline void warp_collective(unsigned mask, detail::WarpCollective complete, void* arg,
+                            const std::source_location& site = std::source_location::current()) {
+  detail::warp_collective(mask, complete, arg, site);
+}
+
+}  // namespace relpos_emu
+
 namespace relpos_emu::detail {
 
 // The value travels as raw bits. __half2 and __nv_bfloat162 are not trivially copyable (they
