@@ -121,6 +121,16 @@ def backend(request, monkeypatch) -> Backend:
     return Backend(name, "cuda", "relpos")
 
 
+# Attention cases (tests/test_attention.py CASES) sized for the AVX2 kernels' key runs and key
+# chunks: 1100 to 4200 keys. The CUDA kernels have no such paths; there these cases only run more
+# key tiles of the kinds the smaller cases have. Under AddressSanitizer they run on cuda-emu in
+# test_rel_attention_forward and test_rel_attention_backward only: in the other attention tests
+# (bias, rel_q, masks, dropout, windows, ...) they were half of that step's time. The main run
+# keeps every one of them on every backend.
+ASAN_FORWARD_BACKWARD_ONLY = frozenset({"bwd_key_runs", "decode_long_cache", "decode_split_keys",
+                                        "decode_split_hidden_chunk", "decode_split_uniform"})
+
+
 def pytest_collection_modifyitems(config, items):
     # Everything parametrised with the cuda-emu backend runs the emulator: mark it so that
     # `pytest -m emu` (the AddressSanitizer step) selects exactly those tests. float64 on the
@@ -132,6 +142,8 @@ def pytest_collection_modifyitems(config, items):
     # Under AddressSanitizer (scripts/test_asan.sh), cuda-emu's float16 cases are deselected:
     # they run the bfloat16 cases' kernels and memory accesses (2-byte elements, the same tiles
     # and tensor-core paths), and were a third of that step's time; the main run keeps them.
+    # So are the attention cases of ASAN_FORWARD_BACKWARD_ONLY outside the plain forward and
+    # backward tests (see there).
     asan = os.environ.get("RELPOS_EMU_ASAN") == "1"
     keep, dropped = [], []
     for item in items:
@@ -140,9 +152,13 @@ def pytest_collection_modifyitems(config, items):
         attention = item.path.name == "test_attention.py"
         avx512_op = attention or "rel_logits" in item.name
         f64 = params.get("dtype") == torch.float64
+        asan_emu = asan and backend == "cuda-emu"
         if (f64 and backend == "cpu-avx512") or (f64 and backend == "cpu-avx2" and not attention) or (
                 backend == "cpu-avx512" and not avx512_op) or (
-                asan and backend == "cuda-emu" and params.get("dtype") == torch.float16):
+                asan_emu and params.get("dtype") == torch.float16) or (
+                asan_emu and attention and params.get("name") in ASAN_FORWARD_BACKWARD_ONLY
+                and item.originalname not in ("test_rel_attention_forward",
+                                              "test_rel_attention_backward")):
             dropped.append(item)
             continue
         if params.get("backend") == "cuda-emu":

@@ -11,7 +11,8 @@ import torch
 import relpos_ext
 from relpos_ext import reference as ref
 from _emu import emu_seed
-from conftest import Backend, assert_close, skip_unless_avx512, skip_unless_bf16_dot
+from conftest import (ASAN_FORWARD_BACKWARD_ONLY, Backend, assert_close, skip_unless_avx512,
+                      skip_unless_bf16_dot)
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
@@ -217,6 +218,13 @@ def _check_backward(backend, dtype, case, extra=None, q_scale=1.0):
         # the bias gradient of a bucket sums dS over up to B x H x Lq x Lk pairs
         n = tensors[0].shape[:3].numel() if x is t64[5] else x.shape[-2]
         assert_close(got, next(expected), dtype, scale=8 * (n ** 0.5))
+
+
+def test_asan_forward_backward_only_cases_are_long_key_cases():
+    """The cases the AddressSanitizer step runs on cuda-emu in the forward and backward tests
+    only (conftest.py) exist, and are the long-key ones it describes."""
+    assert ASAN_FORWARD_BACKWARD_ONLY <= set(CASES)
+    assert {n for n, c in CASES.items() if c[4] >= 1000} == ASAN_FORWARD_BACKWARD_ONLY
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
