@@ -178,36 +178,35 @@ def _call_backward(backend, grad, tensors, out, lse, kw):
     )
 
 
-def _check_forward(backend, dtype, case, extra=None, q_scale=1.0):
-    """extra: more keyword arguments of the op and the reference (dropout_p, dropout_seed);
-    q_scale: the queries' scale (make_inputs)."""
-    tensors, kw = make_inputs(case, dtype, q_scale=q_scale)
-    kw.update(extra or {})
-    out, lse = _call(backend, tensors, kw)
-    exp_out, exp_lse = ref.shaw_attention(*(_f64(x) for x in tensors), **_kw64(kw), return_lse=True)
-    assert out.shape == exp_out.shape and lse.shape == exp_lse.shape
-    assert torch.isfinite(out).all()
-    assert_close(out, exp_out, dtype, scale=4)
-    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    assert_close(lse, exp_lse.to(lse_dtype), lse_dtype, scale=4 if dtype == lse_dtype else 1000)
-
-
 def _kw64(kw):
     """kw for the float64 reference: a rel_bias and a rel_q become float64 leaves."""
     return {**kw, "rel_bias": _f64(kw.get("rel_bias")), "rel_q": _f64(kw.get("rel_q"))}
 
 
-def _check_backward(backend, dtype, case, extra=None, q_scale=1.0):
-    tensors, kw = make_inputs(case, dtype, q_scale=q_scale)
-    kw.update(extra or {})
+def _reference(tensors, kw):
+    """The float64 reference of the op's inputs: the leaves (q, k, v, rel_k, rel_v, rel_bias,
+    rel_q; None where absent) and its out and lse, which keep their graph to the leaves."""
     t64 = [_f64(x) for x in tensors]
     kw64 = _kw64(kw)
     t64 += [kw64["rel_bias"], kw64["rel_q"]]  # the sixth and seventh gradients
-    exp_out = ref.shaw_attention(*t64[:5], **kw64)
+    exp_out, exp_lse = ref.shaw_attention(*t64[:5], **kw64, return_lse=True)
+    return t64, exp_out, exp_lse
+
+
+def _assert_forward(dtype, out, lse, exp_out, exp_lse):
+    assert out.shape == exp_out.shape and lse.shape == exp_lse.shape
+    assert torch.isfinite(out).all()
+    assert_close(out, exp_out.detach(), dtype, scale=4)
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    assert_close(lse, exp_lse.detach().to(lse_dtype), lse_dtype,
+                 scale=4 if dtype == lse_dtype else 1000)
+
+
+def _assert_backward(backend, dtype, tensors, kw, out, lse, t64, exp_out):
+    """The op's seven gradients for a random output gradient against the reference's."""
     grad = torch.randn(exp_out.shape, dtype=torch.float64).to(dtype)
     wrt = [x for x in t64 if x is not None]
     expected = iter(torch.autograd.grad(exp_out, wrt, grad.double()))
-    out, lse = _call(backend, tensors, kw)
     grads = _call_backward(backend, grad, tensors, out, lse, kw)
     assert len(grads) == 7
     for got, x in zip(grads, t64):
@@ -218,6 +217,35 @@ def _check_backward(backend, dtype, case, extra=None, q_scale=1.0):
         # the bias gradient of a bucket sums dS over up to B x H x Lq x Lk pairs
         n = tensors[0].shape[:3].numel() if x is t64[5] else x.shape[-2]
         assert_close(got, next(expected), dtype, scale=8 * (n ** 0.5))
+
+
+def _check_forward(backend, dtype, case, extra=None, q_scale=1.0):
+    """extra: more keyword arguments of the op and the reference (dropout_p, dropout_seed);
+    q_scale: the queries' scale (make_inputs)."""
+    tensors, kw = make_inputs(case, dtype, q_scale=q_scale)
+    kw.update(extra or {})
+    out, lse = _call(backend, tensors, kw)
+    _, exp_out, exp_lse = _reference(tensors, kw)
+    _assert_forward(dtype, out, lse, exp_out, exp_lse)
+
+
+def _check_backward(backend, dtype, case, extra=None, q_scale=1.0):
+    tensors, kw = make_inputs(case, dtype, q_scale=q_scale)
+    kw.update(extra or {})
+    t64, exp_out, _ = _reference(tensors, kw)
+    out, lse = _call(backend, tensors, kw)
+    _assert_backward(backend, dtype, tensors, kw, out, lse, t64, exp_out)
+
+
+def _check_forward_backward(backend, dtype, case, extra=None, q_scale=1.0):
+    """_check_forward and _check_backward on one draw of inputs: one forward of the op and of the
+    float64 reference serve both (the reference was most of these tests' time)."""
+    tensors, kw = make_inputs(case, dtype, q_scale=q_scale)
+    kw.update(extra or {})
+    t64, exp_out, exp_lse = _reference(tensors, kw)
+    out, lse = _call(backend, tensors, kw)
+    _assert_forward(dtype, out, lse, exp_out, exp_lse)
+    _assert_backward(backend, dtype, tensors, kw, out, lse, t64, exp_out)
 
 
 def test_asan_forward_backward_only_cases_are_long_key_cases():
@@ -317,8 +345,7 @@ def test_rel_attention_tensor_core_options(backend, dtype, name):
         extra["rel_bias"] = random_bias(case, extra["rel_bias"] == "per_head").to(dtype)
     if "rel_q" in extra:
         extra["rel_q"] = random_rel_q(case, extra["rel_q"] == "per_head").to(dtype)
-    _check_forward(backend, dtype, case, extra)
-    _check_backward(backend, dtype, case, extra)
+    _check_forward_backward(backend, dtype, case, extra)
 
 
 class _Misaligned(Backend):
@@ -343,8 +370,7 @@ def test_rel_attention_misaligned_inputs(backend, dtype, name):
     case = TC_CASES[name]
     extra = {"rel_q": random_rel_q(case, True).to(dtype)} if case[5] <= 64 else {}
     assert odd.tensor(torch.ones(8, dtype=dtype)).data_ptr() % 16 != 0
-    _check_forward(odd, dtype, case, extra)
-    _check_backward(odd, dtype, case, extra)
+    _check_forward_backward(odd, dtype, case, extra)
 
 
 def test_rel_attention_wide_logits(backend):
@@ -355,8 +381,7 @@ def test_rel_attention_wide_logits(backend):
     _attention_backend(backend)
     tiny = torch.tensor([1e-39])  # a float32 denormal
     assert (tiny * 1.5).item() != 0
-    _check_forward(backend, torch.float32, CASES["tiles_two_sided"], q_scale=20.0)
-    _check_backward(backend, torch.float32, CASES["tiles_two_sided"], q_scale=20.0)
+    _check_forward_backward(backend, torch.float32, CASES["tiles_two_sided"], q_scale=20.0)
     assert (tiny * 1.5).item() != 0, "the op left flush-to-zero on in the calling thread"
 
 
@@ -373,8 +398,7 @@ def test_rel_attention_explicit_scale(backend, dtype, scale, name):
     """An explicit ``scale`` in place of 1/sqrt(D), forward and backward against the reference
     (the kernels fold the scale into exp2's argument and into dS, so a sign or a zero shows)."""
     _attention_backend(backend)
-    _check_forward(backend, dtype, CASES[name], dict(scale=scale))
-    _check_backward(backend, dtype, CASES[name], dict(scale=scale))
+    _check_forward_backward(backend, dtype, CASES[name], dict(scale=scale))
 
 
 @pytest.mark.parametrize("scale", [1.0, -0.5])
@@ -382,8 +406,7 @@ def test_rel_attention_explicit_scale(backend, dtype, scale, name):
 def test_rel_attention_explicit_scale_tensor_core_shapes(backend, scale, name):
     """The same on the CUDA tensor-core kernels' shapes (bfloat16, D = 64 and 128)."""
     _attention_backend(backend)
-    _check_forward(backend, torch.bfloat16, TC_CASES[name], dict(scale=scale))
-    _check_backward(backend, torch.bfloat16, TC_CASES[name], dict(scale=scale))
+    _check_forward_backward(backend, torch.bfloat16, TC_CASES[name], dict(scale=scale))
 
 
 def random_case(seed: int) -> tuple:
@@ -405,8 +428,7 @@ def test_rel_attention_random_cases(backend, seed):
     """Forward and backward of 16 seeded random configurations (float32) against the reference."""
     _attention_backend(backend)
     case = random_case(seed)
-    _check_forward(backend, torch.float32, case)
-    _check_backward(backend, torch.float32, case)
+    _check_forward_backward(backend, torch.float32, case)
 
 
 def random_long_case(seed: int, max_size: int = 12_000_000) -> tuple:
@@ -438,8 +460,7 @@ def test_rel_attention_random_long_cases(backend, seed):
     of them float16/bfloat16, found no failure.)"""
     _attention_backend(backend)
     case = random_long_case(seed)
-    _check_forward(backend, torch.float32, case)
-    _check_backward(backend, torch.float32, case)
+    _check_forward_backward(backend, torch.float32, case)
 
 
 # ----------------------------------------------------------------------------------- rel_bias
@@ -499,8 +520,7 @@ def test_rel_attention_dropout(backend, dtype, name):
     (reference.dropout_keep) from the same seed."""
     _attention_backend(backend)
     kw = dict(dropout_p=0.3, dropout_seed=2**40 + 12345 + len(name))
-    _check_forward(backend, dtype, CASES[name], kw)
-    _check_backward(backend, dtype, CASES[name], kw)
+    _check_forward_backward(backend, dtype, CASES[name], kw)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -510,8 +530,7 @@ def test_rel_attention_dropout_random_cases(backend, seed):
     r = random.Random(1000 + seed)
     kw = dict(dropout_p=r.choice([0.05, 0.5, 0.9, 1.0]), dropout_seed=r.randint(-2**63, 2**63 - 1))
     case = random_case(100 + seed)
-    _check_forward(backend, torch.float32, case, kw)
-    _check_backward(backend, torch.float32, case, kw)
+    _check_forward_backward(backend, torch.float32, case, kw)
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
@@ -574,8 +593,7 @@ def test_rel_attention_attn_mask(backend, dtype, form, name):
     padding: forward and backward against the reference."""
     _attention_backend(backend)
     extra = dict(attn_mask=random_attn_mask(CASES[name], form, len(name)))
-    _check_forward(backend, dtype, CASES[name], extra)
-    _check_backward(backend, dtype, CASES[name], extra)
+    _check_forward_backward(backend, dtype, CASES[name], extra)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -589,8 +607,7 @@ def test_rel_attention_attn_mask_random_cases(backend, seed):
     if seed % 2:
         extra.update(dropout_p=0.2, dropout_seed=seed)
     dtype = torch.bfloat16 if seed % 3 == 2 else torch.float32
-    _check_forward(backend, dtype, case, extra)
-    _check_backward(backend, dtype, case, extra)
+    _check_forward_backward(backend, dtype, case, extra)
 
 
 # ------------------------------------------------------------------------------ segment ids
@@ -628,8 +645,7 @@ def test_rel_attention_segment_ids(backend, dtype, form, name):
     padding: forward and backward against the reference."""
     _attention_backend(backend)
     extra = _segments(CASES[name], form, len(name))
-    _check_forward(backend, dtype, CASES[name], extra)
-    _check_backward(backend, dtype, CASES[name], extra)
+    _check_forward_backward(backend, dtype, CASES[name], extra)
 
 
 @pytest.mark.parametrize("name", ["tiles_causal_padding", "decode_split_keys", "bwd_key_runs",
@@ -664,8 +680,7 @@ def test_rel_attention_segment_ids_random_cases(backend, seed):
     if seed % 2:
         extra.update(dropout_p=0.2, dropout_seed=seed)
     dtype = torch.bfloat16 if seed % 3 == 2 else torch.float32
-    _check_forward(backend, dtype, case, extra)
-    _check_backward(backend, dtype, case, extra)
+    _check_forward_backward(backend, dtype, case, extra)
 
 
 # ------------------------------------------------------------------------------ local window
@@ -685,8 +700,7 @@ def test_rel_attention_window(backend, dtype, window, name):
     backward against the reference."""
     _attention_backend(backend)
     extra = dict(window_left=window[0], window_right=window[1])
-    _check_forward(backend, dtype, CASES[name], extra)
-    _check_backward(backend, dtype, CASES[name], extra)
+    _check_forward_backward(backend, dtype, CASES[name], extra)
 
 
 def test_rel_attention_window_tile_edges(backend):
@@ -698,8 +712,7 @@ def test_rel_attention_window_tile_edges(backend):
     case = (1, 2, 1, 70, 150, 8, 3, 0, 0, False, False, False, True, True)
     for w in range(66):
         for extra in (dict(window_left=w), dict(window_right=w)):
-            _check_forward(backend, torch.float32, case, extra)
-            _check_backward(backend, torch.float32, case, extra)
+            _check_forward_backward(backend, torch.float32, case, extra)
 
 
 def _call_window(backend, tensors, kw, grad):
@@ -751,8 +764,7 @@ def test_rel_attention_window_random_cases(backend, seed):
     if seed % 2:
         extra.update(dropout_p=0.2, dropout_seed=seed)
     dtype = torch.bfloat16 if seed % 3 == 2 else torch.float32
-    _check_forward(backend, dtype, case, extra)
-    _check_backward(backend, dtype, case, extra)
+    _check_forward_backward(backend, dtype, case, extra)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -985,8 +997,7 @@ def test_rel_attention_bias_and_rel_q(backend, dtype, per_head, term, name):
     against the reference."""
     _attention_backend(backend)
     kw = {term: _random_term(term, CASES[name], per_head).to(dtype)}
-    _check_forward(backend, dtype, CASES[name], kw)
-    _check_backward(backend, dtype, CASES[name], kw)
+    _check_forward_backward(backend, dtype, CASES[name], kw)
 
 
 @pytest.mark.parametrize("term", ["rel_bias", "rel_q"])
@@ -1008,8 +1019,7 @@ def test_rel_attention_bias_and_rel_q_random_cases(backend, seed, term):
         kw.update(window_left=r.choice([-1, 0, 3, 40]), window_right=r.choice([-1, 0, 2, 70]))
     if r.random() < 0.3:
         kw.update(attn_mask=torch.rand(case[3], case[4], generator=torch.Generator().manual_seed(seed)) < 0.2)
-    _check_forward(backend, torch.float32, case, kw)
-    _check_backward(backend, torch.float32, case, kw)
+    _check_forward_backward(backend, torch.float32, case, kw)
 
 
 @pytest.mark.parametrize("mask", ["dropout", "window", "segments", "attn_mask"])
@@ -1029,8 +1039,7 @@ def test_rel_attention_rel_q_with_masks(backend, name, mask):
         kw.update(zip(("q_segment_ids", "k_segment_ids"), random_segment_ids(case, "packed", 3)))
     else:
         kw.update(attn_mask=torch.rand(case[3], case[4], generator=torch.Generator().manual_seed(5)) < 0.1)
-    _check_forward(backend, torch.float32, case, kw)
-    _check_backward(backend, torch.float32, case, kw)
+    _check_forward_backward(backend, torch.float32, case, kw)
 
 
 def test_rel_attention_rel_q_is_the_transposed_key_term():
