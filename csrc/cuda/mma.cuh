@@ -205,33 +205,59 @@ RELPOS_DEVICE void load_b_frag(uint32_t (&f)[2], const T* bt, int ld, int lane) 
   f[1] = ld32(x + 8);
 }
 
+#if defined(RELPOS_CUDA_EMU)
+// One lane's part of an emulated ldmatrix: its row address and its four registers.
+template <typename T>
+struct LdmatrixLane {
+  const T* row;
+  uint32_t* r;  // [4]
+};
+
+// Every lane's registers from the 32 row addresses, once all lanes wait (warp_collective); in a
+// partial warp (undefined on the device) every lane gets all-ones bits, a NaN.
+template <bool kTrans, typename T>
+inline void ldmatrix_x4_complete(void* const* args, uint32_t group) {
+  if (group != 0xffffffffu) {
+    for (int lane = 0; lane < 32; ++lane) {
+      if (args[lane] == nullptr) continue;
+      uint32_t* r = static_cast<const LdmatrixLane<T>*>(args[lane])->r;
+      for (int i = 0; i < 4; ++i) r[i] = 0xffffffffu;
+    }
+    return;
+  }
+  const T* rows[32];
+  for (int lane = 0; lane < 32; ++lane) {
+    rows[lane] = static_cast<const LdmatrixLane<T>*>(args[lane])->row;
+  }
+  for (int lane = 0; lane < 32; ++lane) {
+    uint32_t* r = static_cast<const LdmatrixLane<T>*>(args[lane])->r;
+    const int g = lane / 4, t = lane % 4;
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (kTrans) {
+        r[i] = ld16(rows[8 * i + 2 * t] + g) | (ld16(rows[8 * i + 2 * t + 1] + g) << 16);
+      } else {
+        r[i] = ld32(rows[8 * i + g] + 2 * t);
+      }
+    }
+  }
+}
+#endif
+
 // ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: four 8 x 8 matrices of 16-bit elements from
 // shared memory, matrix i's row r at lane 8 i + r's address `row` (16-byte aligned). Lane
 // 4 g + t receives r[i] = M_i[g][2t, 2t+1], or with kTrans M_i[2t][g] and M_i[2t+1][g] (the low
-// half first). All 32 lanes call it. Under the emulator the lanes leave their row addresses in a
-// per-warp table, as mma_16816_emu does with its fragments.
+// half first). All 32 lanes call it. Under the emulator it is one warp_collective, as
+// mma_16816_emu is.
 template <bool kTrans, typename T>
 RELPOS_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const T* row) {
 #if defined(RELPOS_CUDA_EMU)
-  thread_local const T* rows[32][32];
-  const unsigned tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
-  const T** w = rows[tid / 32];
-  const int lane = static_cast<int>(tid % 32), g = lane / 4, t = lane % 4;
   // The device takes 16-byte aligned rows only (else an error at run time); the emulator's
   // dynamic shared memory is 16-byte aligned, as the device's, so offsets check the same.
   if (reinterpret_cast<uintptr_t>(row) % 16 != 0) {
     throw std::runtime_error("ldmatrix: a row address that is not 16-byte aligned");
   }
-  w[lane] = row;
-  __syncwarp();
-  for (int i = 0; i < 4; ++i) {
-    if constexpr (kTrans) {
-      r[i] = ld16(w[8 * i + 2 * t] + g) | (ld16(w[8 * i + 2 * t + 1] + g) << 16);
-    } else {
-      r[i] = ld32(w[8 * i + g] + 2 * t);
-    }
-  }
-  __syncwarp();  // no lane moves on to its next address before every lane has read this one
+  LdmatrixLane<T> lane{row, r};
+  relpos_emu::warp_collective(0xffffffffu, &ldmatrix_x4_complete<kTrans, T>, &lane);
 #elif defined(__CUDA_ARCH__)
   const auto a = static_cast<uint32_t>(__cvta_generic_to_shared(row));
   if constexpr (kTrans) {

@@ -132,8 +132,12 @@ __global__ void mma_test_kernel(const uint16_t* __restrict__ a, const uint16_t* 
   const auto pair = [](uint16_t lo, uint16_t hi) {
     return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
   };
-  const auto a_at = [&](unsigned r, unsigned c) { return pair(aw[r * 16 + c], aw[r * 16 + c + 1]); };
-  const auto b_at = [&](unsigned k, unsigned n) { return pair(bw[k * 8 + n], bw[(k + 1) * 8 + n]); };
+  const auto a_at = [&](unsigned r, unsigned c) {
+    return pair(aw[r * 16 + c], aw[r * 16 + c + 1]);
+  };
+  const auto b_at = [&](unsigned k, unsigned n) {
+    return pair(bw[k * 8 + n], bw[(k + 1) * 8 + n]);
+  };
   const uint32_t af[4] = {a_at(g, 2 * t), a_at(g + 8, 2 * t), a_at(g, 2 * t + 8),
                           a_at(g + 8, 2 * t + 8)};
   const uint32_t bf[2] = {b_at(2 * t, g), b_at(2 * t + 8, g)};
