@@ -78,6 +78,20 @@ inline float unpack_half(uint32_t u, int hi) {
   return to_float(from_bits16<T>(static_cast<uint16_t>(hi ? u >> 16 : u & 0xffffu)));
 }
 
+// A warp collective's answer to a partial warp (undefined on the device): all-ones bits, a NaN,
+// in the four result words (Lane::*out) of every waiting lane. False, writing nothing, for a whole
+// warp.
+template <typename Lane, typename Word>
+inline bool poison_partial_warp(void* const* args, uint32_t group, Word* Lane::*out) {
+  if (group == 0xffffffffu) return false;
+  for (int lane = 0; lane < 32; ++lane) {
+    if (args[lane] != nullptr) {
+      std::memset(static_cast<const Lane*>(args[lane])->*out, 0xff, 4 * sizeof(Word));
+    }
+  }
+  return true;
+}
+
 // One lane's registers of an emulated mma.sync.
 struct MmaLane {
   const uint32_t* a;  // [4]
@@ -91,14 +105,7 @@ struct MmaLane {
 // every lane's result is NaN.
 template <typename T>
 inline void mma_16816_complete(void* const* args, uint32_t group) {
-  if (group != 0xffffffffu) {
-    for (int lane = 0; lane < 32; ++lane) {
-      if (args[lane] == nullptr) continue;
-      float* d = static_cast<const MmaLane*>(args[lane])->d;
-      for (int e = 0; e < 4; ++e) d[e] = __int_as_float(0x7fffffff);
-    }
-    return;
-  }
+  if (poison_partial_warp(args, group, &MmaLane::d)) return;
   float am[16][16], bm[8][16];  // A[row][k], B stored as [col][k]
   for (int lane = 0; lane < 32; ++lane) {
     const MmaLane& x = *static_cast<const MmaLane*>(args[lane]);
@@ -217,14 +224,7 @@ struct LdmatrixLane {
 // partial warp (undefined on the device) every lane gets all-ones bits, a NaN.
 template <bool kTrans, typename T>
 inline void ldmatrix_x4_complete(void* const* args, uint32_t group) {
-  if (group != 0xffffffffu) {
-    for (int lane = 0; lane < 32; ++lane) {
-      if (args[lane] == nullptr) continue;
-      uint32_t* r = static_cast<const LdmatrixLane<T>*>(args[lane])->r;
-      for (int i = 0; i < 4; ++i) r[i] = 0xffffffffu;
-    }
-    return;
-  }
+  if (poison_partial_warp(args, group, &LdmatrixLane<T>::r)) return;
   const T* rows[32];
   for (int lane = 0; lane < 32; ++lane) {
     rows[lane] = static_cast<const LdmatrixLane<T>*>(args[lane])->row;
