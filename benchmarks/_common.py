@@ -285,7 +285,17 @@ def cpu_identity() -> dict:
     return out
 
 
+# Environment variables that cap the instruction set of ours and torch's kernels below what the CPU
+# has. All four at AVX2 (benchmarks/README.md, "A machine without AVX-512") run everything as on a
+# CPU with AVX2 and FMA only: ours (cpu/isa.cpp), ATen's vectorised kernels and inductor's code
+# (FlexAttention, torch.compile), oneDNN and MKL (matmuls).
+ISA_ENV = ("RELPOS_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def machine_info(threads: int) -> dict:
+    """The machine (:func:`cpu_identity`), its load, memory and Python, and the instruction sets
+    the kernels were allowed: ours (``relpos_cpu_kernel``, what ``RELPOS_CPU_ISA=auto`` or the
+    variable picks), torch's (``torch_cpu_capability``) and the :data:`ISA_ENV` variables set."""
     ident = cpu_identity()
     cpu = ident.pop("cpu", None) or platform.processor()
     try:
@@ -300,6 +310,9 @@ def machine_info(threads: int) -> dict:
         "mem_total_gib": mem_gib,
         "platform": platform.platform(),
         "python": sys.version.split()[0],
+        "relpos_cpu_kernel": relpos_ext.build_info().get("cpu_kernel_in_use"),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "isa_env": {k: os.environ[k] for k in ISA_ENV if k in os.environ},
     } | ident
 
 
@@ -313,6 +326,9 @@ def print_environment(threads: int) -> tuple[dict, dict]:
         family = f" (family {mach['cpu_family']} model {mach.get('cpu_model')})"
     print(f"machine: {mach['cpu']}{family}, {mach['logical_cpus']} logical CPUs, "
           f"torch threads={threads}, {mach['mem_total_gib'] or 0:.0f} GiB RAM")
+    capped = "".join(f" {k}={v}" for k, v in mach["isa_env"].items())
+    print(f"kernels: ours {mach['relpos_cpu_kernel']}, torch {mach['torch_cpu_capability']}"
+          + (f" (set:{capped})" if capped else ""))
     load1 = mach["load_average_at_start"][0]
     if load1 > 0.5 * (os.cpu_count() or 1):
         print(f"warning: load average {load1:.1f} on {os.cpu_count()} CPUs: other work is running, "

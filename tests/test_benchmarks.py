@@ -96,3 +96,23 @@ def test_bench_jvp_quick(tmp_path: Path) -> None:
     assert [r["method"] for r in rows] == 2 * list(jvp.METHODS)
     assert all(r["time_ms"] > 0 for r in rows)
     assert all(r["peak_extra_mib"] >= 0 for r in rows if r["method"] == "jvp")
+
+
+def test_machine_info_records_the_instruction_set_caps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """machine_info keeps the kernels in use and the ISA_ENV variables that capped them (README,
+    "A machine without AVX-512"): RELPOS_CPU_ISA is read at every call, so setting it here
+    changes the kernel recorded; torch's capability was fixed when torch loaded."""
+    import _common  # benchmarks/_common.py, on the path above
+    import torch
+
+    import relpos_ext
+
+    for name in _common.ISA_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RELPOS_CPU_ISA", "scalar")
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    info = _common.machine_info(1)
+    assert info["relpos_cpu_kernel"] == "scalar"
+    assert info["relpos_cpu_kernel"] == relpos_ext.build_info()["cpu_kernel_in_use"]
+    assert info["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert info["isa_env"] == {"RELPOS_CPU_ISA": "scalar", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
