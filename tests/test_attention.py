@@ -1344,6 +1344,25 @@ def test_rel_attention_float32_bf16_dots_with_every_option(monkeypatch, name):
             assert x.dtype == torch.float32 and torch.equal(x.to(torch.bfloat16), want)
 
 
+def test_rel_attention_wide_rows_env(monkeypatch):
+    """RELPOS_CPU_WIDE_ROWS takes 4 or 6 (read at every call, where the AVX-512 path runs; 0 on
+    the others); unset, 6 on Intel CPUs and 4 on others."""
+    skip_unless_avx512(monkeypatch)
+    monkeypatch.delenv("RELPOS_CPU_WIDE_ROWS", raising=False)
+    with open("/proc/cpuinfo") as f:
+        intel = "GenuineIntel" in f.read()
+    assert relpos_ext.build_info()["cpu_wide_rows"] == (6 if intel else 4)
+    for rows in (4, 6):
+        monkeypatch.setenv("RELPOS_CPU_WIDE_ROWS", str(rows))
+        assert relpos_ext.build_info()["cpu_wide_rows"] == rows
+    monkeypatch.setenv("RELPOS_CPU_ISA", "avx2")
+    assert relpos_ext.build_info()["cpu_wide_rows"] == 0
+    monkeypatch.setenv("RELPOS_CPU_ISA", "avx512")
+    monkeypatch.setenv("RELPOS_CPU_WIDE_ROWS", "8")
+    with pytest.raises(RuntimeError, match="RELPOS_CPU_WIDE_ROWS must be 4 or 6"):
+        relpos_ext.build_info()
+
+
 def test_rel_attention_bf16_dot_env(monkeypatch):
     """RELPOS_CPU_BF16_DOT takes 0 or 1 (read at every call, where the AVX-512 path runs)."""
     skip_unless_avx512(monkeypatch)
@@ -1364,8 +1383,8 @@ BITWISE_CASES = {**{n: c for n, c in CASES.items() if c[6] < 2**20},
 @pytest.mark.parametrize("name", list(BITWISE_CASES))
 def test_rel_attention_avx512_is_bitwise_avx2(monkeypatch, dtype, name):
     """The AVX-512 build of the attention kernels differs from the AVX2 build only in the width
-    of its matmul blocks (32 columns instead of 16, masked tails), whose entries are the same
-    FMA chains, and of its one-pass softmax rows (16 keys at a time, the same exponentials, the
+    of its matmul blocks (32 or 64 columns instead of 16, masked tails; 64-column blocks of 4
+    or 6 rows, both run here), whose entries are the same FMA chains, and of its one-pass softmax rows (16 keys at a time, the same exponentials, the
     same sums: the AVX2 rows sum even and odd 8-key chunks apart, the halves of a 16-lane sum,
     which ``uniform_tail_24`` ends with an even chunk alone): outputs and all seven gradients must be bitwise those of the
     AVX2 kernels, here with per-head tables, a bias and a key-side table on every case. (The
@@ -1378,12 +1397,15 @@ def test_rel_attention_avx512_is_bitwise_avx2(monkeypatch, dtype, name):
     cpu = Backend("cpu", "cpu", "relpos")
     grad = torch.randn(tensors[0].shape, generator=torch.Generator().manual_seed(6)).to(dtype)
     results = []
-    for isa in ("avx2", "avx512"):
+    for isa, rows in (("avx2", None), ("avx512", "4"), ("avx512", "6")):
         monkeypatch.setenv("RELPOS_CPU_ISA", isa)
+        if rows is not None:
+            monkeypatch.setenv("RELPOS_CPU_WIDE_ROWS", rows)
         out, lse = _call(cpu, tensors, kw)
         results.append((out, lse, *_call_backward(cpu, grad, tensors, out, lse, kw)))
-    for got, want in zip(*results):
-        assert torch.equal(got, want)
+    for got, *others in zip(*results):
+        for other in others:
+            assert torch.equal(got, other)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

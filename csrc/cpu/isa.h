@@ -27,6 +27,12 @@ const char* float64_attention_kernel(Isa isa);
 // those of the AVX2 path.
 bool bf16_dot_enabled(Isa isa);
 
+// Rows per matmul block of the AVX-512 attention kernels' full 64-column strips (gemm_wide in
+// rel_attention_avx2.cpp): RELPOS_CPU_WIDE_ROWS=4|6 if set (read at every call, as
+// RELPOS_CPU_ISA), else 6 on Intel CPUs and 4 on others. Either gives the same results, bitwise.
+// 0 on the other paths, which do not use it.
+int wide_block_rows(Isa isa);
+
 // The float32 FMA rate of `threads` cores each running independent FMAs of the selected path's
 // width (8 lanes, or 16 on the AVX-512 path) for about `seconds`, in GFLOP/s (2 FLOP per FMA
 // lane): this machine's ceiling for the selected kernels, the benchmarks' roofline

@@ -94,6 +94,7 @@ struct AttentionFwdSplit {
   // dim), cpu/isa.h bf16_dot_enabled; float32 inputs too under matmul precision "bf16"
   bool bf16_dot = false;
   Bf16Operands bf16;  // the dots' operands (with bf16_dot)
+  int wide_rows = 4;  // the avx512 build's matmul block rows (cpu/isa.h wide_block_rows)
 };
 
 // How the AVX2 attention backward splits the keys of a (b, kv head) into chunks, so that a batch
@@ -116,6 +117,7 @@ struct AttentionBwdSplit {
   // precision "bf16"
   bool bf16_dot = false;
   Bf16Operands bf16;  // the dots' operands (with bf16_dot)
+  int wide_rows = 4;  // the avx512 build's matmul block rows (cpu/isa.h wide_block_rows)
 };
 
 // Chunks of `chunk` work items of [0, items), handed out one at a time to whichever thread asks

@@ -191,17 +191,19 @@ struct CpuBackend {
     decltype(&avx2::rel_attention_backward_reduce) reduce;
     decltype(&avx2::attn_mask_tiles) mask_tiles;
     bool bf16_dot;  // bfloat16 inputs' matmuls by AVX512-BF16 dots (cpu/isa.h bf16_dot_enabled)
+    int wide_rows;  // matmul block rows of full 64-column strips (cpu/isa.h wide_block_rows)
   };
   static AttentionKernels attention_kernels(Isa isa) {
 #if defined(RELPOS_HAVE_AVX512)
     if (isa == Isa::Avx512) {
       return {&avx512::rel_attention, &avx512::rel_attention_combine, &avx512::rel_attention_backward,
-              &avx512::rel_attention_backward_reduce, &avx512::attn_mask_tiles, bf16_dot_enabled(isa)};
+              &avx512::rel_attention_backward_reduce, &avx512::attn_mask_tiles, bf16_dot_enabled(isa),
+              wide_block_rows(isa)};
     }
 #endif
     (void)isa;
     return {&avx2::rel_attention, &avx2::rel_attention_combine, &avx2::rel_attention_backward,
-            &avx2::rel_attention_backward_reduce, &avx2::attn_mask_tiles, false};
+            &avx2::rel_attention_backward_reduce, &avx2::attn_mask_tiles, false, 0};
   }
 
   // Whether float32 inputs may take the bfloat16 dots: torch's float32 matmul precision for the
@@ -276,6 +278,7 @@ struct CpuBackend {
     split.bf16_dot = dot_dtype && p.q_len >= kAttentionDotMinRows && p.dim % 2 == 0 && kern.bf16_dot;
     std::vector<at::Tensor> rounded;  // float32 tables rounded for the dots
     if (split.bf16_dot) split.bf16 = bf16_operands(p, nullptr, rounded);
+    split.wide_rows = kern.wide_rows;
     const int64_t tiles = p.batch * p.heads * ((p.q_len + split.tile - 1) / split.tile);
     const int64_t k_tiles = (p.k_len + kAttentionTileK - 1) / kAttentionTileK;
     at::Tensor m, l, acc;
@@ -333,6 +336,7 @@ struct CpuBackend {
     split.bf16_dot = dot_dtype && f.dim % 2 == 0 && kern.bf16_dot;
     std::vector<at::Tensor> rounded;  // float32 tables rounded for the dots
     if (split.bf16_dot) split.bf16 = bf16_operands(f, p.grad_out, rounded);
+    split.wide_rows = kern.wide_rows;
     at::Tensor partials[5];  // dq and the table / bias gradients' per-chunk partials, kept alive
     if (chunks > 1) {
       const int64_t tiles_per_chunk = (k_tiles + chunks - 1) / chunks;

@@ -419,16 +419,21 @@ void gemm_wide_strip(int64_t M, int64_t K, const float* A, int64_t lda, int64_t 
   }
 }
 
-// Rows per gemm_wide block: 6 (24 accumulators) on Intel CPUs, 4 (16) on others. On a Xeon with
-// AVX-512 and AMX (family 6, model 167) 6 x 64 blocks alone in a loop ran 13% faster than 4 x 64
-// (184 against 163 GFLOP/s a core at the forward's tile shapes); in the attention at L = 2048
-// (B = 1, H = 8, D = 64, K = 64; alternating processes) the forward gained 0-3% and
-// forward+backward 2-4%, on 1 and 2 threads. On Zen 4, whose 512-bit instructions run as two
-// halves, 4 x 64 was the faster (forward+backward 1.5%).
-inline bool wide_rows_6() {
-  static const bool intel = __builtin_cpu_is("intel");
-  return intel;
-}
+// Rows per gemm_wide block in gemm_t (AttentionFwdSplit / AttentionBwdSplit::wide_rows, cpu/isa.h
+// wide_block_rows: 6 on Intel CPUs, 4 on others), set for the calling thread by the kernel
+// entries below (WideRows): the matmuls sit too deep in the kernels to take it as an argument.
+thread_local int tl_wide_rows = 4;
+
+class WideRows {
+ public:
+  explicit WideRows(int rows) : saved_(tl_wide_rows) { tl_wide_rows = rows; }
+  ~WideRows() { tl_wide_rows = saved_; }
+  WideRows(const WideRows&) = delete;
+  WideRows& operator=(const WideRows&) = delete;
+
+ private:
+  int saved_;
+};
 
 template <bool ACC>
 void gemm_t(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, int64_t ka,
@@ -445,12 +450,12 @@ void gemm_t(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, int64_
     return;
   }
   // AVX-512: the full 64-column strips in blocks of 6 or 4 rows x 64 columns (gemm_wide,
-  // wide_rows_6), the rest as below. (AVX2 has 16 registers: 4 x 4 vectors would not fit.)
+  // tl_wide_rows), the rest as below. (AVX2 has 16 registers: 4 x 4 vectors would not fit.)
   if constexpr (MatmulVec::kLanes == 16) {
     constexpr int64_t NW = 4 * MatmulVec::kLanes;
     const int64_t nw = N / NW * NW;
     if (nw > 0) {
-      const bool six = wide_rows_6();
+      const bool six = tl_wide_rows == 6;
       for (int64_t j = 0; j < nw; j += NW) {
         if (six) {
           gemm_wide_strip<6, ACC>(M, K, A, lda, ka, B + j, ldb, C + j, ldc);
@@ -2333,6 +2338,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
 
 void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, WorkQueue& work) {
   const FlushDenormals ftz;  // small P and dS (vec_avx2.h)
+  const WideRows wide(split.wide_rows);
   if (split.tile == kAttentionWideTile) {
     forward_tiles<kAttentionWideTile, kAttentionWideTile>(p, split, work);
   } else {
@@ -2397,6 +2403,7 @@ constexpr int64_t kBwdRunBytes = int64_t(640) << 10;
 void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdSplit& split,
                             WorkQueue& work) {
   const FlushDenormals ftz;  // small P and dS (vec_avx2.h)
+  const WideRows wide(split.wide_rows);
   const RelAttentionParams& p = bp.fwd;
   const int64_t D = p.dim, K = p.max_distance, rows_tab = num_buckets(K), es = elem_bytes(p.dtype);
   const int64_t group = p.heads / p.kv_heads, chunks = split.chunks;
