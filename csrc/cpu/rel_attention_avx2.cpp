@@ -318,7 +318,7 @@ inline void gemm_block(int64_t K, const float* A, int64_t lda, int64_t ka, const
 // for full 64-column strips. An outer product per k takes 4 loads of B and MR broadcasts of A
 // for 4 MR FMAs, where gemm_block's 2 vectors take 2 loads and MR broadcasts for 2 MR. Each C
 // entry is the same FMA chain over k ascending as in gemm_block: bitwise the same results, for
-// any MR. Which MR is fastest depends on the CPU (wide_rows below).
+// any MR. Which MR is fastest depends on the CPU (tl_wide_rows below, cpu/isa.h wide_block_rows).
 template <int MR, bool ACC>
 inline void gemm_wide(int64_t K, const float* A, int64_t lda, int64_t ka, const float* B,
                       int64_t ldb, float* C, int64_t ldc) {
