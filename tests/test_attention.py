@@ -1384,7 +1384,8 @@ BITWISE_CASES = {**{n: c for n, c in CASES.items() if c[6] < 2**20},
 def test_rel_attention_avx512_is_bitwise_avx2(monkeypatch, dtype, name):
     """The AVX-512 build of the attention kernels differs from the AVX2 build only in the width
     of its matmul blocks (32 or 64 columns instead of 16, masked tails; 64-column blocks of 4
-    or 6 rows, both run here), whose entries are the same FMA chains, and of its one-pass softmax rows (16 keys at a time, the same exponentials, the
+    or 6 rows, both run here), whose entries are the same FMA chains, and of its one-pass
+    softmax rows (16 keys at a time, the same exponentials, the
     same sums: the AVX2 rows sum even and odd 8-key chunks apart, the halves of a 16-lane sum,
     which ``uniform_tail_24`` ends with an even chunk alone): outputs and all seven gradients must be bitwise those of the
     AVX2 kernels, here with per-head tables, a bias and a key-side table on every case. (The

@@ -420,20 +420,10 @@ void gemm_wide_strip(int64_t M, int64_t K, const float* A, int64_t lda, int64_t 
 }
 
 // Rows per gemm_wide block in gemm_t (AttentionFwdSplit / AttentionBwdSplit::wide_rows, cpu/isa.h
-// wide_block_rows: 6 on Intel CPUs, 4 on others), set for the calling thread by the kernel
-// entries below (WideRows): the matmuls sit too deep in the kernels to take it as an argument.
+// wide_block_rows: 6 on Intel CPUs, 4 on others), set for the calling thread at the entry of
+// rel_attention and rel_attention_backward, the only callers of the matmuls: they sit too deep in
+// the kernels to take it as an argument.
 thread_local int tl_wide_rows = 4;
-
-class WideRows {
- public:
-  explicit WideRows(int rows) : saved_(tl_wide_rows) { tl_wide_rows = rows; }
-  ~WideRows() { tl_wide_rows = saved_; }
-  WideRows(const WideRows&) = delete;
-  WideRows& operator=(const WideRows&) = delete;
-
- private:
-  int saved_;
-};
 
 template <bool ACC>
 void gemm_t(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, int64_t ka,
@@ -2338,7 +2328,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
 
 void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, WorkQueue& work) {
   const FlushDenormals ftz;  // small P and dS (vec_avx2.h)
-  const WideRows wide(split.wide_rows);
+  tl_wide_rows = split.wide_rows;
   if (split.tile == kAttentionWideTile) {
     forward_tiles<kAttentionWideTile, kAttentionWideTile>(p, split, work);
   } else {
@@ -2403,7 +2393,7 @@ constexpr int64_t kBwdRunBytes = int64_t(640) << 10;
 void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdSplit& split,
                             WorkQueue& work) {
   const FlushDenormals ftz;  // small P and dS (vec_avx2.h)
-  const WideRows wide(split.wide_rows);
+  tl_wide_rows = split.wide_rows;
   const RelAttentionParams& p = bp.fwd;
   const int64_t D = p.dim, K = p.max_distance, rows_tab = num_buckets(K), es = elem_bytes(p.dtype);
   const int64_t group = p.heads / p.kv_heads, chunks = split.chunks;
