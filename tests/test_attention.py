@@ -409,6 +409,26 @@ def test_rel_attention_explicit_scale_tensor_core_shapes(backend, scale, name):
     _check_forward_backward(backend, torch.bfloat16, TC_CASES[name], dict(scale=scale))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rel_attention_cuda_tc_env(backend, dtype, monkeypatch):
+    """RELPOS_CUDA_TC takes 0 or 1, read at every CUDA call (float32 too, which the tensor cores
+    never take): any other value is an error naming both, not a silent default."""
+    _attention_backend(backend)
+    if not backend.name.startswith("cuda"):
+        pytest.skip("RELPOS_CUDA_TC is read by the CUDA kernels only")
+    tensors, kw = make_inputs(TC_CASES["two_sided"], dtype)
+    out, lse = _call(backend, tensors, kw)
+    grad = torch.randn(out.shape).to(dtype)
+    for value in ("0", "1"):
+        monkeypatch.setenv("RELPOS_CUDA_TC", value)
+        _call_backward(backend, grad, tensors, *_call(backend, tensors, kw), kw)
+    monkeypatch.setenv("RELPOS_CUDA_TC", "off")
+    with pytest.raises(RuntimeError, match="RELPOS_CUDA_TC must be 0 or 1; got 'off'"):
+        _call(backend, tensors, kw)
+    with pytest.raises(RuntimeError, match="RELPOS_CUDA_TC must be 0 or 1; got 'off'"):
+        _call_backward(backend, grad, tensors, out, lse, kw)
+
+
 def random_case(seed: int) -> tuple:
     """A seeded random CASES entry around the kernels' tile and block edges (query rows 32/33 for
     the AVX2 forward's two score paths, 8 for the scalar backward's row blocks, 64 for tiles)."""

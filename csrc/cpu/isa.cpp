@@ -1,10 +1,10 @@
 #include "cpu/isa.h"
 
+#include "common/env.h"
 #include "cpu/kernels.h"
 
 #include <c10/util/Exception.h>
 
-#include <cstdlib>
 #include <string>
 
 #if defined(RELPOS_HAVE_AVX2) && (defined(__x86_64__) || defined(_M_X64))
@@ -47,8 +47,7 @@ bool cpu_has_avx512() {
 }  // namespace
 
 Isa selected_isa() {
-  const char* env = std::getenv("RELPOS_CPU_ISA");
-  const std::string want = env ? env : "auto";
+  const std::string want = env_choice("RELPOS_CPU_ISA", {"scalar", "avx2", "avx512", "auto"});
   if (want == "scalar") return Isa::Scalar;
   if (want == "avx2") {
     TORCH_CHECK(cpu_has_avx2(),
@@ -60,8 +59,6 @@ Isa selected_isa() {
                 "RELPOS_CPU_ISA=avx512 but the AVX-512 kernels are not available on this build/CPU");
     return Isa::Avx512;
   }
-  TORCH_CHECK(want == "auto" || want.empty(),
-              "RELPOS_CPU_ISA must be one of scalar, avx2, avx512, auto; got '", want, "'");
   return cpu_has_avx512() ? Isa::Avx512 : cpu_has_avx2() ? Isa::Avx2 : Isa::Scalar;
 }
 
@@ -78,11 +75,7 @@ bool bf16_dot_enabled(Isa isa) {
   if (isa != Isa::Avx512) return false;
 #if defined(RELPOS_HAVE_AVX512) && (defined(__x86_64__) || defined(_M_X64))
   static const bool has = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
-  const char* env = std::getenv("RELPOS_CPU_BF16_DOT");
-  const std::string want = env ? env : "";
-  TORCH_CHECK(want.empty() || want == "0" || want == "1",
-              "RELPOS_CPU_BF16_DOT must be 0 or 1; got '", want, "'");
-  return has && want != "0";
+  return has && env_choice("RELPOS_CPU_BF16_DOT", {"0", "1"}) != "0";
 #else
   return false;
 #endif
@@ -90,10 +83,7 @@ bool bf16_dot_enabled(Isa isa) {
 
 int wide_block_rows(Isa isa) {
   if (isa != Isa::Avx512) return 0;
-  const char* env = std::getenv("RELPOS_CPU_WIDE_ROWS");
-  const std::string want = env ? env : "";
-  TORCH_CHECK(want.empty() || want == "4" || want == "6",
-              "RELPOS_CPU_WIDE_ROWS must be 4 or 6; got '", want, "'");
+  const std::string want = env_choice("RELPOS_CPU_WIDE_ROWS", {"4", "6"});
   if (!want.empty()) return want == "6" ? 6 : 4;
   // On a Xeon with AVX-512 and AMX (family 6, model 167) 6 x 64 blocks alone in a loop ran 13%
   // faster than 4 x 64 (184 against 163 GFLOP/s a core at the forward's tile shapes); in the

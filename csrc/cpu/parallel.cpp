@@ -2,11 +2,12 @@
 // (a std::thread per chunk), and the choice between them and at::parallel_for.
 #include "cpu/parallel.h"
 
+#include "common/env.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <exception>
 #include <string>
 #include <system_error>
@@ -102,14 +103,12 @@ void gomp_chunk(void* data) {
 bool gomp_available() { return gomp().parallel != nullptr; }
 
 Threads selected_threads() {
-  const char* env = std::getenv("RELPOS_CPU_THREADS");
-  const std::string v = env != nullptr ? env : "";
+  const std::string v = env_choice("RELPOS_CPU_THREADS", {"auto", "aten", "gomp", "std"});
   if (v.empty() || v == "auto") {
     return kAtenParallel ? Threads::Aten : gomp_available() ? Threads::Gomp : Threads::Std;
   }
   if (v == "aten") return Threads::Aten;
   if (v == "std") return Threads::Std;
-  TORCH_CHECK(v == "gomp", "RELPOS_CPU_THREADS must be one of auto, aten, gomp, std; got '", v, "'");
   TORCH_CHECK(gomp_available(), "RELPOS_CPU_THREADS=gomp: no OpenMP runtime with GOMP_parallel is loaded");
   return Threads::Gomp;
 }

@@ -2,9 +2,8 @@
 // (rel_attention_tc.cuh, rel_attention_tc_bwd.cuh): they take the cases those kernels cover and
 // leave the rest to the SIMT kernels (rel_attention.cu).
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
+#include "common/env.h"
 #include "cuda/launch_util.h"
 #include "cuda/launchers.h"
 #include "cuda/rel_attention_tc.cuh"
@@ -18,10 +17,7 @@ bool aligned16(const void* ptr) {
 }
 
 // RELPOS_CUDA_TC=0 keeps the SIMT kernel (read at every call: A/B timings, tests of both).
-bool tc_enabled() {
-  const char* e = std::getenv("RELPOS_CUDA_TC");
-  return e == nullptr || std::strcmp(e, "0") != 0;
-}
+bool tc_enabled() { return env_choice("RELPOS_CUDA_TC", {"0", "1"}) != "0"; }
 
 // mma.sync with bfloat16 operands needs compute capability 8.0, and a kernel's shared memory
 // must fit the device's per-block limit (opt-in; the emulator's is sm_80's 163 KB).
@@ -77,14 +73,13 @@ void launch_tc(const RelAttentionParams& p, Stream stream) {
 }  // namespace
 
 bool launch_rel_attention_tc(const RelAttentionParams& p, Stream stream) {
-  if (!tc_shape(p)) return false;
+  if (!tc_enabled() || !tc_shape(p)) return false;
   const bool rel_q = p.rel_q != nullptr;
   if (rel_q && p.dim > 64) return false;  // shared memory: 196 KB at D = 128
   const void* tensors[] = {p.q, p.k, p.v, p.rel_k, p.rel_v, p.rel_q, p.out};
   for (const void* t : tensors) {
     if (!aligned16(t)) return false;
   }
-  if (!tc_enabled()) return false;
   size_t smem = 0;
   dispatch_tc(p, [&]<typename T, int kD>() { smem = TcTile<kD>::smem_bytes(rel_q); });
   if (!tc_device(smem)) return false;
@@ -103,13 +98,12 @@ bool launch_rel_attention_backward_tc(const RelAttentionBwdParams& bp, const voi
                                       Stream stream) {
   const RelAttentionParams& p = bp.fwd;
   const bool rel_q = p.rel_q != nullptr;
-  if (!tc_shape(p) || (rel_q && p.dim > 64)) return false;  // as the forward
+  if (!tc_enabled() || !tc_shape(p) || (rel_q && p.dim > 64)) return false;  // as the forward
   const void* tensors[] = {p.q,     p.k,         p.v,   p.rel_k, p.rel_v, p.rel_q,
                            p.out,   bp.grad_out, bp.dq, bp.dk,   bp.dv};
   for (const void* t : tensors) {
     if (!aligned16(t)) return false;
   }
-  if (!tc_enabled()) return false;
   size_t smem = 0;
   dispatch_tc(p, [&]<typename T, int kD>() {
     const size_t a = TcBwdTile<kD>::dq_smem(rel_q), b = TcBwdKvTile<kD>::smem(rel_q);
