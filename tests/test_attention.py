@@ -1154,6 +1154,51 @@ def test_rel_attention_cpu_results_do_not_depend_on_threads(monkeypatch, shape, 
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("source", ["aten", "gomp", "std"])
+def test_rel_attention_cpu_concurrent_calls(monkeypatch, cpu_isa, source):
+    """Calls from several Python threads at once (a server's request threads, a data loader's
+    workers), each on two torch threads of its own split: every call gets bitwise the results it
+    gets alone. The shapes of the test above, float32 and bfloat16 (the AVX512-BF16 dots where
+    the CPU has them), with and without the key-side table; each call is in flight twice."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from relpos_ext import _C
+
+    if source == "gomp" and not _C._gomp_available():
+        pytest.skip("no OpenMP runtime with GOMP_parallel in this process")
+    monkeypatch.setenv("RELPOS_CPU_THREADS", source)
+    g = torch.Generator().manual_seed(11)
+    jobs = []
+    for b, h, hk, lq, lk, d, qo in THREAD_SHAPES:
+        for dtype in (torch.float32, torch.bfloat16):
+            for rel_q in (False, True):
+                def rnd(*size):
+                    return torch.randn(*size, generator=g).to(dtype)
+                args = (rnd(b, h, lq, d), rnd(b, hk, lk, d), rnd(b, hk, lk, d), rnd(h, 13, d),
+                        rnd(13, d), 6, True, None, qo, 0, None)
+                if rel_q:
+                    args += (0.0, None, None, None, None, -1, -1, None, rnd(h, 13, d))
+                jobs.append((args, rnd(b, h, lq, d)))
+
+    def run(job):
+        args, go = job
+        out, lse = torch.ops.relpos.rel_attention(*args)
+        grads = torch.ops.relpos.rel_attention_backward(go, *args[:5], out, lse, *args[5:])
+        return (out, lse, *grads)
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        want = [run(job) for job in jobs]
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            got = list(pool.map(run, jobs + jobs))
+    finally:
+        torch.set_num_threads(before)
+    for results, expected in zip(got, want + want):
+        for a, b in zip(results, expected):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
 BF16_DOT_CASES = ["tiles_causal_padding", "tiles_two_sided", "wide_tiles", "wide_tiles_causal",
                   "transformer_xl", "tiles_uniform_padding", "bwd_key_runs", "prefill_odd_D",
                   "tiles_unclipped", "decode_five_rows", "decode_split_keys",
