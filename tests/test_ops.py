@@ -211,3 +211,45 @@ def test_rel_logits_unclipped_music_transformer(backend):
     out = backend.op("rel_logits")(backend.tensor(q), backend.tensor(table), lq - 1, lk, 0, 0)
     qe = q @ table.T  # [.., Lq, 2L-1], column c = distance c - (L-1)
     assert_close(out, ref.skew_t2t(qe.double()), torch.float32, scale=6)
+
+
+@pytest.mark.parametrize("source", ["aten", "gomp", "std"])
+def test_ops_concurrent_calls(monkeypatch, cpu_isa, source):
+    """rel_gather, skew and rel_logits, forward and backward, called from several Python threads
+    at once, each on two torch threads of its own split: every call gets bitwise the results it
+    gets alone (test_attention.py's test_rel_attention_cpu_concurrent_calls for the attention)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from relpos_ext import _C
+
+    if source == "gomp" and not _C._gomp_available():
+        pytest.skip("no OpenMP runtime with GOMP_parallel in this process")
+    monkeypatch.setenv("RELPOS_CPU_THREADS", source)
+    ops = torch.ops.relpos
+    jobs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for b, h, lq, lk, d, k, qo, ko, per_head in [(2, 4, 300, 400, 64, 12, 3, 0, True),
+                                                    (1, 8, 130, 200, 37, 199, 0, 5, False)]:
+            q, table, k, lk, qo, ko = _logits_inputs((b, h, lq, lk, d, k, qo, ko, per_head), dtype)
+            grad = torch.randn(b, h, lq, lk).to(dtype)
+            jobs.append(lambda q=q, t=table, g=grad, k=k, lk=lk, qo=qo, ko=ko: (
+                ops.rel_logits(q, t, k, lk, qo, ko), *ops.rel_logits_backward(g, q, t, k, qo, ko)))
+        table = torch.randn(3, 2 * 7 + 1, 24).to(dtype)
+        grad = torch.randn(3, 150, 200, 24).to(dtype)
+        jobs.append(lambda t=table, g=grad: (ops.rel_gather(t, 150, 200, 7, 2, 0),
+                                             ops.rel_gather_backward(g, 7, 2, 0)))
+        x = torch.randn(2, 3, 150, 150 + 200 - 1).to(dtype)
+        jobs.append(lambda x=x: (ops.skew(x), ops.skew_backward(ops.skew(x)),
+                                 ops.skew(x[..., :150], True)))
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        want = [job() for job in jobs]
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            got = list(pool.map(lambda job: job(), jobs + jobs))
+    finally:
+        torch.set_num_threads(before)
+    for results, expected in zip(got, want + want):
+        for a, b in zip(results, expected):
+            assert torch.equal(a, b)
