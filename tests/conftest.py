@@ -80,6 +80,29 @@ def skip_unless_bf16_dot(monkeypatch) -> None:
         pytest.skip("no AVX512-BF16 on this CPU")
 
 
+def assert_concurrent_calls_match(monkeypatch, source: str, jobs) -> None:
+    """Run each of `jobs` (callables returning a tuple of tensors or None) alone, then all of them
+    twice over from 8 Python threads at once (the ops release the GIL, so the calls overlap), each
+    on two torch threads from the CPU thread source `source` (RELPOS_CPU_THREADS): every
+    concurrent call must give bitwise what it gave alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if source == "gomp" and not relpos_ext._C._gomp_available():
+        pytest.skip("no OpenMP runtime with GOMP_parallel in this process")
+    monkeypatch.setenv("RELPOS_CPU_THREADS", source)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        want = [job() for job in jobs]
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            got = list(pool.map(lambda job: job(), jobs + jobs))
+    finally:
+        torch.set_num_threads(before)
+    for results, expected in zip(got, want + want):
+        for a, b in zip(results, expected):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
 @pytest.fixture(params=["scalar", "avx2", "avx512"])
 def cpu_isa(request, monkeypatch) -> str:
     """Each CPU kernel path (RELPOS_CPU_ISA) for tests of what sits above the kernels."""

@@ -11,7 +11,8 @@ import torch
 import relpos_ext
 from relpos_ext import reference as ref
 from _emu import emu_seed
-from conftest import (ASAN_FORWARD_BACKWARD_ONLY, Backend, assert_close, skip_unless_avx512,
+from conftest import (ASAN_FORWARD_BACKWARD_ONLY, Backend, assert_close,
+                      assert_concurrent_calls_match, skip_unless_avx512,
                       skip_unless_bf16_dot)
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -1160,13 +1161,6 @@ def test_rel_attention_cpu_concurrent_calls(monkeypatch, cpu_isa, source):
     workers), each on two torch threads of its own split: every call gets bitwise the results it
     gets alone. The shapes of the test above, float32 and bfloat16 (the AVX512-BF16 dots where
     the CPU has them), with and without the key-side table; each call is in flight twice."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from relpos_ext import _C
-
-    if source == "gomp" and not _C._gomp_available():
-        pytest.skip("no OpenMP runtime with GOMP_parallel in this process")
-    monkeypatch.setenv("RELPOS_CPU_THREADS", source)
     g = torch.Generator().manual_seed(11)
     jobs = []
     for b, h, hk, lq, lk, d, qo in THREAD_SHAPES:
@@ -1178,25 +1172,14 @@ def test_rel_attention_cpu_concurrent_calls(monkeypatch, cpu_isa, source):
                         rnd(13, d), 6, True, None, qo, 0, None)
                 if rel_q:
                     args += (0.0, None, None, None, None, -1, -1, None, rnd(h, 13, d))
-                jobs.append((args, rnd(b, h, lq, d)))
 
-    def run(job):
-        args, go = job
-        out, lse = torch.ops.relpos.rel_attention(*args)
-        grads = torch.ops.relpos.rel_attention_backward(go, *args[:5], out, lse, *args[5:])
-        return (out, lse, *grads)
-
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        want = [run(job) for job in jobs]
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            got = list(pool.map(run, jobs + jobs))
-    finally:
-        torch.set_num_threads(before)
-    for results, expected in zip(got, want + want):
-        for a, b in zip(results, expected):
-            assert (a is None and b is None) or torch.equal(a, b)
+                def job(args=args, go=rnd(b, h, lq, d)):
+                    out, lse = torch.ops.relpos.rel_attention(*args)
+                    grads = torch.ops.relpos.rel_attention_backward(go, *args[:5], out, lse,
+                                                                    *args[5:])
+                    return (out, lse, *grads)
+                jobs.append(job)
+    assert_concurrent_calls_match(monkeypatch, source, jobs)
 
 
 BF16_DOT_CASES = ["tiles_causal_padding", "tiles_two_sided", "wide_tiles", "wide_tiles_causal",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from relpos_ext import reference as ref
-from conftest import assert_close, skip_unless_avx512
+from conftest import assert_close, assert_concurrent_calls_match, skip_unless_avx512
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
@@ -218,13 +218,6 @@ def test_ops_concurrent_calls(monkeypatch, cpu_isa, source):
     """rel_gather, skew and rel_logits, forward and backward, called from several Python threads
     at once, each on two torch threads of its own split: every call gets bitwise the results it
     gets alone (test_attention.py's test_rel_attention_cpu_concurrent_calls for the attention)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from relpos_ext import _C
-
-    if source == "gomp" and not _C._gomp_available():
-        pytest.skip("no OpenMP runtime with GOMP_parallel in this process")
-    monkeypatch.setenv("RELPOS_CPU_THREADS", source)
     ops = torch.ops.relpos
     jobs = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -242,14 +235,4 @@ def test_ops_concurrent_calls(monkeypatch, cpu_isa, source):
         jobs.append(lambda x=x: (ops.skew(x), ops.skew_backward(ops.skew(x)),
                                  ops.skew(x[..., :150], True)))
 
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        want = [job() for job in jobs]
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            got = list(pool.map(lambda job: job(), jobs + jobs))
-    finally:
-        torch.set_num_threads(before)
-    for results, expected in zip(got, want + want):
-        for a, b in zip(results, expected):
-            assert torch.equal(a, b)
+    assert_concurrent_calls_match(monkeypatch, source, jobs)
