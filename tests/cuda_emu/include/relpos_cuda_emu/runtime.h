@@ -5,10 +5,11 @@
 // seeded pseudo-random order. The threads of the running block are cooperative fibers. A thread
 // runs uninterrupted until it reaches a synchronisation point (__syncthreads*, __syncwarp, a
 // shuffle, a vote or a warp_collective) or returns; the threads that are ready run one after
-// another in a freshly shuffled order. __syncthreads() releases when every thread of the block has arrived at it; a warp
-// operation releases when every non-exited lane in its mask has arrived at the same operation with
-// the same mask (the PTX rule for shfl.sync, vote.sync and bar.warp.sync). A kernel that misses a
-// barrier therefore reads values that depend on the seed, which is what the tests look for.
+// another in a freshly shuffled order. __syncthreads() releases when every thread of the block
+// has arrived at it; a warp operation releases when every non-exited lane in its mask has arrived
+// at the same operation with the same mask (the PTX rule for shfl.sync, vote.sync and
+// bar.warp.sync). A kernel that misses a barrier therefore reads values that depend on the seed,
+// which is what the tests look for.
 //
 // Reported as std::runtime_error from the launch (a RuntimeError in Python), never a hang:
 //   - a __syncthreads() that not every thread reaches: some exited, or some wait at another
