@@ -219,3 +219,77 @@ def test_autocast_module_compiled_fullgraph_dynamic(cpu_isa):
         for g, w in zip(grads, want_grads):
             assert g.dtype == torch.float32
             torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+
+
+# ------------------------------------------------------------------ torch.export, AOTInductor
+class ExportModel(torch.nn.Module):
+    """All four ops with a dynamic length: TinyRelModel's three and ``rel_attention`` with every
+    optional tensor (tables, bias, key-side table, padding mask) and offsets."""
+
+    def __init__(self, dim: int = 8, k: int = 3) -> None:
+        super().__init__()
+        self.tiny = TinyRelModel(dim, k)
+        self.k = k
+        self.rel_k = torch.nn.Parameter(torch.randn(2 * k + 1, dim))
+        self.rel_v = torch.nn.Parameter(torch.randn(2, 2 * k + 1, dim))
+        self.rel_q = torch.nn.Parameter(torch.randn(2 * k + 1, dim))
+        self.rel_bias = torch.nn.Parameter(torch.randn(2, 2 * k + 1))
+
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        out, _ = relpos_ext.rel_attention(
+            q, kv, kv.flip(-1), self.rel_k, self.rel_v, self.k, causal=True, q_offset=1,
+            key_padding_mask=pad, rel_bias=self.rel_bias, rel_q=self.rel_q,
+        )
+        return out + self.tiny(q).sum(-1, keepdim=True)
+
+
+def _export_inputs(length: int) -> tuple[torch.Tensor, ...]:
+    q = torch.randn(2, 2, length, 8)
+    kv = torch.randn(2, 1, length + 1, 8)
+    pad = torch.zeros(2, length + 1, dtype=torch.bool)
+    pad[1, -2:] = True
+    return q, kv, pad
+
+
+def _export(model: torch.nn.Module) -> torch.export.ExportedProgram:
+    length = torch.export.Dim("length", min=2, max=31)
+    shapes = {"q": {2: length}, "kv": {2: length + 1}, "pad": {1: length + 1}}
+    return torch.export.export(model, _export_inputs(5), dynamic_shapes=shapes)
+
+
+def test_export_dynamic_matches_eager(cpu_isa, tmp_path):
+    torch.manual_seed(0)
+    model = ExportModel()
+    program = _export(model)
+    ops = {str(n.target) for n in program.run_decompositions().graph.nodes}
+    names = ("rel_attention", "rel_logits", "skew", "rel_gather")
+    assert {f"relpos.{name}.default" for name in names} <= ops, ops  # kept whole, not decomposed
+    torch.export.save(program, tmp_path / "model.pt2")
+    for exported in (program.module(), torch.export.load(tmp_path / "model.pt2").module()):
+        for length in (5, 12):
+            inputs = _export_inputs(length)
+            torch.testing.assert_close(exported(*inputs), model(*inputs), rtol=0, atol=0)
+    # the exported graph differentiates through the ops' autograd
+    inputs = _export_inputs(7)
+    exported = program.module()
+    names = [name for name, _ in model.named_parameters()]
+    assert names == [name for name, _ in exported.named_parameters()]
+    want = torch.autograd.grad(model(*inputs).square().sum(), list(model.parameters()))
+    got = torch.autograd.grad(exported(*inputs).square().sum(), list(exported.parameters()))
+    for name, g, w in zip(names, got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_aoti_package_matches_eager(tmp_path):
+    # AOTInductor compiles the exported graph to C++ that calls the ops through torch's proxy
+    # executor: a deployment without Python's op registration beyond loading the library
+    torch.manual_seed(0)
+    model = ExportModel().eval()
+    path = torch._inductor.aoti_compile_and_package(
+        _export(model), package_path=str(tmp_path / "model_aoti.pt2")
+    )
+    compiled = torch._inductor.aoti_load_package(path)
+    with torch.no_grad():
+        for length in (5, 12):
+            inputs = _export_inputs(length)
+            torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-6, atol=1e-6)
