@@ -1661,6 +1661,39 @@ def test_module_device_dtype_factory_kwargs(cls):
     torch.testing.assert_close(y64.float(), y32, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("cls,kw", [
+    ("RelativeMultiheadAttention", dict(per_head_tables=True, rel_bias=True, rel_queries=True)),
+    ("RelativeMultiheadAttention", dict(max_distance=(5, 2), num_kv_heads=1, kdim=8)),
+    ("ShawRelativeAttention", dict(rel_values=False)),
+])
+def test_module_meta_init_reset_parameters(cls, kw):
+    """Deferred initialisation (FSDP's): made on the meta device, ``to_empty()``, then
+    ``reset_parameters()`` on each module that has it, the layer holds what the constructor
+    would have made from the same seed; and a reset re-draws every parameter."""
+    make = getattr(relpos_ext.nn, cls)
+    kw = dict(embed_dim=16, num_heads=2, max_distance=3) | kw
+    torch.manual_seed(0)
+    want = make(**kw).state_dict()
+    layer = make(**kw, device="meta").to_empty(device="cpu")
+    for t in layer.parameters():
+        t.detach().fill_(float("nan"))
+    torch.manual_seed(0)
+    layer.reset_parameters()
+    got = layer.state_dict()
+    assert got.keys() == want.keys()
+    for name, t in got.items():
+        torch.testing.assert_close(t, want[name], rtol=0, atol=0, msg=name)  # NaN: not reset
+    # FSDP's order: the layer, then its children, each once
+    for module in layer.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    assert all(torch.isfinite(t).all() for t in layer.parameters())
+    before = {n: t.clone() for n, t in layer.named_parameters()}
+    layer.reset_parameters()
+    for name, t in layer.named_parameters():
+        assert name == "rel_bias" or not torch.equal(t, before[name]), name
+
+
 @pytest.mark.parametrize("gqa", [False, True])
 @pytest.mark.parametrize("grad", [False, True])
 def test_module_kv_cache_decoding(gqa, grad):

@@ -15,9 +15,16 @@ __all__ = ["KVCache", "RelativeMultiheadAttention", "ShawRelativeAttention", "cl
 def _table(
     shape: tuple[int, ...], device: torch.device | str | None, dtype: torch.dtype | None
 ) -> nn.Parameter:
-    """A learnable relative-embedding table, N(0, 1/D) like the layers' initialisation before."""
-    table = torch.randn(shape, device=device, dtype=dtype)
-    return nn.Parameter(table * shape[-1] ** -0.5)
+    """A learnable relative-embedding table, uninitialised: :func:`_init_table` fills it."""
+    return nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+
+
+@torch.no_grad()
+def _init_table(table: Tensor | None) -> None:
+    """N(0, 1/D) in place, the same draws as the layers' initialisation has always made."""
+    if table is not None:
+        table.copy_(torch.randn(table.shape, device=table.device, dtype=table.dtype)
+                    * table.shape[-1] ** -0.5)
 
 
 def clipped_table(table: Tensor, left: int, right: int) -> Tensor:
@@ -116,6 +123,19 @@ class ShawRelativeAttention(nn.Module):
         shape = (*shape, 2 * max_distance + 1, self.head_dim)
         self.rel_k = _table(shape, **factory)
         self.rel_v = _table(shape, **factory) if rel_values else None
+        _init_table(self.rel_k)
+        _init_table(self.rel_v)
+
+    def reset_parameters(self) -> None:
+        """Initialise every parameter again, with the same draws as the constructor.
+
+        For a layer made on ``device="meta"`` and moved by ``to_empty()``: with the same seed,
+        ``reset_parameters()`` then gives the weights the constructor would have given.
+        """
+        self.qkv.reset_parameters()
+        self.out_proj.reset_parameters()
+        _init_table(self.rel_k)
+        _init_table(self.rel_v)
 
     def forward(self, x: Tensor) -> Tensor:
         """x: ``[B, L, E]`` -> ``[B, L, E]``."""
@@ -362,6 +382,26 @@ class RelativeMultiheadAttention(nn.Module):
         self.rel_v = _table(shape, **factory) if rel_values else None
         self.rel_bias = nn.Parameter(torch.zeros(num_heads, rows, **factory)) if rel_bias else None
         self.rel_q = _table(shape, **factory) if rel_queries else None
+        self._init_tables()
+
+    def _init_tables(self) -> None:
+        for table in (self.rel_k, self.rel_v, self.rel_q):
+            _init_table(table)
+        if self.rel_bias is not None:
+            with torch.no_grad():
+                self.rel_bias.zero_()
+
+    def reset_parameters(self) -> None:
+        """Initialise every parameter again, with the same draws as the constructor.
+
+        For a layer made on ``device="meta"`` (``torch.device("meta")``, FSDP's deferred
+        initialisation) and moved by ``to_empty()``: with the same seed, ``reset_parameters()``
+        then gives the weights the constructor would have given (projections as ``nn.Linear``,
+        tables N(0, 1/D), the bias zero).
+        """
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            proj.reset_parameters()
+        self._init_tables()
 
     @classmethod
     def from_multihead_attention(
