@@ -30,7 +30,7 @@ echo "== installing torch and build/test tools"
 pip install -q --upgrade pip
 pip install -q "torch==${RELPOS_TORCH:-2.14.1}"
 pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "ninja>=1.10" "cmake>=4.0" \
-  "pytest>=8" pytest-xdist numpy expecttest hypothesis matplotlib
+  "pytest>=8" pytest-xdist numpy expecttest hypothesis matplotlib "mypy>=1.10"
 
 require=${RELPOS_REQUIRE_CUDA:-auto}
 if [ "$require" = auto ]; then

@@ -8,7 +8,7 @@ and ``pos_k(j) = k_offset + j``; ``bucket = clamp(r, -K, K) + K`` with ``K = max
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor
@@ -28,7 +28,7 @@ __all__ = [
     "rel_attention_backward",
 ]
 
-IntLike = Any  # int, or torch.SymInt under torch.compile with dynamic shapes
+IntLike = int | torch.SymInt  # torch.SymInt under torch.compile with dynamic shapes
 
 
 # torch.library.register_autograd builds an autograd.Function whose forward takes ctx, a form
@@ -430,6 +430,87 @@ _register_autograd(
 
 
 # --------------------------------------------------------------------------- rel_attention
+# The overloads give type checkers the result's type from return_lse: the output alone, or
+# (output, log-sum-exp).
+@overload
+def rel_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    rel_k: Tensor | None = None,
+    rel_v: Tensor | None = None,
+    max_distance: IntLike = 0,
+    causal: bool = False,
+    scale: float | None = None,
+    q_offset: IntLike = 0,
+    k_offset: IntLike = 0,
+    key_padding_mask: Tensor | None = None,
+    return_lse: Literal[False] = False,
+    dropout_p: float = 0.0,
+    dropout_seed: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    q_segment_ids: Tensor | None = None,
+    k_segment_ids: Tensor | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
+    rel_bias: Tensor | None = None,
+    rel_q: Tensor | None = None,
+) -> Tensor: ...
+
+
+@overload
+def rel_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    rel_k: Tensor | None = None,
+    rel_v: Tensor | None = None,
+    max_distance: IntLike = 0,
+    causal: bool = False,
+    scale: float | None = None,
+    q_offset: IntLike = 0,
+    k_offset: IntLike = 0,
+    key_padding_mask: Tensor | None = None,
+    *,
+    return_lse: Literal[True],
+    dropout_p: float = 0.0,
+    dropout_seed: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    q_segment_ids: Tensor | None = None,
+    k_segment_ids: Tensor | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
+    rel_bias: Tensor | None = None,
+    rel_q: Tensor | None = None,
+) -> tuple[Tensor, Tensor]: ...
+
+
+@overload
+def rel_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    rel_k: Tensor | None = None,
+    rel_v: Tensor | None = None,
+    max_distance: IntLike = 0,
+    causal: bool = False,
+    scale: float | None = None,
+    q_offset: IntLike = 0,
+    k_offset: IntLike = 0,
+    key_padding_mask: Tensor | None = None,
+    return_lse: bool = False,
+    dropout_p: float = 0.0,
+    dropout_seed: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    q_segment_ids: Tensor | None = None,
+    k_segment_ids: Tensor | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
+    rel_bias: Tensor | None = None,
+    rel_q: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]: ...
+
+
 def rel_attention(
     q: Tensor,
     k: Tensor,
