@@ -10,7 +10,10 @@ width (E=768, H=12, D=64), T5's bucketed bias (32 buckets, max distance 128), L 
 ``--position deberta``: a DeBERTa-v2 ``DisentangledSelfAttention`` at deberta-v3-base's width
 (E=768, H=12, D=64, 256 log buckets up to 512, shared projections, c2p and p2c), L tokens, its
 relative positions and embeddings made outside the call as its encoder does (no SDPA form
-there). Three forms:
+there); ``--position mpnet``: a whole ``MPNetModel`` as all-mpnet-base-v2's (12 layers, E=768,
+H=12, D=64; T5's bidirectional bias, 32 buckets, max distance 128, made once by its encoder), on
+input embeddings, ``--batch`` sequences of L tokens (MPNet's positions end at 512), no SDPA form
+there either. Three forms:
 
 * ``eager`` -- transformers' eager attention (``attn_implementation="eager"``): relative_key
   gathers the keys' embeddings to ``[L, L, D]``, relative forms ``[B, H, L, 2L - 1]`` scores and
@@ -30,6 +33,7 @@ Usage::
     PYTHONPATH=build/dev-bench/stage python benchmarks/bench_hf.py     # ~5 min, needs transformers
     python benchmarks/bench_hf.py --position relative    # -> bench_hf_relative.json
     python benchmarks/bench_hf.py --position deberta -L 512 1024 2048   # -> bench_hf_deberta.json
+    python benchmarks/bench_hf.py --position mpnet -B 32 -L 128 256 512  # -> bench_hf_mpnet.json
     python benchmarks/bench_hf.py -L 500 1000 --out /tmp/h.json
 """
 
@@ -51,14 +55,18 @@ MODES = ("inference", "train")
 
 
 T5_EMBED, T5_HEADS = 768, 12
+MPNET_LAYERS, MPNET_FFN = 12, 3072
 
 
-def live_gib(method: str, mode: str, length: int, position: str) -> float:
+def live_gib(method: str, mode: str, length: int, position: str, batch: int = 1) -> float:
     """The largest live set of a transformers form (relative_key's [L, L, D] gather, relative's
     [H, L, 2L] scores or T5's [H, L, L] bias, and a few [H, L, L] score tensors; the backward
     keeps about twice as much), in GiB; 0 for ours."""
     if method == "fused":
         return 0.0
+    if position == "mpnet":  # the [B, H, L, L] bias, and scores, probabilities per layer
+        return (3 * batch * T5_HEADS * length * length * 4
+                * (MPNET_LAYERS if mode == "train" else 1) / 2**30)
     if position == "t5":
         return 4 * T5_HEADS * length * length * 4 * (2 if mode == "train" else 1) / 2**30
     if position == "deberta":  # c2p, p2c, scores, probabilities [H, L, L] and an int64 index
@@ -72,7 +80,7 @@ def live_gib(method: str, mode: str, length: int, position: str) -> float:
     return (positions + scores) * (2 if mode == "train" else 1) / 2**30
 
 
-def _layer(method: str, length: int, position: str):
+def _layer(method: str, length: int, position: str, batch: int = 1):
     """The attention module, its input, padding mask, upstream gradient and the keyword
     arguments of a call."""
     import transformers
@@ -85,6 +93,8 @@ def _layer(method: str, length: int, position: str):
         return _t5_layer(method, length)
     if position == "deberta":
         return _deberta_layer(method, length)
+    if position == "mpnet":
+        return _mpnet_model(method, length, batch)
     from transformers.models.wav2vec2_bert.modeling_wav2vec2_bert import (
         Wav2Vec2BertRelPositionalEmbedding,
     )
@@ -159,17 +169,50 @@ def _deberta_layer(method: str, length: int):
                         "rel_embeddings": rel_emb}, torch.randn(1, length, T5_EMBED))
 
 
+class _OnEmbeddings(torch.nn.Module):
+    """An MPNetModel called on input embeddings, its output first, as the other layers'."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.model(inputs_embeds=x, attention_mask=attention_mask).last_hidden_state,)
+
+
+def _mpnet_model(method: str, length: int, batch: int):
+    """all-mpnet-base-v2's MPNetModel (no pooler), random weights, ``batch`` sequences with
+    padding on the last 5% of the tokens (the model makes its own mask from the [B, L] one, as
+    for token ids)."""
+    import transformers
+
+    import relpos_ext.hf
+
+    config = transformers.MPNetConfig(
+        hidden_size=T5_EMBED, num_attention_heads=T5_HEADS, num_hidden_layers=MPNET_LAYERS,
+        intermediate_size=MPNET_FFN, max_position_embeddings=514, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0)
+    model = transformers.MPNetModel(config, add_pooling_layer=False).eval()
+    model.embeddings.word_embeddings.requires_grad_(False)  # unused: the input is embeddings
+    if method == "fused":
+        relpos_ext.hf.use_fused_attention(model)
+    x = torch.randn(batch, length, T5_EMBED)
+    keep = (torch.arange(length) < length - length // 20).long()[None].expand(batch, -1)
+    return (_OnEmbeddings(model), x, {"attention_mask": keep},
+            torch.randn(batch, length, T5_EMBED))
+
+
 def measure(method: str, mode: str, length: int, args: argparse.Namespace) -> dict:
     """Runs in a forked child: the warm-up, then memory and time of one call."""
     torch.set_num_threads(args.threads)
-    module, x, kw, upstream = _layer(method, length, args.position)
+    module, x, kw, upstream = _layer(method, length, args.position, args.batch)
     if mode == "inference":
         def run():
             with torch.no_grad():
                 return module(x, **kw)[0]
     else:
         x.requires_grad_()
-        wrt = [x, *module.parameters()]
+        wrt = [x, *(p for p in module.parameters() if p.requires_grad)]
 
         def run():
             return torch.autograd.grad(module(x, **kw)[0], wrt, upstream)
@@ -177,33 +220,37 @@ def measure(method: str, mode: str, length: int, args: argparse.Namespace) -> di
     return measure_call(run, args, trim=True)
 
 
-def check(length: int, position: str) -> dict:
+def check(length: int, position: str, batch: int = 1) -> dict:
     """Runs in a forked child: the other forms' outputs against eager's on the kept positions
     (DeBERTa masks padded query rows too, where the forms legitimately differ)."""
     outs = {}
     kept = length - length // 20
     for method in _methods(position):
-        module, x, kw, _ = _layer(method, length, position)
+        module, x, kw, _ = _layer(method, length, position, batch)
         with torch.no_grad():
             outs[method] = module(x, **kw)[0][:, :kept]
     return {m: (outs[m] - outs["eager"]).abs().max().item() for m in outs if m != "eager"}
 
 
 def _methods(position: str) -> tuple[str, ...]:
-    return ("fused", "eager") if position == "deberta" else METHODS
+    return ("fused", "eager") if position in ("deberta", "mpnet") else METHODS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", "-L", type=int, nargs="+", default=[500, 1000, 2000, 4000])
-    p.add_argument("--position", choices=["relative_key", "relative", "t5", "deberta"],
+    p.add_argument("--position", choices=["relative_key", "relative", "t5", "deberta", "mpnet"],
                    default="relative_key",
-                   help="position_embeddings_type (default relative_key), or t5, or deberta")
+                   help="position_embeddings_type (default relative_key), or t5, deberta, mpnet")
+    p.add_argument("--batch", "-B", type=int, default=1,
+                   help="sequences per call, mpnet only (the others run B=1)")
     p.add_argument("--mem-cap-gib", type=float, default=12.0,
                    help="skip a form whose analytic live set exceeds this (default 12)")
     add_common_args(p, RESULTS / "bench_hf.json", rep_budget_s=20.0)
     args = p.parse_args(argv)
+    if args.batch != 1 and args.position != "mpnet":
+        p.error("--batch is for --position mpnet; the other layers run B=1")
     if args.out == RESULTS / "bench_hf.json" and args.position != "relative_key":
         args.out = RESULTS / f"bench_hf_{args.position}.json"
     return args
@@ -219,6 +266,11 @@ def main(argv: list[str] | None = None) -> int:
         embed, heads = T5_EMBED, T5_HEADS
         print(f"transformers {transformers.__version__}; T5Attention E={embed} H={heads} "
               f"D={embed // heads}, 32 buckets, max distance 128, float32, B=1")
+    elif args.position == "mpnet":
+        embed, heads = T5_EMBED, T5_HEADS
+        print(f"transformers {transformers.__version__}; MPNetModel {MPNET_LAYERS} layers "
+              f"E={embed} H={heads} D={embed // heads} FFN={MPNET_FFN}, 32 buckets, max "
+              f"distance 128, float32, B={args.batch}")
     elif args.position == "deberta":
         embed, heads = T5_EMBED, T5_HEADS
         print(f"transformers {transformers.__version__}; DeBERTa-v2 DisentangledSelfAttention "
@@ -229,12 +281,12 @@ def main(argv: list[str] | None = None) -> int:
         where = f" [-{LEFT}, {RIGHT}]" if args.position == "relative_key" else " (Transformer-XL)"
         print(f"transformers {transformers.__version__}; Wav2Vec2BertSelfAttention E={EMBED} "
               f"H={HEADS} D={EMBED // HEADS}, {args.position}{where}, float32, B=1")
-    errors = in_child(check, 300, args.position)
+    errors = in_child(check, 300, args.position, min(args.batch, 2))
     print("max |out - eager| at L=300: " + ", ".join(f"{m} {e:.2e}" for m, e in errors.items())
           if "error" not in errors else f"check failed: {errors['error']}")
 
     def skip(method: str, mode: str, length: int) -> str | None:
-        need = live_gib(method, mode, length, args.position)
+        need = live_gib(method, mode, length, args.position, args.batch)
         return f"skip ({need:.1f} GiB)" if need > args.mem_cap_gib else None
 
     rows = measure_grid(measure, args, MODES, _methods(args.position), skip, width=22)
@@ -243,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         "transformers_version": transformers.__version__, "build_info": info, "machine": mach,
         "config": {"embed_dim": embed, "heads": heads, "position": args.position,
                    "left": LEFT, "right": RIGHT,
-                   "dtype": "float32", "batch": 1, "lengths": args.lengths,
+                   "dtype": "float32", "batch": args.batch, "lengths": args.lengths,
                    "threads": args.threads, "mem_cap_gib": args.mem_cap_gib},
         "max_abs_error_vs_eager_L300": errors, "methods": list(_methods(args.position)),
         "rows": rows,

@@ -623,3 +623,87 @@ def test_umt5_model_matches_transformers(impl):
     for g, e in zip(out.encoder_attentions + out.decoder_attentions,
                     want.encoder_attentions + want.decoder_attentions, strict=True):
         torch.testing.assert_close(g, e, atol=1e-10, rtol=1e-10)
+
+
+# -------------------------------------------------------------------------------------- MPNet
+def _mpnet_pair(cls=None, **kw):
+    base = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                intermediate_size=64, max_position_embeddings=514, hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0)
+    config = transformers.MPNetConfig(**(base | kw))
+    cls = cls or transformers.MPNetModel
+    torch.manual_seed(0)
+    model = cls(config).eval().double()
+    fused = cls(config).eval().double()
+    fused.load_state_dict(model.state_dict())
+    return model, fused
+
+
+def _padded_tokens(length):
+    ids = torch.randint(1, 97, (2, length))
+    keep = torch.ones(2, length, dtype=torch.long)
+    keep[1, length - 50:] = 0
+    return ids, keep
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_mpnet_model_matches_transformers(whole):
+    """A two-layer MPNet in float64, 300 positions with padding (past the bias's max distance of
+    128, so its last buckets are read): the fused model's hidden states equal transformers' on
+    the kept positions, and so do every parameter's gradients (the bias embedding's included).
+    whole: use_fused_attention on the model (the encoder makes the [H, 257] table); else on one
+    attention layer only, which then reads transformers' [B, H, L, L] bias through its own
+    forward."""
+    model, fused = _mpnet_pair()
+    if whole:
+        names = hf.use_fused_attention(fused)
+        assert names == ["encoder", "encoder.layer.0.attention.attn",
+                         "encoder.layer.1.attention.attn"]
+    else:
+        assert hf.use_fused_attention(fused.encoder.layer[0]) == ["attention.attn"]
+    ids, keep = _padded_tokens(300)
+    exp = model(input_ids=ids, attention_mask=keep).last_hidden_state
+    got = fused(input_ids=ids, attention_mask=keep).last_hidden_state
+    k = keep.bool()
+    torch.testing.assert_close(got[k], exp[k], atol=1e-10, rtol=1e-10)
+    upstream = torch.randn_like(exp[k])  # not square().sum(): LayerNorm makes that constant
+    (exp[k] * upstream).sum().backward()
+    (got[k] * upstream).sum().backward()
+    for (name, p), q in zip(fused.named_parameters(), model.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-9, rtol=1e-8, msg=name)
+    assert model.encoder.relative_attention_bias.weight.grad.abs().sum() > 0
+
+
+def test_mpnet_heads_attention_outputs_and_float32():
+    """MPNet's task heads are fused through their MPNetModel; output_attentions falls back to
+    transformers' forward (on the bias expanded from the table) and returns its weights; float32
+    within float rounding of transformers."""
+    model, fused = _mpnet_pair(transformers.MPNetForMaskedLM)
+    assert len(hf.use_fused_attention(fused)) == 3
+    ids, keep = _padded_tokens(140)
+    kw = dict(input_ids=ids, attention_mask=keep, output_attentions=True)
+    for g, e in zip(fused(**kw).attentions, model(**kw).attentions, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-12, rtol=1e-12)
+    model, fused = model.float(), fused.float()
+    k = keep.bool()
+    torch.testing.assert_close(fused(input_ids=ids, attention_mask=keep).logits[k],
+                               model(input_ids=ids, attention_mask=keep).logits[k],
+                               **TOL[torch.float32])
+
+
+def test_mpnet_training_compiles():
+    """MPNet for sequence classification, fused, compiled (fullgraph) in training mode with
+    attention dropout: no graph break, finite gradients reaching the bias embedding."""
+    model, _ = _mpnet_pair(transformers.MPNetForSequenceClassification, num_labels=3,
+                           attention_probs_dropout_prob=0.1, hidden_dropout_prob=0.1)
+    model = model.float().train()
+    assert len(hf.use_fused_attention(model)) == 3
+    ids = torch.randint(1, 97, (2, 50))
+    labels = torch.tensor([0, 2])
+    loss = torch.nn.CrossEntropyLoss()
+    torch._dynamo.reset()
+    step = torch.compile(lambda ids: loss(model(input_ids=ids).logits, labels), fullgraph=True)
+    step(ids).backward()
+    grad = model.mpnet.encoder.relative_attention_bias.weight.grad
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0

@@ -39,6 +39,14 @@ distance up to :func:`relpos_ext.positions.deberta_max_distance` (512 for DeBERT
 of each term (and an ``[L, L]`` int64 index); the fused form none. The relative positions are
 rebuilt from the length (the ``relative_pos`` transformers' encoder passes is exactly that).
 
+MPNet (``MPNetModel`` and its task heads; sentence-transformers' all-mpnet-base-v2 among
+others; transformers' ``modeling_mpnet.py``) adds T5's bidirectional bucketed bias (32 buckets,
+max distance 128, ``MPNetEncoder.relative_position_bucket``) after the ``1/sqrt(D)`` scale. Its
+encoder builds that bias once as a ``[B, H, L, L]`` tensor (``compute_position_bias``, expanded
+and made contiguous) for every layer; fused, the encoder makes the ``[H, 257]`` table instead and
+each ``MPNetSelfAttention`` passes it to ``rel_attention`` as ``rel_bias``. ``output_attentions``
+runs transformers' forward on the bias expanded from the table.
+
 This file imports nothing from transformers: it recognises the modules by class name and
 attributes, so the package does not depend on it.
 """
@@ -50,7 +58,7 @@ import types
 import torch
 from torch import Tensor, nn
 
-from . import ops
+from . import ops, reference
 from .nn import additive_mask_hidden, clipped_table
 from .positions import deberta_buckets, deberta_max_distance, t5_bias_table
 
@@ -75,6 +83,9 @@ SUPPORTED_CLASSES = {
     # DeBERTa-v2/v3's disentangled attention (DeBERTa v1's class of the same name differs: it
     # has in_proj and no query_proj, and is left alone)
     "DisentangledSelfAttention": (None,),
+    # MPNet: the encoder makes the bias table, each self-attention layer reads it
+    "MPNetEncoder": (None,),
+    "MPNetSelfAttention": (None,),
 }
 T5_CLASSES = ("T5Attention", "MT5Attention", "SwitchTransformersAttention", "LongT5Attention",
               "Pop2PianoAttention", "UdopAttention")
@@ -323,6 +334,53 @@ def _fused_deberta_forward(
     return out.transpose(1, 2).reshape(batch, length, heads * dim), None
 
 
+# MPNetEncoder.compute_position_bias's defaults (it is never called with others)
+MPNET_BUCKETS, MPNET_MAX_DISTANCE = 32, 128
+
+
+def _mpnet_position_bias(self: nn.Module, x: Tensor, position_ids: Tensor | None = None,
+                         num_buckets: int = MPNET_BUCKETS) -> Tensor:
+    """MPNetEncoder.compute_position_bias as the ``[H, 2K+1]`` rel_bias table (K = 128: every
+    distance past it is in the last bucket), where transformers makes ``[B, H, L, L]``. Other
+    arguments than the encoder's run transformers' own."""
+    if position_ids is not None or num_buckets != MPNET_BUCKETS:
+        return type(self).compute_position_bias(self, x, position_ids, num_buckets)
+    weight = self.relative_attention_bias.weight[:num_buckets]
+    return t5_bias_table(weight, True, MPNET_MAX_DISTANCE)
+
+
+def _fused_mpnet_forward(
+    self: nn.Module,
+    hidden_states: Tensor,
+    attention_mask: Tensor | None = None,
+    position_bias: Tensor | None = None,
+    output_attentions: bool = False,
+    **kwargs: object,
+) -> tuple[Tensor, ...]:
+    """MPNetSelfAttention's forward with the core done by rel_attention: the module's q, k, v
+    and o projections, ``position_bias`` the encoder's ``[H, 2K+1]`` table as ``rel_bias``,
+    transformers' attention mask, its dropout in training. Returns ``(output,)``. A
+    ``[B, H, L, L]`` position_bias (an encoder left unfused) runs transformers' forward, and so
+    does ``output_attentions``, on the bias expanded from the table."""
+    batch, length, _ = hidden_states.shape
+    if position_bias is not None and position_bias.dim() == 2:
+        kmax = position_bias.shape[-1] // 2
+        if output_attentions:
+            buckets = reference.shaw_buckets(length, length, kmax, device=position_bias.device)
+            position_bias = position_bias[:, buckets].unsqueeze(0)
+    if output_attentions or (position_bias is not None and position_bias.dim() != 2):
+        return type(self).forward(self, hidden_states, attention_mask, position_bias,
+                                  output_attentions, **kwargs)
+    shape = (batch, length, self.num_attention_heads, self.attention_head_size)
+    q, k, v = (proj(hidden_states).view(shape).transpose(1, 2) for proj in (self.q, self.k, self.v))
+    padding, attn_mask = _padding_or_mask(attention_mask, batch)
+    out = ops.rel_attention(
+        q, k, v, None, None, 0 if position_bias is None else kmax, key_padding_mask=padding,
+        attn_mask=attn_mask, dropout_p=self.dropout.p if self.training else 0.0,
+        rel_bias=None if position_bias is None else position_bias.to(q.dtype))
+    return (self.o(out.transpose(1, 2).reshape(batch, length, self.all_head_size)),)
+
+
 def _is_deberta_v2(module: nn.Module) -> bool:
     """DeBERTa-v2's DisentangledSelfAttention, not DeBERTa v1's (in_proj, talking heads) or
     SEW-D's copy (another forward signature and dropout) of the same name."""
@@ -340,7 +398,8 @@ def use_fused_attention(model: nn.Module) -> list[str]:
     FastSpeech2-Conformer does). A call with ``output_attentions`` runs transformers' own
     forward, which forms the weights (O(L^2) memory).
     Call it after loading the weights; ``model.to(...)`` works before or after. The swap is an
-    instance attribute: ``del module.forward`` gives a module its own back.
+    instance attribute: ``del module.forward`` gives a module its own back (an MPNet encoder's
+    is ``compute_position_bias``; give it back together with its layers' ``forward``).
     """
     changed = []
     for name, module in model.named_modules():
@@ -358,10 +417,17 @@ def use_fused_attention(model: nn.Module) -> list[str]:
             if module.relative_attention:
                 module._relpos_max_distance = deberta_max_distance(
                     module.position_buckets, module.max_relative_positions)
+        if cls == "MPNetEncoder":
+            if module.relative_attention_bias.num_embeddings < MPNET_BUCKETS:
+                continue  # transformers' own bias would fail to index it; leave it so
+            module.compute_position_bias = types.MethodType(_mpnet_position_bias, module)
+            changed.append(name)
+            continue
         fused = (_fused_espnet_forward if cls == "FastSpeech2ConformerAttention"
                  else _fused_t5_forward if cls in T5_CLASSES
                  else _fused_umt5_forward if cls == "UMT5Attention"
                  else _fused_deberta_forward if cls == "DisentangledSelfAttention"
+                 else _fused_mpnet_forward if cls == "MPNetSelfAttention"
                  else _fused_forward)
         module.forward = types.MethodType(fused, module)
         changed.append(name)
