@@ -236,19 +236,28 @@ def _t5_table(self: nn.Module) -> Tensor:
 
 def _t5_self_attention(self: nn.Module, hidden_states: Tensor, mask: Tensor | None,
                        table: Tensor | None) -> Tensor:
-    """T5's (and UMT5's) self-attention through rel_attention: the module's q, k, v and o
-    projections, its bias table (or None), causal in a decoder, no scaling (T5 does not scale
-    its logits), its dropout in training; ``mask``: transformers' attention mask."""
+    """T5's (and UMT5's) self-attention through rel_attention: causal in a decoder, no scaling
+    (T5 does not scale its logits), its dropout (a float there) in training."""
+    return _biased_self_attention(self, hidden_states, mask, table, self.n_heads,
+                                  self.key_value_proj_dim, self.is_decoder, 1.0,
+                                  self.dropout if self.training else 0.0)
+
+
+def _biased_self_attention(self: nn.Module, hidden_states: Tensor, mask: Tensor | None,
+                           table: Tensor | None, heads: int, dim: int, causal: bool,
+                           scale: float | None, dropout_p: float) -> Tensor:
+    """Self-attention of a module with ``q``, ``k``, ``v`` and ``o`` projections (T5, UMT5,
+    MPNet) through rel_attention, ``table`` its ``[H, 2K+1]`` bias (or None) as ``rel_bias``;
+    ``mask``: transformers' attention mask."""
     batch, length, _ = hidden_states.shape
-    shape = (batch, length, self.n_heads, self.key_value_proj_dim)
+    shape = (batch, length, heads, dim)
     q, k, v = (proj(hidden_states).view(shape).transpose(1, 2) for proj in (self.q, self.k, self.v))
     padding, attn_mask = _padding_or_mask(mask, batch)
     out = ops.rel_attention(
         q, k, v, None, None, 0 if table is None else table.shape[-1] // 2,
-        causal=self.is_decoder, scale=1.0, key_padding_mask=padding, attn_mask=attn_mask,
-        dropout_p=self.dropout if self.training else 0.0,
-        rel_bias=None if table is None else table.to(q.dtype))
-    return self.o(out.transpose(1, 2).reshape(batch, length, self.inner_dim))
+        causal=causal, scale=scale, key_padding_mask=padding, attn_mask=attn_mask,
+        dropout_p=dropout_p, rel_bias=None if table is None else table.to(q.dtype))
+    return self.o(out.transpose(1, 2).reshape(batch, length, heads * dim))
 
 
 def _fused_umt5_forward(
@@ -362,23 +371,19 @@ def _fused_mpnet_forward(
     transformers' attention mask, its dropout in training. Returns ``(output,)``. A
     ``[B, H, L, L]`` position_bias (an encoder left unfused) runs transformers' forward, and so
     does ``output_attentions``, on the bias expanded from the table."""
-    batch, length, _ = hidden_states.shape
-    if position_bias is not None and position_bias.dim() == 2:
-        kmax = position_bias.shape[-1] // 2
-        if output_attentions:
-            buckets = reference.shaw_buckets(length, length, kmax, device=position_bias.device)
+    table = position_bias is not None and position_bias.dim() == 2
+    if output_attentions or (position_bias is not None and not table):
+        if table:  # the fused encoder's [H, 2K+1] table as transformers' [1, H, L, L] bias
+            length = hidden_states.shape[1]
+            buckets = reference.shaw_buckets(length, length, position_bias.shape[-1] // 2,
+                                             device=position_bias.device)
             position_bias = position_bias[:, buckets].unsqueeze(0)
-    if output_attentions or (position_bias is not None and position_bias.dim() != 2):
         return type(self).forward(self, hidden_states, attention_mask, position_bias,
                                   output_attentions, **kwargs)
-    shape = (batch, length, self.num_attention_heads, self.attention_head_size)
-    q, k, v = (proj(hidden_states).view(shape).transpose(1, 2) for proj in (self.q, self.k, self.v))
-    padding, attn_mask = _padding_or_mask(attention_mask, batch)
-    out = ops.rel_attention(
-        q, k, v, None, None, 0 if position_bias is None else kmax, key_padding_mask=padding,
-        attn_mask=attn_mask, dropout_p=self.dropout.p if self.training else 0.0,
-        rel_bias=None if position_bias is None else position_bias.to(q.dtype))
-    return (self.o(out.transpose(1, 2).reshape(batch, length, self.all_head_size)),)
+    out = _biased_self_attention(self, hidden_states, attention_mask, position_bias,
+                                 self.num_attention_heads, self.attention_head_size, False, None,
+                                 self.dropout.p if self.training else 0.0)
+    return (out,)
 
 
 def _is_deberta_v2(module: nn.Module) -> bool:

@@ -380,7 +380,7 @@ class RelativeMultiheadAttention(nn.Module):
         shape = ((num_heads,) if per_head_tables else ()) + (rows, self.head_dim)
         self.rel_k = _table(shape, **factory) if rel_keys else None
         self.rel_v = _table(shape, **factory) if rel_values else None
-        self.rel_bias = nn.Parameter(torch.zeros(num_heads, rows, **factory)) if rel_bias else None
+        self.rel_bias = nn.Parameter(torch.empty(num_heads, rows, **factory)) if rel_bias else None
         self.rel_q = _table(shape, **factory) if rel_queries else None
         self._init_tables()
 
