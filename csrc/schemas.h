@@ -23,6 +23,12 @@
   /* (dq [B, H, Lq, D], dtable like table) from grad [B, H, Lq, Lk] */                        \
   X("rel_logits_backward(Tensor grad, Tensor q, Tensor table, SymInt max_distance, "          \
     "SymInt q_offset=0, SymInt k_offset=0) -> (Tensor, Tensor)")                              \
+  /* rotary position embedding (HF's apply_rotary_pos_emb): x [..., D] (up to 4 dims), cos   \
+     and sin [..., R] broadcastable to x[..., :R] (cast to x's dtype): the first R features    \
+     turn in pairs (f, f + R/2), or (2f, 2f+1) when interleaved, the rest pass through;       \
+     inverse: the adjoint rotation (the backward) */                                          \
+  X("rope(Tensor x, Tensor cos, Tensor sin, bool interleaved=False, bool inverse=False) "     \
+    "-> Tensor")                                                                              \
   /* fused Shaw attention, O(L) memory: (out [B, H, Lq, D], logsumexp [B, H, Lq]); dropout on  \
      the probabilities from a counter-based hash of dropout_seed (common/dropout.h); segment   \
      ids [B, Lq] / [B, Lk]: query i sees key j only within its segment (packed documents); a  \

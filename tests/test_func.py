@@ -250,6 +250,12 @@ VMAP_OPS = {
                             [(2, 2, 4, 6), (2, 2, 4, 5), (5, 5)], [0, None, None]),
     "rel_logits_backward_all": (lambda g, q, t: _flat(relpos_ext.rel_logits_backward(g, q, t, 1)),
                                 [(1, 2, 3, 4), (1, 2, 3, 5), (2, 3, 5)], [0, 0, 0]),
+    # rope: 4-D samples (folded into x's first dim), and batched tables
+    "rope": (lambda x, c, s: relpos_ext.rope(x, c, s), [(2, 3, 5, 8), (5, 6), (5, 6)],
+             [0, None, None]),
+    "rope_tables": (lambda x, c, s: relpos_ext.rope(x, c, s, True, True),
+                    [(2, 5, 8), (2, 1, 8), (2, 1, 8)], [None, 0, 0]),
+    "rope_all": (lambda x, c, s: relpos_ext.rope(x, c, s), [(3, 4), (3, 4), (3, 4)], [0, 0, 0]),
 }
 
 
@@ -515,6 +521,10 @@ JVP_OPS = {
         lambda g, q, t: _flat(_ref_adjoint(lambda q, t: ref.rel_logits(q, t, 2, 6, 1, 0),
                                            q, t)(g)),
         [(2, 2, 4, 6), (2, 2, 4, 5), (2, 5, 5)]),
+    "rope": (lambda x, c, s: relpos_ext.rope(x, c, s, True), lambda x, c, s: ref.rope(x, c, s, True),
+             [(2, 3, 5, 8), (5, 6), (5, 6)]),
+    "rope_inverse": (lambda x, c, s: relpos_ext.rope(x, c, s, False, True),
+                     lambda x, c, s: ref.rope(x, c, s, False, True), [(2, 5, 8), (2, 1, 8), (2, 1, 8)]),
 }
 
 

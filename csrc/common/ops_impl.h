@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <tuple>
+#include <vector>
 
 #include "common/params.h"
 #include "common/relpos_index.h"
@@ -227,6 +228,50 @@ struct OpsImpl {
     at::Tensor dtable = at::zeros(table.sizes(), table.options().dtype(acc_type));
     dtable.narrow(-2, bucket0, num_cols).copy_(per_head ? dtab : dtab.sum(0));
     return {dq, dtable.to(table.scalar_type())};
+  }
+
+  // rope: x [..., D] with 1 to 4 dims; cos and sin [..., R] broadcastable to x[..., :R], cast
+  // to x's dtype (as HF's apply_rotary_pos_emb does), R even and <= D.
+  static at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                         bool interleaved, bool inverse) {
+    check_device<Backend>(x, "x");
+    check_device<Backend>(cos, "cos");
+    check_device<Backend>(sin, "sin");
+    TORCH_CHECK(cos.device() == x.device() && sin.device() == x.device(),
+                "cos and sin must be on x's device (", x.device(), "); got ", cos.device(), " and ",
+                sin.device());
+    check_float_dtype(x, "x");
+    check_float_dtype(cos, "cos");
+    check_float_dtype(sin, "sin");
+    TORCH_CHECK(x.dim() >= 1 && x.dim() <= 4, "x must have 1 to 4 dims [..., D]; got shape ",
+                x.sizes());
+    TORCH_CHECK(cos.sizes() == sin.sizes(), "cos and sin must have the same shape; got ",
+                cos.sizes(), " and ", sin.sizes());
+    TORCH_CHECK(cos.dim() >= 1 && cos.dim() <= x.dim(), "cos and sin must have 1 to x.dim() = ",
+                x.dim(), " dims [..., R]; got shape ", cos.sizes());
+    const int64_t dim = x.size(-1), rot = cos.size(-1);
+    TORCH_CHECK(rot % 2 == 0 && rot <= dim, "the rotary dim R = cos.size(-1) must be even and at most ",
+                "x.size(-1) = ", dim, "; got R = ", rot);
+    for (int64_t d = 2; d <= cos.dim(); ++d) {
+      TORCH_CHECK(cos.size(-d) == 1 || cos.size(-d) == x.size(-d), "cos and sin of shape ",
+                  cos.sizes(), " do not broadcast to x of shape ", x.sizes());
+    }
+    at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+    if (out.numel() == 0) return out;
+    // x as [n0, n1, n2, D]; cos and sin expanded to [n0, n1, n2, R] (stride 0 where broadcast)
+    at::Tensor x4 = x.contiguous();
+    at::Tensor c4 = cos.to(x.scalar_type()).contiguous();
+    at::Tensor s4 = sin.to(x.scalar_type()).contiguous();
+    while (x4.dim() < 4) x4 = x4.unsqueeze(0);
+    while (c4.dim() < 4) c4 = c4.unsqueeze(0);
+    while (s4.dim() < 4) s4 = s4.unsqueeze(0);
+    const std::vector<int64_t> shape{x4.size(0), x4.size(1), x4.size(2), rot};
+    c4 = c4.expand(shape);
+    s4 = s4.expand(shape);
+    Backend::rope(RopeParams{x4.data_ptr(), c4.data_ptr(), s4.data_ptr(), out.data_ptr(),
+                             x4.size(0), x4.size(1), x4.size(2), dim, rot, c4.stride(0),
+                             c4.stride(1), c4.stride(2), interleaved, inverse, dtype_of(x)});
+    return out;
   }
 };
 

@@ -39,6 +39,25 @@ struct SkewParams {
   DType dtype;
 };
 
+// rope (rotary position embedding, Su et al. 2021; HF transformers' apply_rotary_pos_emb): on
+// each row of x, the first `rot` features turn in pairs (a, b) = rope_pair(f) (relpos_index.h)
+// and the rest are copied. With c = cos, s = sin of the row:
+//   forward:  y[a] = x[a] c[a] - x[b] s[a],  y[b] = x[b] c[b] + x[a] s[b]
+//             (HF's x * cos + rotate_half(x) * sin, or rotate_every_two when interleaved)
+//   inverse:  y[a] = x[a] c[a] + x[b] s[b],  y[b] = x[b] c[b] - x[a] s[a]   (the adjoint)
+// Row r = (i0, i1, i2) of x [n0, n1, n2, dim] reads cos/sin at i0 * cs0 + i1 * cs1 + i2 * cs2
+// (a stride is 0 where cos/sin broadcast over that dim); their last dim is contiguous.
+struct RopeParams {
+  const void* x;    // [n0, n1, n2, dim]
+  const void* cos;  // rows of `rot` elements, strides cs0, cs1, cs2
+  const void* sin;  // same layout as cos
+  void* out;        // [n0, n1, n2, dim]
+  int64_t n0, n1, n2, dim, rot;
+  int64_t cs0, cs1, cs2;
+  bool interleaved, inverse;
+  DType dtype;
+};
+
 // rel_logits: out[b, h, i, j] = q[b, h, i, :] . table[h?, b(i, j), :]
 struct RelLogitsParams {
   const void* q;      // [batch, heads, q_len, dim]

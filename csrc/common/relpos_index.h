@@ -157,4 +157,30 @@ RELPOS_HD int64_t skew_col(int64_t i, int64_t j, int64_t q_len) { return j - i +
 // (i, j) is x[i, skew_col(i, j, L)] for j <= i and zero above the diagonal.
 RELPOS_HD bool causal_visible(int64_t i, int64_t j) { return j <= i; }
 
+// RoPE (Su et al. 2021): pair f (0 <= f < rot / 2) of a row's first `rot` features is the
+// pair (f, f + rot / 2) in the half-split layout (HF's rotate_half: Llama, GPT-NeoX, Qwen) and
+// (2f, 2f + 1) in the interleaved one (rotate_every_two: GPT-J, RoFormer, CodeGen).
+RELPOS_HD int64_t rope_first(int64_t f, bool interleaved) { return interleaved ? 2 * f : f; }
+RELPOS_HD int64_t rope_second(int64_t f, int64_t rot, bool interleaved) {
+  return interleaved ? 2 * f + 1 : f + rot / 2;
+}
+// The offset of row `row` (of n0 * n1 * n2) in cos and sin (RopeParams).
+RELPOS_HD int64_t rope_cos_offset(int64_t row, int64_t n1, int64_t n2, int64_t cs0, int64_t cs1,
+                                  int64_t cs2) {
+  const int64_t i2 = row % n2, i1 = (row / n2) % n1, i0 = row / (n1 * n2);
+  return i0 * cs0 + i1 * cs1 + i2 * cs2;
+}
+// One pair, in the accumulation type A: forward (ya, yb) = (xa ca - xb sa, xb cb + xa sb), the
+// inverse (the adjoint) (xa ca + xb sb, xb cb - xa sa).
+template <typename A>
+RELPOS_HD void rope_rotate(A xa, A xb, A ca, A cb, A sa, A sb, bool inverse, A& ya, A& yb) {
+  if (inverse) {
+    ya = xa * ca + xb * sb;
+    yb = xb * cb - xa * sa;
+  } else {
+    ya = xa * ca - xb * sa;
+    yb = xb * cb + xa * sb;
+  }
+}
+
 }  // namespace relpos

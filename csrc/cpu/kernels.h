@@ -6,6 +6,7 @@
 //   skew, skew_backward   rows (n, i)            of batch * q_len
 //   rel_logits            rows (b, h, i)         of batch * heads * q_len
 //   bucket_sum            rows (b, h, i)         of batch * heads * q_len
+//   rope                  rows of x              of n0 * n1 * n2
 // scalar:: handles every dtype (float64 included) and any CPU; avx2:: handles float32, float16
 // and bfloat16 (float32 arithmetic) and lives in *_avx2.cpp, compiled with -mavx2 -mfma -mf16c,
 // which therefore include no torch headers.
@@ -160,6 +161,7 @@ void skew(const SkewParams& p, int64_t begin, int64_t end);
 void skew_backward(const SkewParams& p, int64_t begin, int64_t end);
 void rel_logits(const RelLogitsParams& p, int64_t begin, int64_t end);
 void bucket_sum(const BucketSumParams& p, int64_t begin, int64_t end);
+void rope(const RopeParams& p, int64_t begin, int64_t end);
 // Fused attention; work items differ from the scalar kernels (rel_attention_avx2.cpp), and the
 // first two take them from a WorkQueue until it is empty:
 //   rel_attention: (b, h, tile of split.tile query rows, key chunk) of

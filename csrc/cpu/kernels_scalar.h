@@ -151,4 +151,30 @@ void bucket_sum(const BucketSumParams& p, int64_t begin, int64_t end) {
   }
 }
 
+// Rows r of x [n0 * n1 * n2, dim]: the pairs of the first p.rot features turned by cos/sin
+// (rope_rotate), the rest copied.
+template <typename T>
+void rope(const RopeParams& p, int64_t begin, int64_t end) {
+  using acc_t = at::opmath_type<T>;
+  const T* x = static_cast<const T*>(p.x);
+  const T* cos = static_cast<const T*>(p.cos);
+  const T* sin = static_cast<const T*>(p.sin);
+  T* out = static_cast<T*>(p.out);
+  for (int64_t row = begin; row < end; ++row) {
+    const T* xr = x + row * p.dim;
+    T* yr = out + row * p.dim;
+    const int64_t co = rope_cos_offset(row, p.n1, p.n2, p.cs0, p.cs1, p.cs2);
+    const T* c = cos + co;
+    const T* s = sin + co;
+    for (int64_t f = 0; f < p.rot / 2; ++f) {
+      const int64_t a = rope_first(f, p.interleaved), b = rope_second(f, p.rot, p.interleaved);
+      acc_t ya, yb;
+      rope_rotate<acc_t>(xr[a], xr[b], c[a], c[b], s[a], s[b], p.inverse, ya, yb);
+      yr[a] = static_cast<T>(ya);
+      yr[b] = static_cast<T>(yb);
+    }
+    std::memcpy(yr + p.rot, xr + p.rot, sizeof(T) * (p.dim - p.rot));
+  }
+}
+
 }  // namespace relpos::cpu::scalar

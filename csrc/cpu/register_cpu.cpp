@@ -142,6 +142,10 @@ struct CpuBackend {
         },
         RELPOS_AVX512_FN(bucket_sum));
   }
+  static void rope(const RopeParams& p) {
+    run(p, p.n0 * p.n1 * p.n2, grain_for(p.dim), RELPOS_AVX2_FN(rope),
+        []<typename T>(const RopeParams& pp, int64_t b, int64_t e) { scalar::rope<T>(pp, b, e); });
+  }
   // The AVX2 attention kernels tile the work differently from the scalar ones (kernels.h).
   static void rel_attention(const RelAttentionParams& p) {
 #if defined(RELPOS_HAVE_AVX2)
@@ -397,6 +401,7 @@ TORCH_LIBRARY_IMPL(relpos, CPU, m) {
   m.impl("skew_backward", &Impl::skew_backward);
   m.impl("rel_logits", &Impl::rel_logits);
   m.impl("rel_logits_backward", &Impl::rel_logits_backward);
+  m.impl("rope", &Impl::rope);
   m.impl("rel_attention", &Attention::rel_attention);
   m.impl("rel_attention_backward", &Attention::rel_attention_backward);
 }

@@ -26,6 +26,7 @@ void launch_skew(const SkewParams& p, Stream stream);
 void launch_skew_backward(const SkewParams& p, Stream stream);
 void launch_rel_logits(const RelLogitsParams& p, Stream stream);
 void launch_bucket_sum(const BucketSumParams& p, Stream stream);
+void launch_rope(const RopeParams& p, Stream stream);
 void launch_rel_attention(const RelAttentionParams& p, Stream stream);
 // The tensor-core forward (rel_attention_tc.cu): launches and returns true when it covers p
 // (bfloat16/float16, head dim a multiple of 8 up to 128, up to 64 with rel_q, 16-byte aligned

@@ -53,6 +53,7 @@ struct CudaBackend {
   static void skew_backward(const SkewParams& p) { run(launch_skew_backward, p); }
   static void rel_logits(const RelLogitsParams& p) { run(launch_rel_logits, p); }
   static void bucket_sum(const BucketSumParams& p) { run(launch_bucket_sum, p); }
+  static void rope(const RopeParams& p) { run(launch_rope, p); }
   static void rel_attention(const RelAttentionParams& p) {
     run(launch_rel_attention, p);
   }
@@ -116,6 +117,7 @@ TORCH_LIBRARY_IMPL(RELPOS_CUDA_NAMESPACE, RELPOS_CUDA_DISPATCH_KEY, m) {
   m.impl("skew_backward", &OnDeviceOf<&Impl::skew_backward>::call);
   m.impl("rel_logits", &OnDeviceOf<&Impl::rel_logits>::call);
   m.impl("rel_logits_backward", &OnDeviceOf<&Impl::rel_logits_backward>::call);
+  m.impl("rope", &OnDeviceOf<&Impl::rope>::call);
   using relpos::cuda::Attention;
   m.impl("rel_attention", &OnDeviceOf<&Attention::rel_attention>::call);
   m.impl("rel_attention_backward", &OnDeviceOf<&Attention::rel_attention_backward>::call);

@@ -17,6 +17,7 @@ from .ops import (
     rel_gather_backward,
     rel_logits,
     rel_logits_backward,
+    rope,
     skew,
     skew_backward,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "rel_gather_backward",
     "rel_logits",
     "rel_logits_backward",
+    "rope",
     "skew",
     "skew_backward",
     "t5_bias_table",

@@ -62,7 +62,8 @@ from . import ops, reference
 from .nn import additive_mask_hidden, clipped_table
 from .positions import deberta_buckets, deberta_max_distance, t5_bias_table
 
-__all__ = ["SUPPORTED_CLASSES", "transformer_xl_inputs", "use_fused_attention"]
+__all__ = ["SUPPORTED_CLASSES", "apply_rotary_pos_emb", "transformer_xl_inputs",
+           "use_fused_attention"]
 
 # transformers attention classes -> the position types whose forward use_fused_attention replaces
 # (the module's position_embeddings_type; None: the class has no such attribute, one fixed type)
@@ -89,6 +90,22 @@ SUPPORTED_CLASSES = {
 }
 T5_CLASSES = ("T5Attention", "MT5Attention", "SwitchTransformersAttention", "LongT5Attention",
               "Pop2PianoAttention", "UdopAttention")
+
+
+def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
+                         unsqueeze_dim: int = 1) -> tuple[Tensor, Tensor]:
+    """Drop-in for transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``
+    (``modeling_llama.py`` and the many models that copy it; with ``cos`` narrower than the head
+    dim, ``modeling_gpt_neox.py``'s partial rotary): each of ``q`` and ``k`` in one pass of
+    :func:`relpos_ext.rope` instead of five eager kernels and their temporaries.
+
+    ``cos`` and ``sin`` are the rotary embedding module's ``[B, L, R]`` outputs (``R`` up to the
+    head dim; the rest of each head passes through). A model uses it where it calls its
+    module's ``apply_rotary_pos_emb``, e.g.
+    ``transformers.models.llama.modeling_llama.apply_rotary_pos_emb = relpos_ext.hf.apply_rotary_pos_emb``.
+    """
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return ops.rope(q, cos, sin), ops.rope(k, cos, sin)
 
 
 def _hidden_keys(attention_mask: Tensor | None) -> Tensor | None:

@@ -26,6 +26,7 @@ __all__ = [
     "rel_logits_backward",
     "rel_attention",
     "rel_attention_backward",
+    "rope",
 ]
 
 IntLike = int | torch.SymInt  # torch.SymInt under torch.compile with dynamic shapes
@@ -880,6 +881,111 @@ _register_autograd(
 )
 
 
+# --------------------------------------------------------------------------- rope
+def rope(
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    interleaved: bool = False,
+    inverse: bool = False,
+) -> Tensor:
+    """Rotary position embedding (Su et al. 2021) in one pass: HF transformers'
+    ``apply_rotary_pos_emb`` for one tensor, ``x * cos + rotate_half(x) * sin``.
+
+    The first ``R = cos.shape[-1]`` features of each row of ``x`` turn in pairs by the angles
+    whose cosines and sines ``cos`` and ``sin`` hold; the other ``D - R`` features (partial
+    rotary, as in GPT-NeoX or Phi) pass through unchanged. Pairs are ``(f, f + R/2)``
+    (``rotate_half``: Llama, Mistral, Qwen, GPT-NeoX) or, with ``interleaved``, ``(2f, 2f+1)``
+    (``rotate_every_two``: GPT-J, RoFormer). For pair ``(a, b)``::
+
+        y[a] = x[a] cos[a] - x[b] sin[a],   y[b] = x[b] cos[b] + x[a] sin[b]
+
+    Args:
+        x: ``[..., D]`` with 1 to 4 dims, e.g. queries ``[B, H, L, D]`` or ``[B, L, H, D]``;
+            any strides.
+        cos, sin: ``[..., R]``, the same shape, broadcastable to ``x[..., :R]``: ``[L, R]``,
+            HF's ``[B, 1, L, R]`` (``unsqueeze_dim=1``) or ``[B, L, 1, R]`` for ``[B, L, H, D]``
+            queries. Cast to ``x``'s dtype first, as HF does. Tables with the same angle at
+            ``a`` and ``b`` (``cat((freqs, freqs))``, or ``repeat_interleave(2)`` when
+            interleaved: :func:`relpos_ext.positions.rope_cos_sin` makes them) make a rotation.
+        interleaved: the pairing, see above.
+        inverse: apply the adjoint instead, ``y = x * cos - rotate_half(x * sin)``: the
+            rotation back by the same angles (what the backward of ``x`` computes).
+
+    Returns:
+        A contiguous tensor like ``x``, computed in float32 (float64 for float64) and rounded
+        once. Differentiable in ``x``, ``cos`` and ``sin``.
+    """
+    return _apply(torch.ops.relpos.rope.default, x, cos, sin, interleaved, inverse)
+
+
+@torch.library.register_fake("relpos::rope")
+def _rope_fake(x, cos, sin, interleaved=False, inverse=False):
+    torch._check(1 <= x.dim() <= 4, lambda: f"x must have 1 to 4 dims, got {x.dim()}")
+    torch._check(cos.shape == sin.shape, lambda: "cos and sin must have the same shape")
+    torch._check(1 <= cos.dim() <= x.dim(), lambda: "cos must have 1 to x.dim() dims")
+    torch._check(
+        cos.device == x.device and sin.device == x.device,
+        lambda: "cos and sin must be on x's device",
+    )
+    torch._check(cos.shape[-1] % 2 == 0, lambda: "the rotary dim R = cos.shape[-1] must be even")
+    torch._check(cos.shape[-1] <= x.shape[-1], lambda: "R = cos.shape[-1] must be <= x.shape[-1]")
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _rope_cos_sin_terms(x: Tensor, tcos: Tensor | None, tsin: Tensor | None,
+                        interleaved: bool, inverse: bool) -> Tensor | None:
+    """The tangent of ``rope(x, cos, sin)`` from those of cos and sin: rope is linear in
+    (cos, sin) jointly for a fixed ``x``, zero on the pass-through features."""
+    if tcos is None and tsin is None:
+        return None
+    tcos = torch.zeros_like(tsin) if tcos is None else tcos
+    tsin = torch.zeros_like(tcos) if tsin is None else tsin
+    r = tcos.shape[-1]
+    y = reference.rope_rotated(x[..., :r], tcos.to(x.dtype), tsin.to(x.dtype), interleaved, inverse)
+    return torch.nn.functional.pad(y, (0, x.shape[-1] - r))
+
+
+def _rope_table_grads(grad: Tensor, x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool,
+                      inverse: bool) -> tuple[Tensor, Tensor]:
+    """``(dcos, dsin)`` of ``rope(x, cos, sin)``, summed over the dims cos and sin broadcast
+    over, in float32 (float64 for float64): ``dcos = g x`` and ``dsin = g rotate(x)``, or for the
+    inverse ``dsin = x rotate(g)`` (``rotate`` is HF's rotate_half, or rotate_every_two)."""
+    r = cos.shape[-1]
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    g, xr = grad[..., :r].to(acc), x[..., :r].to(acc)
+    rotate = reference.rope_rotate
+    dsin = xr * rotate(g, interleaved) if inverse else g * rotate(xr, interleaved)
+    dcos = (g * xr).sum_to_size(cos.shape)
+    return dcos.to(cos.dtype), dsin.sum_to_size(sin.shape).to(sin.dtype)
+
+
+def _rope_setup(ctx, inputs, output) -> None:
+    x, cos, sin, ctx.interleaved, ctx.inverse = inputs
+    ctx.save_for_backward(x, cos, sin)
+
+
+def _rope_bwd(ctx, grad: Tensor):
+    x, cos, sin = ctx.saved_tensors
+    dx = dcos = dsin = None
+    if ctx.needs_input_grad[0]:
+        dx = rope(grad, cos, sin, ctx.interleaved, not ctx.inverse)
+    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        dcos, dsin = _rope_table_grads(grad, x, cos, sin, ctx.interleaved, ctx.inverse)
+    return dx, dcos, dsin, None, None
+
+
+def _rope_jvp(inputs: tuple, outputs: tuple, tangents: tuple) -> Tensor | None:
+    x, cos, sin, interleaved, inverse = inputs
+    tx, tcos, tsin = tangents[:3]
+    by_x = None if tx is None else rope(tx, cos, sin, interleaved, inverse)
+    return _add(by_x, _rope_cos_sin_terms(x, tcos, tsin, interleaved, inverse))
+
+
+_register_autograd(torch.ops.relpos.rope.default, _rope_bwd, setup_context=_rope_setup,
+                   jvp=_rope_jvp)
+
+
 # --------------------------------------------------------------------------- vmap
 # torch.vmap rules (also what torch.func.vmap(torch.func.grad(f)) runs: per-sample gradients).
 # The vmapped dimension N joins the heads: N samples' [B, H, L, D] become one call on
@@ -1063,3 +1169,25 @@ def _skew_vmap(info, in_dims, x, *rest):
 @torch.library.register_vmap("relpos::skew_backward")
 def _skew_backward_vmap(info, in_dims, grad, *rest):
     return torch.ops.relpos.skew_backward.default(grad.movedim(in_dims[0], 0), *rest), 0
+
+
+@torch.library.register_vmap("relpos::rope")
+def _rope_vmap(info, in_dims, x, cos, sin, *rest):
+    # The samples N join x's first dim: x [N, *xs] -> [N * b0, b1, b2, D] with xs padded to
+    # 4-D, and cos and sin [N or 1, c0, c1, c2, R] expanded over N and b0 to match.
+    n = info.batch_size
+    xd, cd, sd = in_dims[:3]
+    xs = x.shape[:xd] + x.shape[xd + 1:] if xd is not None else x.shape
+    x5 = x.movedim(xd, 0) if xd is not None else x.unsqueeze(0).expand(n, *xs)
+    x5 = x5.reshape(n, *([1] * (4 - len(xs))), *xs)
+
+    def table(t: Tensor, d: int | None) -> Tensor:
+        t = t.movedim(d, 0) if d is not None else t.unsqueeze(0)
+        t = t.reshape(t.shape[0], *([1] * (5 - t.dim())), *t.shape[1:])
+        return t.expand(n, x5.shape[1], *t.shape[2:]).reshape(n * x5.shape[1], *t.shape[2:])
+
+    out = torch.ops.relpos.rope.default(
+        x5.reshape(n * x5.shape[1], *x5.shape[2:]), table(cos, cd), table(sin, sd), *rest
+    )
+    return out.reshape(n, *xs), 0
+

@@ -7,6 +7,10 @@ clamped bucket as the Shaw tables: the ``[B, H, Lq, Lk]`` bias tensor is never f
 DeBERTa's log-bucketed relative embeddings become ``[H, 2K+1, D]`` tables the same way
 (:func:`deberta_buckets`): its content-to-position term is ``rel_k``, its position-to-content
 term the key-side table ``rel_q``.
+
+Rotary embeddings (RoPE) take no table: :func:`rope_inv_freq` gives the frequencies (with the
+linear, dynamic-NTK, YaRN and Llama 3 scalings), :func:`rope_cos_sin` the cosines and sines at
+given positions, and :func:`relpos_ext.rope` turns queries and keys by them.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["alibi_bias_table", "alibi_slopes", "deberta_buckets", "deberta_max_distance",
-           "t5_bias_table", "t5_buckets"]
+           "rope_cos_sin", "rope_inv_freq", "t5_bias_table", "t5_buckets"]
 
 
 def t5_buckets(distance: Tensor, bidirectional: bool = True, num_buckets: int = 32,
@@ -128,3 +132,131 @@ def deberta_max_distance(position_buckets: int = -1, max_relative_positions: int
         raise ValueError(f"DeBERTa buckets still change at distance {bound} (position_buckets="
                          f"{position_buckets}, max_relative_positions={max_relative_positions})")
     return int(moving.nonzero().max()) + 1 if moving.any() else 0
+
+
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+def rope_inv_freq(
+    dim: int,
+    base: float = 10000.0,
+    rope_type: str = "default",
+    *,
+    factor: float = 1.0,
+    max_position_embeddings: int | None = None,
+    original_max_position_embeddings: int | None = None,
+    seq_len: int | None = None,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    attention_factor: float | None = None,
+    mscale: float | None = None,
+    mscale_all_dim: float | None = None,
+    truncate: bool = True,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+) -> tuple[Tensor, float]:
+    """RoPE's inverse frequencies ``[dim // 2]`` (float32) and the factor to scale cos and sin
+    by, as transformers' ``ROPE_INIT_FUNCTIONS`` compute them (``modeling_rope_utils.py``),
+    operation for operation.
+
+    Args:
+        dim: the rotary dim ``R`` (head dim times ``partial_rotary_factor``), even.
+        base: ``rope_theta``.
+        rope_type: ``"default"`` ``1 / base^(2f / R)``; ``"linear"`` (position interpolation)
+            divides them by ``factor``; ``"dynamic"`` (dynamic NTK) raises the base for
+            ``seq_len`` beyond ``max_position_embeddings``; ``"yarn"`` blends interpolated and
+            extrapolated frequencies over the band ``beta_fast``..``beta_slow`` rotations within
+            ``original_max_position_embeddings`` and returns YaRN's attention factor (or
+            DeepSeek's from ``mscale``/``mscale_all_dim``); ``"llama3"`` (Llama 3.1) scales the
+            low frequencies by ``factor`` and smooths between ``low_freq_factor`` and
+            ``high_freq_factor``.
+
+    Returns:
+        ``(inv_freq, attention_factor)``; pass both to :func:`rope_cos_sin`.
+    """
+    if dim <= 0 or dim % 2:
+        raise ValueError(f"rope_inv_freq: dim must be even and positive, got {dim}")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_inv_freq: rope_type must be one of {ROPE_TYPES}, got {rope_type!r}")
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim
+    if rope_type == "dynamic":
+        if max_position_embeddings is None:
+            raise ValueError("rope_inv_freq: 'dynamic' needs max_position_embeddings")
+        seq_len = max(seq_len or 0, max_position_embeddings)
+        base = base * ((factor * seq_len / max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
+    inv_freq = 1.0 / (base ** exponents)
+    if rope_type == "linear":
+        return inv_freq / factor, 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(dim, base, factor, original_max_position_embeddings, beta_fast,
+                              beta_slow, attention_factor, mscale, mscale_all_dim, truncate)
+    if rope_type == "llama3":
+        if original_max_position_embeddings is None:
+            raise ValueError("rope_inv_freq: 'llama3' needs original_max_position_embeddings")
+        low_wavelen = original_max_position_embeddings / low_freq_factor
+        high_wavelen = original_max_position_embeddings / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (
+            high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    return inv_freq, 1.0
+
+
+def _yarn_inv_freq(dim: int, base: float, factor: float, original_max: int | None,
+                   beta_fast: float, beta_slow: float, attention_factor: float | None,
+                   mscale: float | None, mscale_all_dim: float | None,
+                   truncate: bool) -> tuple[Tensor, float]:
+    """YaRN (Peng et al. 2023), as ``_compute_yarn_parameters`` in transformers'
+    ``modeling_rope_utils.py``."""
+    if original_max is None:
+        raise ValueError("rope_inv_freq: 'yarn' needs original_max_position_embeddings")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if attention_factor is None:
+        attention_factor = (float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+                            if mscale and mscale_all_dim else get_mscale(factor))
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original_max / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, attention_factor
+
+
+def rope_cos_sin(
+    inv_freq: Tensor,
+    positions: Tensor,
+    attention_factor: float = 1.0,
+    interleaved: bool = False,
+    dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The cosines and sines :func:`relpos_ext.rope` takes, ``[..., R]`` for positions
+    ``[...]`` (e.g. HF's ``position_ids [B, L]``, or ``arange(L) + offset``).
+
+    As transformers' rotary embedding modules (``LlamaRotaryEmbedding.forward``): angles
+    ``position * inv_freq`` in float32, each angle on both features of its pair (``cat((f, f))``,
+    or ``repeat_interleave(2)`` when ``interleaved``), times ``attention_factor``, cast to
+    ``dtype`` (default float32). Queries ``[B, H, L, D]`` with ``positions [B, L]`` take
+    ``cos[:, None]``; positions ``[L]`` broadcast over the batch as they are.
+    """
+    freqs = positions.to(torch.float32)[..., None] * inv_freq.to(device=positions.device,
+                                                                 dtype=torch.float32)
+    emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos() * attention_factor, emb.sin() * attention_factor
+    dtype = torch.float32 if dtype is None else dtype
+    return cos.to(dtype), sin.to(dtype)
+

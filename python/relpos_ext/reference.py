@@ -24,6 +24,9 @@ __all__ = [
     "visible_keys",
     "shaw_attention",
     "shaw_attention_gather",
+    "rope_rotate",
+    "rope_rotated",
+    "rope",
     "RelativeMultiheadAttentionReference",
 ]
 
@@ -373,6 +376,38 @@ def shaw_attention_gather(
         out = out + torch.matmul(w, rel_v)
     return out
 
+
+
+def rope_rotate(x: Tensor, interleaved: bool = False) -> Tensor:
+    """HF transformers' ``rotate_half`` (models/llama/modeling_llama.py): ``cat(-x2, x1)`` of the
+    halves; interleaved, ``rotate_every_two`` (models/gptj/modeling_gptj.py): pairs
+    ``(x[2f], x[2f+1]) -> (-x[2f+1], x[2f])``."""
+    if interleaved:
+        return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_rotated(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False,
+                 inverse: bool = False) -> Tensor:
+    """The rotated features, in the dtype of the operands (no casts, no pass-through):
+    ``x * cos + rotate(x) * sin`` (HF's apply_rotary_pos_emb), or the adjoint
+    ``x * cos - rotate(x * sin)``."""
+    if inverse:
+        return x * cos - rope_rotate(x * sin, interleaved)
+    return x * cos + rope_rotate(x, interleaved) * sin
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False,
+         inverse: bool = False) -> Tensor:
+    """Oracle of ``relpos::rope``: the first ``R = cos.shape[-1]`` features of ``x`` rotated
+    (:func:`rope_rotated`), the rest passed through; cos and sin cast to ``x``'s dtype as HF
+    does, the arithmetic in float32 (float64 for float64) and rounded once."""
+    r = cos.shape[-1]
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = rope_rotated(x[..., :r].to(acc), cos.to(x.dtype).to(acc), sin.to(x.dtype).to(acc),
+                     interleaved, inverse)
+    return torch.cat((y.to(x.dtype), x[..., r:]), dim=-1)
 
 
 def _reference_module_base():

@@ -1,0 +1,90 @@
+// AVX2 path of rope (rotary position embedding; RopeParams in common/params.h), float32
+// arithmetic on float32, float16 and bfloat16 storage. Work items: rows of x.
+//   half-split: eight pairs (f, f + rot/2) at a time, from two 8-lane loads of each operand;
+//   interleaved: four pairs (2f, 2f + 1) per 8-lane load, the partner swapped in by a lane
+//   permute and the signs applied by addsub (minus in the even lanes, plus in the odd ones).
+// Each output is one product plus one fused multiply-add, so it can differ from the scalar path
+// (two roundings of products) in the last bit of float32.
+#include <cstring>
+
+#include "common/relpos_index.h"
+#include "cpu/kernels.h"
+#include "cpu/vec_avx2.h"
+
+namespace relpos::cpu::avx2 {
+namespace {
+
+inline __m256 swap_pairs(__m256 v) { return _mm256_permute_ps(v, 0xB1); }  // lanes 1,0,3,2,...
+inline __m256 negate(__m256 v) { return _mm256_xor_ps(v, _mm256_set1_ps(-0.0f)); }
+
+// Pairs (f, f + h) for f in [f0, f0 + n), n <= 8.
+template <typename T>
+inline void half_split8(const T* x, const T* c, const T* s, T* y, int64_t f0, int64_t h, int64_t n,
+                        bool inverse) {
+  const bool full = n == 8;
+  auto load = [&](const T* p) { return full ? load8(p) : load_n(p, n); };
+  const __m256 xa = load(x + f0), xb = load(x + f0 + h);
+  const __m256 ca = load(c + f0), cb = load(c + f0 + h);
+  const __m256 sa = load(s + f0), sb = load(s + f0 + h);
+  const __m256 xaca = _mm256_mul_ps(xa, ca), xbcb = _mm256_mul_ps(xb, cb);
+  const __m256 ya = inverse ? _mm256_fmadd_ps(xb, sb, xaca) : _mm256_fnmadd_ps(xb, sa, xaca);
+  const __m256 yb = inverse ? _mm256_fnmadd_ps(xa, sa, xbcb) : _mm256_fmadd_ps(xa, sb, xbcb);
+  if (full) {
+    store8(y + f0, ya);
+    store8(y + f0 + h, yb);
+  } else {
+    store_n(y + f0, ya, n);
+    store_n(y + f0 + h, yb, n);
+  }
+}
+
+// Features [k0, k0 + n) of an interleaved row, n <= 8 and even.
+template <typename T>
+inline void interleaved8(const T* x, const T* c, const T* s, T* y, int64_t k0, int64_t n,
+                         bool inverse) {
+  const bool full = n == 8;
+  auto load = [&](const T* p) { return full ? load8(p) : load_n(p, n); };
+  const __m256 xv = load(x + k0), cv = load(c + k0), sv = load(s + k0);
+  const __m256 xc = _mm256_mul_ps(xv, cv);
+  // forward: even lanes x[a] c[a] - x[b] s[a], odd lanes x[b] c[b] + x[a] s[b];
+  // inverse: even lanes x[a] c[a] + x[b] s[b], odd lanes x[b] c[b] - x[a] s[a].
+  const __m256 yv = inverse ? _mm256_addsub_ps(xc, negate(swap_pairs(_mm256_mul_ps(xv, sv))))
+                            : _mm256_addsub_ps(xc, _mm256_mul_ps(swap_pairs(xv), sv));
+  if (full) {
+    store8(y + k0, yv);
+  } else {
+    store_n(y + k0, yv, n);
+  }
+}
+
+template <typename T>
+void rope_rows(const RopeParams& p, int64_t begin, int64_t end) {
+  const T* x = static_cast<const T*>(p.x);
+  const T* cos = static_cast<const T*>(p.cos);
+  const T* sin = static_cast<const T*>(p.sin);
+  T* out = static_cast<T*>(p.out);
+  const int64_t h = p.rot / 2;
+  for (int64_t row = begin; row < end; ++row) {
+    const T* xr = x + row * p.dim;
+    T* yr = out + row * p.dim;
+    const int64_t co = rope_cos_offset(row, p.n1, p.n2, p.cs0, p.cs1, p.cs2);
+    if (p.interleaved) {
+      for (int64_t k = 0; k < p.rot; k += 8) {
+        interleaved8(xr, cos + co, sin + co, yr, k, imin(8, p.rot - k), p.inverse);
+      }
+    } else {
+      for (int64_t f = 0; f < h; f += 8) {
+        half_split8(xr, cos + co, sin + co, yr, f, h, imin(8, h - f), p.inverse);
+      }
+    }
+    std::memcpy(yr + p.rot, xr + p.rot, sizeof(T) * (p.dim - p.rot));
+  }
+}
+
+}  // namespace
+
+void rope(const RopeParams& p, int64_t begin, int64_t end) {
+  dispatch(p.dtype, [&](auto tag) { rope_rows<decltype(tag)>(p, begin, end); });
+}
+
+}  // namespace relpos::cpu::avx2
