@@ -98,6 +98,23 @@ def test_rope_is_a_rotation(cpu_isa, interleaved):
                                rtol=1e-4)
 
 
+def test_rope_under_autocast(cpu_isa):
+    # bfloat16 projections with float32 tables: the tables are cast, the gradients stay float32
+    proj = torch.nn.Linear(16, 32)
+    x = torch.randn(2, 6, 16)
+    inv_freq, _ = relpos_ext.positions.rope_inv_freq(32)
+    cos, sin = relpos_ext.positions.rope_cos_sin(inv_freq, torch.arange(6))
+    cos.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q = proj(x)
+        y = relpos_ext.rope(q, cos, sin)
+    assert y.dtype == torch.bfloat16
+    y.float().square().sum().backward()
+    assert proj.weight.grad.dtype == torch.float32 and cos.grad.dtype == torch.float32
+    assert_close(y, ref.rope(q.double(), cos.detach().bfloat16().double(),
+                             sin.bfloat16().double()), torch.bfloat16)
+
+
 # ---------------------------------------------------------------------------------- autograd
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("inverse", [False, True])
