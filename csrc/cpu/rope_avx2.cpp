@@ -3,8 +3,9 @@
 //   half-split: eight pairs (f, f + rot/2) at a time, from two 8-lane loads of each operand;
 //   interleaved: four pairs (2f, 2f + 1) per 8-lane load, the partner swapped in by a lane
 //   permute and the signs applied by addsub (minus in the even lanes, plus in the odd ones).
-// Each output is one product plus one fused multiply-add, so it can differ from the scalar path
-// (two roundings of products) in the last bit of float32.
+// A half-split output is one product plus one fused multiply-add, so it can differ from the
+// scalar path (two rounded products, then the sum) in the last bit of float32; the interleaved
+// path rounds as the scalar one does (two products, then addsub), bitwise the same.
 #include <cstring>
 
 #include "common/relpos_index.h"
