@@ -254,10 +254,22 @@ ROPE_CONFIGS = [
      "beta_fast": 16.0, "mscale": 0.7, "mscale_all_dim": 0.9, "truncate": False},
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 64},
+    # LongRoPE (Phi-3): factor from max_position_embeddings / original; long or short factors
+    # by seq_len (None: short)
+    {"rope_type": "longrope", "original_max_position_embeddings": 32,
+     "long_factor": [1.0 + i / 4 for i in range(16)], "short_factor": [1.0 + i / 32 for i in range(16)]},
+    {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 32},  # 128 / 32
 ]
 
 
-@pytest.mark.parametrize("params", ROPE_CONFIGS, ids=lambda p: "-".join(map(str, p.values())))
+def _factors(params: dict, dim: int) -> dict:
+    """``params`` with LongRoPE's per-frequency factors cut to ``dim // 2`` entries."""
+    return {k: (v[: dim // 2] if k.endswith("_factor") and isinstance(v, list) else v)
+            for k, v in params.items()}
+
+
+@pytest.mark.parametrize("params", ROPE_CONFIGS,
+                         ids=lambda p: "-".join(str(v) for v in p.values() if not isinstance(v, list)))
 @pytest.mark.parametrize("partial", [1.0, 0.5])
 def test_rope_matches_transformers_llama_neox(cpu_isa, params, partial):
     # the rotary embedding module and apply_rotary_pos_emb of Llama (models/llama/
@@ -267,6 +279,8 @@ def test_rope_matches_transformers_llama_neox(cpu_isa, params, partial):
     from transformers.models.gpt_neox import modeling_gpt_neox as neox
     from transformers.models.llama import modeling_llama as llama
 
+    dim = int(32 * partial)
+    params = _factors(params, dim)
     rope_parameters = {"rope_theta": 5000.0, "partial_rotary_factor": partial, **params}
     if partial == 1.0:
         model, config = llama, LlamaConfig(hidden_size=128, num_attention_heads=4,
@@ -278,11 +292,10 @@ def test_rope_matches_transformers_llama_neox(cpu_isa, params, partial):
                                             max_position_embeddings=128,
                                             rope_parameters=rope_parameters)
         rotary = neox.GPTNeoXRotaryEmbedding(config)
-    dim = int(32 * partial)
-    seq_len = 300 if params["rope_type"] == "dynamic" else None  # past max_position_embeddings
+    # past max_position_embeddings (dynamic) or original_max_position_embeddings (longrope)
+    seq_len = 300 if params["rope_type"] in ("dynamic", "longrope") else None
     kwargs = {k: v for k, v in params.items() if k != "rope_type"}
-    if params["rope_type"] == "dynamic":
-        kwargs.update(max_position_embeddings=128, seq_len=seq_len)
+    kwargs.update(max_position_embeddings=128, seq_len=seq_len)
     inv_freq, factor = relpos_ext.positions.rope_inv_freq(dim, 5000.0, params["rope_type"],
                                                           **kwargs)
     if params["rope_type"] == "default":
@@ -295,7 +308,7 @@ def test_rope_matches_transformers_llama_neox(cpu_isa, params, partial):
     positions = torch.stack((torch.arange(40), torch.arange(40) + 250))  # [B, L]
     q, k = torch.randn(2, 4, 40, 32), torch.randn(2, 2, 40, 32)
     cos, sin = relpos_ext.positions.rope_cos_sin(inv_freq, positions, factor)
-    if params["rope_type"] != "dynamic":  # the module's own frequencies are the undynamic ones
+    if seq_len is None:  # the module's own frequencies are those for short sequences
         want_cos, want_sin = rotary(q, positions)
         assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
     want_q, want_k = model.apply_rotary_pos_emb(q, k, cos, sin)
@@ -319,3 +332,22 @@ def test_rope_matches_transformers_gptj_interleaved(cpu_isa):
     cos, sin = relpos_ext.positions.rope_cos_sin(inv_freq, positions, interleaved=True)
     got = relpos_ext.rope(k, cos[:, :, None], sin[:, :, None], interleaved=True)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("args,kwargs,message", [
+    ((7,), {}, "even and positive"),
+    ((8, 10000.0, "ntk"), {}, "rope_type must be one of"),
+    ((8, 10000.0, "dynamic"), {"factor": 2.0}, "needs max_position_embeddings"),
+    ((8, 10000.0, "yarn"), {"factor": 2.0}, "needs original_max_position_embeddings"),
+    ((8, 10000.0, "llama3"), {"factor": 2.0}, "needs original_max_position_embeddings"),
+    ((8, 10000.0, "longrope"), {"original_max_position_embeddings": 8, "factor": 2.0,
+                                "long_factor": [1.0] * 4}, "needs original_max_position"),
+    ((8, 10000.0, "longrope"), {"original_max_position_embeddings": 8, "factor": 2.0,
+                                "long_factor": [1.0] * 3, "short_factor": [1.0] * 4},
+     "long_factor must have dim // 2 = 4 entries"),
+    ((8, 10000.0, "longrope"), {"original_max_position_embeddings": 8, "long_factor": [1.0] * 4,
+                                "short_factor": [1.0] * 4}, "needs factor"),
+])
+def test_rope_inv_freq_bad_arguments(args, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        relpos_ext.positions.rope_inv_freq(*args, **kwargs)

@@ -134,7 +134,7 @@ def deberta_max_distance(position_buckets: int = -1, max_relative_positions: int
     return int(moving.nonzero().max()) + 1 if moving.any() else 0
 
 
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 
 def rope_inv_freq(
@@ -142,7 +142,7 @@ def rope_inv_freq(
     base: float = 10000.0,
     rope_type: str = "default",
     *,
-    factor: float = 1.0,
+    factor: float | None = None,
     max_position_embeddings: int | None = None,
     original_max_position_embeddings: int | None = None,
     seq_len: int | None = None,
@@ -154,6 +154,8 @@ def rope_inv_freq(
     truncate: bool = True,
     low_freq_factor: float = 1.0,
     high_freq_factor: float = 4.0,
+    long_factor: list[float] | None = None,
+    short_factor: list[float] | None = None,
 ) -> tuple[Tensor, float]:
     """RoPE's inverse frequencies ``[dim // 2]`` (float32) and the factor to scale cos and sin
     by, as transformers' ``ROPE_INIT_FUNCTIONS`` compute them (``modeling_rope_utils.py``),
@@ -169,7 +171,12 @@ def rope_inv_freq(
             ``original_max_position_embeddings`` and returns YaRN's attention factor (or
             DeepSeek's from ``mscale``/``mscale_all_dim``); ``"llama3"`` (Llama 3.1) scales the
             low frequencies by ``factor`` and smooths between ``low_freq_factor`` and
-            ``high_freq_factor``.
+            ``high_freq_factor``; ``"longrope"`` (Phi-3) divides each frequency by its entry of
+            ``long_factor`` when ``seq_len`` exceeds ``original_max_position_embeddings``, else
+            of ``short_factor``, and returns LongRoPE's attention factor.
+        factor: the scaling factor; by default 1, or for ``"yarn"`` and ``"longrope"``
+            ``max_position_embeddings / original_max_position_embeddings`` when both are given
+            (as transformers does for Phi-3 and DeepSeek-V3).
 
     Returns:
         ``(inv_freq, attention_factor)``; pass both to :func:`rope_cos_sin`.
@@ -179,6 +186,13 @@ def rope_inv_freq(
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope_inv_freq: rope_type must be one of {ROPE_TYPES}, got {rope_type!r}")
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim
+    if factor is None and rope_type in ("yarn", "longrope") and max_position_embeddings and \
+            original_max_position_embeddings:  # as transformers (Phi-3, DeepSeek-V3)
+        factor = max_position_embeddings / original_max_position_embeddings
+    if rope_type == "longrope":
+        return _longrope_inv_freq(dim, base, exponents, factor, original_max_position_embeddings,
+                                  seq_len, attention_factor, long_factor, short_factor)
+    factor = 1.0 if factor is None else factor
     if rope_type == "dynamic":
         if max_position_embeddings is None:
             raise ValueError("rope_inv_freq: 'dynamic' needs max_position_embeddings")
@@ -203,6 +217,31 @@ def rope_inv_freq(
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
     return inv_freq, 1.0
+
+
+def _longrope_inv_freq(dim: int, base: float, exponents: Tensor, factor: float | None,
+                       original_max: int | None,
+                       seq_len: int | None, attention_factor: float | None,
+                       long_factor: list[float] | None,
+                       short_factor: list[float] | None) -> tuple[Tensor, float]:
+    """LongRoPE (Ding et al. 2024), as ``_compute_longrope_parameters`` in transformers'
+    ``modeling_rope_utils.py``."""
+    if original_max is None or long_factor is None or short_factor is None:
+        raise ValueError("rope_inv_freq: 'longrope' needs original_max_position_embeddings, "
+                         "long_factor and short_factor")
+    for name, f in (("long_factor", long_factor), ("short_factor", short_factor)):
+        if len(f) != dim // 2:
+            raise ValueError(f"rope_inv_freq: {name} must have dim // 2 = {dim // 2} entries, "
+                             f"got {len(f)}")
+    if factor is None:
+        raise ValueError("rope_inv_freq: 'longrope' needs factor, or max_position_embeddings "
+                         "with original_max_position_embeddings")
+    if attention_factor is None:
+        attention_factor = (1.0 if factor <= 1.0 else
+                            math.sqrt(1 + math.log(factor) / math.log(original_max)))
+    long = bool(seq_len and seq_len > original_max)
+    ext = torch.tensor(long_factor if long else short_factor, dtype=torch.float32)
+    return 1.0 / (ext * base ** exponents), attention_factor
 
 
 def _yarn_inv_freq(dim: int, base: float, factor: float, original_max: int | None,
