@@ -3,9 +3,9 @@
 //   half-split: eight pairs (f, f + rot/2) at a time, from two 8-lane loads of each operand;
 //   interleaved: four pairs (2f, 2f + 1) per 8-lane load, the partner swapped in by a lane
 //   permute and the signs applied by addsub (minus in the even lanes, plus in the odd ones).
-// A half-split output is one product plus one fused multiply-add, so it can differ from the
-// scalar path (two rounded products, then the sum) in the last bit of float32; the interleaved
-// path rounds as the scalar one does (two products, then addsub), bitwise the same.
+// No fused multiply-adds: each output is two rounded products and their sum or difference, as in
+// the scalar path and in transformers' x * cos + rotate_half(x) * sin, so float32 results are
+// bitwise theirs (the op is memory-bound; the FMA would save nothing measurable).
 #include <cstring>
 
 #include "common/relpos_index.h"
@@ -27,9 +27,12 @@ inline void half_split8(const T* x, const T* c, const T* s, T* y, int64_t f0, in
   const __m256 xa = load(x + f0), xb = load(x + f0 + h);
   const __m256 ca = load(c + f0), cb = load(c + f0 + h);
   const __m256 sa = load(s + f0), sb = load(s + f0 + h);
+  // products rounded before the sum, as the scalar path and transformers' eager code
   const __m256 xaca = _mm256_mul_ps(xa, ca), xbcb = _mm256_mul_ps(xb, cb);
-  const __m256 ya = inverse ? _mm256_fmadd_ps(xb, sb, xaca) : _mm256_fnmadd_ps(xb, sa, xaca);
-  const __m256 yb = inverse ? _mm256_fnmadd_ps(xa, sa, xbcb) : _mm256_fmadd_ps(xa, sb, xbcb);
+  const __m256 ya = inverse ? _mm256_add_ps(xaca, _mm256_mul_ps(xb, sb))
+                            : _mm256_sub_ps(xaca, _mm256_mul_ps(xb, sa));
+  const __m256 yb = inverse ? _mm256_sub_ps(xbcb, _mm256_mul_ps(xa, sa))
+                            : _mm256_add_ps(xbcb, _mm256_mul_ps(xa, sb));
   if (full) {
     store8(y + f0, ya);
     store8(y + f0 + h, yb);

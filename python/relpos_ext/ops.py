@@ -914,7 +914,9 @@ def rope(
 
     Returns:
         A contiguous tensor like ``x``, computed in float32 (float64 for float64) and rounded
-        once. Differentiable in ``x``, ``cos`` and ``sin``.
+        once; on the CPU in float32, bitwise what transformers' eager code gives (products
+        rounded before their sum, no fused multiply-adds). Differentiable in ``x``, ``cos`` and
+        ``sin``.
     """
     return _apply(torch.ops.relpos.rope.default, x, cos, sin, interleaved, inverse)
 
