@@ -105,3 +105,5 @@ def test_nested_tensors_say_what_to_do():
         relpos_ext.rel_attention(q, q, q, table, table, 2)
     with pytest.raises(NotImplementedError, match="relpos::rel_logits does not take nested"):
         relpos_ext.rel_logits(q, table, 2, 5)
+    with pytest.raises(NotImplementedError, match=r"rope does not take nested .* x\.values\(\)"):
+        relpos_ext.rope(q, table, table)

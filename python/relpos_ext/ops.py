@@ -105,11 +105,14 @@ def _apply(op: Any, *args: Any) -> Any:
     """``op(*args)``, through its Function while a torch.func transform or forward AD is active."""
     if getattr(args[0], "is_nested", False):  # q, table, x or grad
         # the dispatcher would say only "NotImplementedError: relpos.<op>.default"
+        if op is torch.ops.relpos.rope.default:
+            hint = ("rotate the packed tokens, x.values() [total, ..., D], with cos and sin "
+                    "made from each token's own position")
+        else:
+            hint = ("pack the sequences into one call with q_segment_ids / k_segment_ids "
+                    "(packed documents, O(sum L^2)), or pad them and pass key_padding_mask")
         raise NotImplementedError(
-            f"relpos::{op._opname} does not take nested (jagged) tensors: pack the sequences "
-            "into one call with q_segment_ids / k_segment_ids (packed documents, O(sum L^2)), "
-            "or pad them and pass key_padding_mask"
-        )
+            f"relpos::{op._opname} does not take nested (jagged) tensors: {hint}")
     if torch.compiler.is_compiling():
         if _forward_ad_active():
             # Traced, the op would get a zero tangent (a torch.library op has no forward-mode
