@@ -259,12 +259,14 @@ struct OpsImpl {
     at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
     if (out.numel() == 0) return out;
     // x as [n0, n1, n2, D]; cos and sin expanded to [n0, n1, n2, R] (stride 0 where broadcast)
-    at::Tensor x4 = x.contiguous();
-    at::Tensor c4 = cos.to(x.scalar_type()).contiguous();
-    at::Tensor s4 = sin.to(x.scalar_type()).contiguous();
-    while (x4.dim() < 4) x4 = x4.unsqueeze(0);
-    while (c4.dim() < 4) c4 = c4.unsqueeze(0);
-    while (s4.dim() < 4) s4 = s4.unsqueeze(0);
+    const auto as_4d = [&](const at::Tensor& t) {
+      at::Tensor t4 = t.to(x.scalar_type()).contiguous();
+      while (t4.dim() < 4) t4 = t4.unsqueeze(0);
+      return t4;
+    };
+    const at::Tensor x4 = as_4d(x);
+    at::Tensor c4 = as_4d(cos);
+    at::Tensor s4 = as_4d(sin);
     const std::vector<int64_t> shape{x4.size(0), x4.size(1), x4.size(2), rot};
     c4 = c4.expand(shape);
     s4 = s4.expand(shape);

@@ -40,8 +40,8 @@ struct SkewParams {
 };
 
 // rope (rotary position embedding, Su et al. 2021; HF transformers' apply_rotary_pos_emb): on
-// each row of x, the first `rot` features turn in pairs (a, b) = rope_pair(f) (relpos_index.h)
-// and the rest are copied. With c = cos, s = sin of the row:
+// each row of x, the first `rot` features turn in pairs (a, b) = (rope_first(f), rope_second(f))
+// (relpos_index.h) and the rest are copied. With c = cos, s = sin of the row:
 //   forward:  y[a] = x[a] c[a] - x[b] s[a],  y[b] = x[b] c[b] + x[a] s[b]
 //             (HF's x * cos + rotate_half(x) * sin, or rotate_every_two when interleaved)
 //   inverse:  y[a] = x[a] c[a] + x[b] s[b],  y[b] = x[b] c[b] - x[a] s[a]   (the adjoint)

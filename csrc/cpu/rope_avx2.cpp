@@ -18,47 +18,46 @@ namespace {
 inline __m256 swap_pairs(__m256 v) { return _mm256_permute_ps(v, 0xB1); }  // lanes 1,0,3,2,...
 inline __m256 negate(__m256 v) { return _mm256_xor_ps(v, _mm256_set1_ps(-0.0f)); }
 
+// The first n <= 8 lanes (the others load as zero / are not written).
+template <typename T>
+inline __m256 load_upto8(const T* p, int64_t n) { return n == 8 ? load8(p) : load_n(p, n); }
+template <typename T>
+inline void store_upto8(T* p, __m256 v, int64_t n) {
+  if (n == 8) {
+    store8(p, v);
+  } else {
+    store_n(p, v, n);
+  }
+}
+
 // Pairs (f, f + h) for f in [f0, f0 + n), n <= 8.
 template <typename T>
 inline void half_split8(const T* x, const T* c, const T* s, T* y, int64_t f0, int64_t h, int64_t n,
                         bool inverse) {
-  const bool full = n == 8;
-  auto load = [&](const T* p) { return full ? load8(p) : load_n(p, n); };
-  const __m256 xa = load(x + f0), xb = load(x + f0 + h);
-  const __m256 ca = load(c + f0), cb = load(c + f0 + h);
-  const __m256 sa = load(s + f0), sb = load(s + f0 + h);
+  const __m256 xa = load_upto8(x + f0, n), xb = load_upto8(x + f0 + h, n);
+  const __m256 ca = load_upto8(c + f0, n), cb = load_upto8(c + f0 + h, n);
+  const __m256 sa = load_upto8(s + f0, n), sb = load_upto8(s + f0 + h, n);
   // products rounded before the sum, as the scalar path and transformers' eager code
   const __m256 xaca = _mm256_mul_ps(xa, ca), xbcb = _mm256_mul_ps(xb, cb);
   const __m256 ya = inverse ? _mm256_add_ps(xaca, _mm256_mul_ps(xb, sb))
                             : _mm256_sub_ps(xaca, _mm256_mul_ps(xb, sa));
   const __m256 yb = inverse ? _mm256_sub_ps(xbcb, _mm256_mul_ps(xa, sa))
                             : _mm256_add_ps(xbcb, _mm256_mul_ps(xa, sb));
-  if (full) {
-    store8(y + f0, ya);
-    store8(y + f0 + h, yb);
-  } else {
-    store_n(y + f0, ya, n);
-    store_n(y + f0 + h, yb, n);
-  }
+  store_upto8(y + f0, ya, n);
+  store_upto8(y + f0 + h, yb, n);
 }
 
 // Features [k0, k0 + n) of an interleaved row, n <= 8 and even.
 template <typename T>
 inline void interleaved8(const T* x, const T* c, const T* s, T* y, int64_t k0, int64_t n,
                          bool inverse) {
-  const bool full = n == 8;
-  auto load = [&](const T* p) { return full ? load8(p) : load_n(p, n); };
-  const __m256 xv = load(x + k0), cv = load(c + k0), sv = load(s + k0);
+  const __m256 xv = load_upto8(x + k0, n), cv = load_upto8(c + k0, n), sv = load_upto8(s + k0, n);
   const __m256 xc = _mm256_mul_ps(xv, cv);
   // forward: even lanes x[a] c[a] - x[b] s[a], odd lanes x[b] c[b] + x[a] s[b];
   // inverse: even lanes x[a] c[a] + x[b] s[b], odd lanes x[b] c[b] - x[a] s[a].
   const __m256 yv = inverse ? _mm256_addsub_ps(xc, negate(swap_pairs(_mm256_mul_ps(xv, sv))))
                             : _mm256_addsub_ps(xc, _mm256_mul_ps(swap_pairs(xv), sv));
-  if (full) {
-    store8(y + k0, yv);
-  } else {
-    store_n(y + k0, yv, n);
-  }
+  store_upto8(y + k0, yv, n);
 }
 
 template <typename T>

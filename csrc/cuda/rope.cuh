@@ -1,7 +1,7 @@
 // Rotary position embedding (RopeParams in common/params.h): each thread takes "units" of a row,
-// a unit being one rotation pair (rope_pair, relpos_index.h) or, past the rot / 2 pairs, one
-// pass-through feature. Tiling: blockDim = (bx, by); row = blockIdx.x * by + threadIdx.y, and the
-// bx threads of the row with the blockIdx.y chunks stride over its units.
+// a unit being one rotation pair (rope_first/rope_second, relpos_index.h) or, past the rot / 2
+// pairs, one pass-through feature. Tiling: blockDim = (bx, by); row = blockIdx.x * by +
+// threadIdx.y, and the bx threads of the row with the blockIdx.y chunks stride over its units.
 #pragma once
 
 #include "common/params.h"

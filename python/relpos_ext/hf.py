@@ -97,7 +97,8 @@ def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
     """Drop-in for transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``
     (``modeling_llama.py`` and the many models that copy it; with ``cos`` narrower than the head
     dim, ``modeling_gpt_neox.py``'s partial rotary): each of ``q`` and ``k`` in one pass of
-    :func:`relpos_ext.rope` instead of five eager kernels and their temporaries.
+    :func:`relpos_ext.rope` instead of eager slices, a negation, a concatenation, two products
+    and a sum, each with its temporary.
 
     ``cos`` and ``sin`` are the rotary embedding module's ``[B, L, R]`` outputs (``R`` up to the
     head dim; the rest of each head passes through). A model uses it where it calls its

@@ -1195,4 +1195,3 @@ def _rope_vmap(info, in_dims, x, cos, sin, *rest):
         x5.reshape(n * x5.shape[1], *x5.shape[2:]), table(cos, cd), table(sin, sd), *rest
     )
     return out.reshape(n, *xs), 0
-

@@ -9,8 +9,8 @@ DeBERTa's log-bucketed relative embeddings become ``[H, 2K+1, D]`` tables the sa
 term the key-side table ``rel_q``.
 
 Rotary embeddings (RoPE) take no table: :func:`rope_inv_freq` gives the frequencies (with the
-linear, dynamic-NTK, YaRN and Llama 3 scalings), :func:`rope_cos_sin` the cosines and sines at
-given positions, and :func:`relpos_ext.rope` turns queries and keys by them.
+linear, dynamic-NTK, YaRN, Llama 3 and LongRoPE scalings), :func:`rope_cos_sin` the cosines and
+sines at given positions, and :func:`relpos_ext.rope` turns queries and keys by them.
 """
 
 from __future__ import annotations
