@@ -338,8 +338,50 @@ def test_rope_matches_transformers_gptj_interleaved(cpu_isa):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("partial,factor", [(0.25, None), (0.5, 2.0), (1.0, None), (0.0, None)])
+def test_rope_matches_transformers_gemma4_proportional(cpu_isa, partial, factor):
+    # Gemma 4's global layers: "proportional" frequencies over the whole head dim, zero past the
+    # rotated share, and a one-tensor apply_rotary_pos_emb on [B, L, H, D]
+    # (models/gemma4/modeling_gemma4.py)
+    _transformers()
+    from transformers import Gemma4TextConfig
+    from transformers.models.gemma4 import modeling_gemma4 as gemma4
+
+    head_dim = 32
+    rope = {"rope_type": "proportional", "partial_rotary_factor": partial, "rope_theta": 1e6}
+    if factor is not None:
+        rope["factor"] = factor
+    config = Gemma4TextConfig(hidden_size=64, num_attention_heads=2, head_dim=16,
+                              global_head_dim=head_dim, num_hidden_layers=2, vocab_size=64,
+                              intermediate_size=64,
+                              layer_types=["sliding_attention", "full_attention"],
+                              rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                     "rope_theta": 1e4},
+                                               "full_attention": rope})
+    rotary = gemma4.Gemma4TextRotaryEmbedding(config)
+    inv_freq, scale = relpos_ext.positions.rope_inv_freq(
+        head_dim, 1e6, "proportional", factor=factor, partial_rotary_factor=partial)
+    assert torch.equal(inv_freq, rotary.full_attention_inv_freq)
+    assert scale == rotary.full_attention_attention_scaling
+    assert int((inv_freq != 0).sum()) == int(partial * head_dim // 2)
+
+    x = torch.randn(2, 40, 2, head_dim)  # [B, L, H, D]
+    positions = torch.stack((torch.arange(40), torch.arange(40) + 250))
+    cos, sin = relpos_ext.positions.rope_cos_sin(inv_freq, positions, scale)
+    want_cos, want_sin = rotary(x, positions, "full_attention")
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    want = gemma4.apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=2)
+    got = relpos_ext.hf.apply_rotary_pos_emb_single(x, cos, sin, unsqueeze_dim=2)
+    assert torch.equal(got, want)
+    # the zero-frequency pairs pass through unchanged
+    still = torch.cat((inv_freq, inv_freq)) == 0
+    assert torch.equal(got[..., still], x[..., still])
+
+
 @pytest.mark.parametrize("args,kwargs,message", [
     ((7,), {}, "even and positive"),
+    ((8, 10000.0, "linear"), {"partial_rotary_factor": 0.5}, "for 'proportional' only"),
+    ((8, 10000.0, "proportional"), {"partial_rotary_factor": 1.5}, r"must be in \[0, 1\]"),
     ((8, 10000.0, "ntk"), {}, "rope_type must be one of"),
     ((8, 10000.0, "dynamic"), {"factor": 2.0}, "needs max_position_embeddings"),
     ((8, 10000.0, "yarn"), {"factor": 2.0}, "needs original_max_position_embeddings"),

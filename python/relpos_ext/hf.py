@@ -62,8 +62,8 @@ from . import ops, reference
 from .nn import additive_mask_hidden, clipped_table
 from .positions import deberta_buckets, deberta_max_distance, t5_bias_table
 
-__all__ = ["SUPPORTED_CLASSES", "apply_rotary_pos_emb", "transformer_xl_inputs",
-           "use_fused_attention"]
+__all__ = ["SUPPORTED_CLASSES", "apply_rotary_pos_emb", "apply_rotary_pos_emb_single",
+           "transformer_xl_inputs", "use_fused_attention"]
 
 # transformers attention classes -> the position types whose forward use_fused_attention replaces
 # (the module's position_embeddings_type; None: the class has no such attribute, one fixed type)
@@ -107,6 +107,17 @@ def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
     """
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     return ops.rope(q, cos, sin), ops.rope(k, cos, sin)
+
+
+def apply_rotary_pos_emb_single(x: Tensor, cos: Tensor, sin: Tensor,
+                                unsqueeze_dim: int = 1) -> Tensor:
+    """Drop-in for the one-tensor ``apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1)`` of
+    transformers' Gemma 4 (``modeling_gemma4.py``, which rotates queries and keys in separate
+    calls, on ``[B, L, H, D]`` with ``unsqueeze_dim=2``): :func:`apply_rotary_pos_emb` for one
+    tensor, e.g.
+    ``transformers.models.gemma4.modeling_gemma4.apply_rotary_pos_emb = relpos_ext.hf.apply_rotary_pos_emb_single``.
+    """
+    return ops.rope(x, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
 
 
 def _hidden_keys(attention_mask: Tensor | None) -> Tensor | None:

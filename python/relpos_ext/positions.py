@@ -134,7 +134,7 @@ def deberta_max_distance(position_buckets: int = -1, max_relative_positions: int
     return int(moving.nonzero().max()) + 1 if moving.any() else 0
 
 
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "proportional")
 
 
 def rope_inv_freq(
@@ -156,6 +156,7 @@ def rope_inv_freq(
     high_freq_factor: float = 4.0,
     long_factor: list[float] | None = None,
     short_factor: list[float] | None = None,
+    partial_rotary_factor: float | None = None,
 ) -> tuple[Tensor, float]:
     """RoPE's inverse frequencies ``[dim // 2]`` (float32) and the factor to scale cos and sin
     by, as transformers' ``ROPE_INIT_FUNCTIONS`` compute them (``modeling_rope_utils.py``),
@@ -173,10 +174,16 @@ def rope_inv_freq(
             low frequencies by ``factor`` and smooths between ``low_freq_factor`` and
             ``high_freq_factor``; ``"longrope"`` (Phi-3) divides each frequency by its entry of
             ``long_factor`` when ``seq_len`` exceeds ``original_max_position_embeddings``, else
-            of ``short_factor``, and returns LongRoPE's attention factor.
+            of ``short_factor``, and returns LongRoPE's attention factor; ``"proportional"``
+            (Gemma 4's global layers) takes ``dim`` as the whole head dim: its first
+            ``int(partial_rotary_factor * dim // 2)`` frequencies are the default ones of a
+            ``dim``-wide rotation, divided by ``factor``, and the rest are zero (those pairs
+            pass through, cos 1 and sin 0).
         factor: the scaling factor; by default 1, or for ``"yarn"`` and ``"longrope"``
             ``max_position_embeddings / original_max_position_embeddings`` when both are given
             (as transformers does for Phi-3 and DeepSeek-V3).
+        partial_rotary_factor: ``"proportional"`` only (default 1): the share of the head dim
+            that rotates. The other types take the rotary dim itself as ``dim``.
 
     Returns:
         ``(inv_freq, attention_factor)``; pass both to :func:`rope_cos_sin`.
@@ -185,6 +192,12 @@ def rope_inv_freq(
         raise ValueError(f"rope_inv_freq: dim must be even and positive, got {dim}")
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope_inv_freq: rope_type must be one of {ROPE_TYPES}, got {rope_type!r}")
+    if partial_rotary_factor is not None and rope_type != "proportional":
+        raise ValueError("rope_inv_freq: partial_rotary_factor is for 'proportional' only; for "
+                         f"{rope_type!r} pass the rotary dim (head dim times the factor) as dim")
+    if rope_type == "proportional":
+        return _proportional_inv_freq(dim, base, 1.0 if factor is None else factor,
+                                      1.0 if partial_rotary_factor is None else partial_rotary_factor)
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim
     if factor is None and rope_type in ("yarn", "longrope") and max_position_embeddings and \
             original_max_position_embeddings:  # as transformers (Phi-3, DeepSeek-V3)
@@ -217,6 +230,21 @@ def rope_inv_freq(
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
     return inv_freq, 1.0
+
+
+def _proportional_inv_freq(dim: int, base: float, factor: float,
+                           partial_rotary_factor: float) -> tuple[Tensor, float]:
+    """Proportional RoPE (Gemma 4), as ``_compute_proportional_rope_parameters`` in transformers'
+    ``modeling_rope_utils.py``: ``dim // 2`` frequencies of which the first
+    ``int(partial_rotary_factor * dim // 2)`` rotate."""
+    if not 0.0 <= partial_rotary_factor <= 1.0:
+        raise ValueError("rope_inv_freq: partial_rotary_factor must be in [0, 1], got "
+                         f"{partial_rotary_factor}")
+    angles = int(partial_rotary_factor * dim // 2)
+    rotated = 1.0 / (base ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).to(
+        dtype=torch.float) / dim))
+    inv_freq = torch.cat((rotated, torch.zeros(dim // 2 - angles, dtype=torch.float32)))
+    return inv_freq / factor, 1.0
 
 
 def _longrope_inv_freq(dim: int, base: float, exponents: Tensor, factor: float | None,
