@@ -23,6 +23,7 @@ CASES = [
     ((3, 9, 6), (9, 6)),  # 3-D x, R = 6 (no full vector)
     ((2, 4, 1, 64), (2, 1, 1, 64)),  # L = 1
     ((1, 4, 33, 128), (33, 128)),  # Llama's head dim
+    ((2, 2, 5, 48), (5, 40)),  # 16-wide blocks and an 8-wide tail (half-split 16 + 4 pairs)
     ((2, 3, 0, 8), (0, 8)),  # empty
     ((8,), (8,)),  # one row
     ((2, 2, 3, 10), (3, 0)),  # R = 0: a copy
@@ -55,6 +56,26 @@ def test_rope_matches_reference(backend, dtype, case, interleaved, inverse):
         assert torch.equal(got.cpu(), ref.rope(x, cos, sin, interleaved, inverse))
     # the pass-through features are copied exactly
     assert torch.equal(got.cpu()[..., cs[-1]:], x[..., cs[-1]:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_non_finite(backend, dtype, interleaved):
+    # NaN and infinities flow through as in the reference, in the 16-wide blocks and in the
+    # tails; values near the dtype's max may overflow to infinity, as there. (NaN's bits are not
+    # compared: the kernels round NaN to c10's 0x7FC0, ATen's vectorised cast to 0xFFFF.)
+    x = torch.randn(3, 4, 56, dtype=torch.float64).to(dtype)
+    big = torch.finfo(dtype).max
+    x[0, 0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), big, -big, 0.0])
+    x[1, 2, 40:48] = float("nan")
+    x[2, 3, 17] = float("inf")
+    cos, sin = _tables((4, 56), dtype)
+    got = backend.op("rope")(backend.tensor(x), backend.tensor(cos), backend.tensor(sin),
+                             interleaved, False).cpu()
+    want = ref.rope(x, cos, sin, interleaved, False)
+    assert torch.equal(got.isnan(), want.isnan())
+    if backend.name != "cuda":
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

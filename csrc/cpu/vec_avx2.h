@@ -73,13 +73,17 @@ inline __m256 load8(const bf16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 
-inline __m128i bf16_round8(__m256 v) {
+// c10's float -> bfloat16 rounding of 8 lanes, each result in the low 16 bits of its lane.
+inline __m256i bf16_round_bits(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
   r = _mm256_srli_epi32(r, 16);
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+inline __m128i bf16_round8(__m256 v) {
+  const __m256i r = bf16_round_bits(v);
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
@@ -90,6 +94,38 @@ inline void store8(half_t* p, __m256 v) {
 }
 inline void store8(bf16_t* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_round8(v));
+}
+
+// 16 values as two 8-lane vectors, for element-wise work: `lo` and `hi` hold the values in an
+// order of the storage type's choosing (bfloat16: elements 0-3, 8-11 and 4-7, 12-15, which one
+// 256-bit load and two unpacks give), and store16 writes them back in the same order. Adjacent
+// even/odd pairs stay adjacent, even elements in even lanes.
+inline void load16(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
+}
+inline void load16(const half_t* p, __m256& lo, __m256& hi) {
+  lo = load8(p);
+  hi = load8(p + 8);
+}
+inline void load16(const bf16_t* p, __m256& lo, __m256& hi) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i zero = _mm256_setzero_si256();
+  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w));
+  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w));
+}
+inline void store16(float* p, __m256 lo, __m256 hi) {
+  _mm256_storeu_ps(p, lo);
+  _mm256_storeu_ps(p + 8, hi);
+}
+inline void store16(half_t* p, __m256 lo, __m256 hi) {
+  store8(p, lo);
+  store8(p + 8, hi);
+}
+inline void store16(bf16_t* p, __m256 lo, __m256 hi) {
+  // packus works per 128-bit lane: (lo 0-3, hi 4-7 | lo 8-11, hi 12-15), the order load16 took
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm256_packus_epi32(bf16_round_bits(lo), bf16_round_bits(hi)));
 }
 
 // The first n (< 8) lanes; the others load as zero / are not written.
