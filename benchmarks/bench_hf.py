@@ -13,7 +13,11 @@ relative positions and embeddings made outside the call as its encoder does (no 
 there); ``--position mpnet``: a whole ``MPNetModel`` as all-mpnet-base-v2's (12 layers, E=768,
 H=12, D=64; T5's bidirectional bias, 32 buckets, max distance 128, made once by its encoder), on
 input embeddings, ``--batch`` sequences of L tokens (MPNet's positions end at 512), no SDPA form
-there either. Three forms:
+there either; ``--position parakeet``: a ``ParakeetEncoderAttention`` at parakeet-tdt-0.6b-v2's
+width (E=1024, H=8, D=128; FastConformer, Transformer-XL positions over every distance), L
+frames (80 ms each after its 8x subsampling: L=4000 is 320 s of audio), the padding mask in the
+bool ``[B, 1, L, L]`` form its encoder makes (padded frames neither attend nor are attended).
+Three forms:
 
 * ``eager`` -- transformers' eager attention (``attn_implementation="eager"``): relative_key
   gathers the keys' embeddings to ``[L, L, D]``, relative forms ``[B, H, L, 2L - 1]`` scores and
@@ -34,6 +38,7 @@ Usage::
     python benchmarks/bench_hf.py --position relative    # -> bench_hf_relative.json
     python benchmarks/bench_hf.py --position deberta -L 512 1024 2048   # -> bench_hf_deberta.json
     python benchmarks/bench_hf.py --position mpnet -B 32 -L 128 256 512  # -> bench_hf_mpnet.json
+    python benchmarks/bench_hf.py --position parakeet   # -> bench_hf_parakeet.json
     python benchmarks/bench_hf.py -L 500 1000 --out /tmp/h.json
 """
 
@@ -55,6 +60,7 @@ MODES = ("inference", "train")
 
 
 T5_EMBED, T5_HEADS = 768, 12
+PARAKEET_EMBED, PARAKEET_HEADS = 1024, 8
 MPNET_LAYERS, MPNET_FFN = 12, 3072
 
 
@@ -72,11 +78,12 @@ def live_gib(method: str, mode: str, length: int, position: str, batch: int = 1)
     if position == "deberta":  # c2p, p2c, scores, probabilities [H, L, L] and an int64 index
         return (6 * T5_HEADS * length * length * 4 + 8 * length * length) \
             * (2 if mode == "train" else 1) / 2**30
+    heads = PARAKEET_HEADS if position == "parakeet" else HEADS
     if position == "relative_key":
         positions = length * length * (EMBED // HEADS) * 4
     else:
-        positions = 2 * HEADS * length * 2 * length * 4
-    scores = 3 * HEADS * length * length * 4
+        positions = 2 * heads * length * 2 * length * 4
+    scores = 3 * heads * length * length * 4
     return (positions + scores) * (2 if mode == "train" else 1) / 2**30
 
 
@@ -95,6 +102,8 @@ def _layer(method: str, length: int, position: str, batch: int = 1):
         return _deberta_layer(method, length)
     if position == "mpnet":
         return _mpnet_model(method, length, batch)
+    if position == "parakeet":
+        return _parakeet_layer(method, length)
     from transformers.models.wav2vec2_bert.modeling_wav2vec2_bert import (
         Wav2Vec2BertRelPositionalEmbedding,
     )
@@ -118,6 +127,29 @@ def _layer(method: str, length: int, position: str, batch: int = 1):
     if position == "relative":  # made once per model by the encoder, shared by its layers
         kw["relative_position_embeddings"] = Wav2Vec2BertRelPositionalEmbedding(config)(x)
     return module, x, kw, torch.randn(1, length, EMBED)
+
+
+def _parakeet_layer(method: str, length: int):
+    """A ParakeetEncoderAttention with random u and v biases (its model's initialisation), the
+    encoder's position embeddings and bool mask (the last 5% of the frames padded)."""
+    import transformers
+    from transformers.models.parakeet import modeling_parakeet as parakeet
+
+    import relpos_ext.hf
+
+    config = transformers.ParakeetEncoderConfig(
+        hidden_size=PARAKEET_EMBED, num_attention_heads=PARAKEET_HEADS, attention_dropout=0.0,
+        attn_implementation="sdpa" if method == "sdpa" else "eager")
+    module = parakeet.ParakeetEncoderAttention(config, 0)
+    torch.nn.init.normal_(module.bias_u, std=config.initializer_range)
+    torch.nn.init.normal_(module.bias_v, std=config.initializer_range)
+    if method == "fused":
+        relpos_ext.hf.use_fused_attention(module)
+    x = torch.randn(1, length, PARAKEET_EMBED)
+    keep = torch.arange(length) < length - length // 20
+    kw = {"attention_mask": (keep[:, None] & keep[None, :])[None, None],
+          "position_embeddings": parakeet.ParakeetEncoderRelPositionalEncoding(config)(x)}
+    return module, x, kw, torch.randn(1, length, PARAKEET_EMBED)
 
 
 def _t5_layer(method: str, length: int):
@@ -222,7 +254,7 @@ def measure(method: str, mode: str, length: int, args: argparse.Namespace) -> di
 
 def check(length: int, position: str, batch: int = 1) -> dict:
     """Runs in a forked child: the other forms' outputs against eager's on the kept positions
-    (DeBERTa masks padded query rows too, where the forms legitimately differ)."""
+    (DeBERTa and Parakeet mask padded query rows too, where the forms legitimately differ)."""
     outs = {}
     kept = length - length // 20
     for method in _methods(position):
@@ -240,9 +272,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", "-L", type=int, nargs="+", default=[500, 1000, 2000, 4000])
-    p.add_argument("--position", choices=["relative_key", "relative", "t5", "deberta", "mpnet"],
+    p.add_argument("--position",
+                   choices=["relative_key", "relative", "t5", "deberta", "mpnet", "parakeet"],
                    default="relative_key",
-                   help="position_embeddings_type (default relative_key), or t5, deberta, mpnet")
+                   help="position_embeddings_type (default relative_key), or t5, deberta, "
+                        "mpnet, parakeet")
     p.add_argument("--batch", "-B", type=int, default=1,
                    help="sequences per call, mpnet only (the others run B=1)")
     p.add_argument("--mem-cap-gib", type=float, default=12.0,
@@ -271,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"transformers {transformers.__version__}; MPNetModel {MPNET_LAYERS} layers "
               f"E={embed} H={heads} D={embed // heads} FFN={MPNET_FFN}, 32 buckets, max "
               f"distance 128, float32, B={args.batch}")
+    elif args.position == "parakeet":
+        embed, heads = PARAKEET_EMBED, PARAKEET_HEADS
+        print(f"transformers {transformers.__version__}; ParakeetEncoderAttention E={embed} "
+              f"H={heads} D={embed // heads}, Transformer-XL positions, float32, B=1")
     elif args.position == "deberta":
         embed, heads = T5_EMBED, T5_HEADS
         print(f"transformers {transformers.__version__}; DeBERTa-v2 DisentangledSelfAttention "

@@ -24,6 +24,7 @@ else:
 from transformers.models.fastspeech2_conformer import (  # noqa: E402
     modeling_fastspeech2_conformer as fastspeech2,
 )
+from transformers.models.parakeet import modeling_parakeet as parakeet  # noqa: E402
 from transformers.models.seamless_m4t import modeling_seamless_m4t as seamless_v1  # noqa: E402
 from transformers.models.seamless_m4t_v2 import modeling_seamless_m4t_v2 as seamless  # noqa: E402
 from transformers.models.wav2vec2_bert import modeling_wav2vec2_bert as w2v  # noqa: E402
@@ -707,3 +708,126 @@ def test_mpnet_training_compiles():
     step(ids).backward()
     grad = model.mpnet.encoder.relative_attention_bias.weight.grad
     assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------------- Parakeet
+def _parakeet_config(impl="eager", **kw):
+    return transformers.ParakeetEncoderConfig(
+        hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64,
+        conv_kernel_size=3, subsampling_conv_channels=8, num_mel_bins=16, layerdrop=0.0,
+        attn_implementation=impl, **kw)
+
+
+def _parakeet_attention(dtype, impl="eager"):
+    """A ParakeetEncoderAttention with random u and v biases (zeros in its constructor) and
+    its position embedding module."""
+    torch.manual_seed(0)
+    config = _parakeet_config(impl)
+    module = parakeet.ParakeetEncoderAttention(config, 0)
+    with torch.no_grad():
+        module.bias_u.normal_(0, 0.3)
+        module.bias_v.normal_(0, 0.3)
+    return module.to(dtype).eval(), parakeet.ParakeetEncoderRelPositionalEncoding(config)
+
+
+# transformers' eager attention takes its softmax in float32 (float64 there is float32-exact
+# only), its SDPA form does not: float64 against SDPA
+@pytest.mark.parametrize("dtype,impl", [(torch.float32, "eager"), (torch.float32, "sdpa"),
+                                        (torch.float64, "sdpa")])
+@pytest.mark.parametrize("length", [1, 37])
+def test_parakeet_attention_matches_transformers(length, dtype, impl):
+    """ParakeetEncoderAttention (FastConformer, Transformer-XL positions): output and the
+    gradients of the input and every parameter (relative_k_proj, bias_u and bias_v included)
+    equal transformers' forward, with a key padding mask in its bool [B, 1, L, L] form."""
+    module, positions = _parakeet_attention(dtype, impl)
+    x = torch.randn(2, length, 32, dtype=dtype)
+    pos = positions(x)
+    assert pos.shape == (2, 2 * length - 1, 32)
+    keep = torch.arange(length)[None, :] < torch.tensor([[length], [max(1, length - 8)]])
+    mask = keep[:, None, None, :].expand(2, 1, length, length)
+    assert {"relative_k_proj.weight", "bias_u", "bias_v"} <= dict(module.named_parameters()).keys()
+    _check_swap(module, x, position_embeddings=pos, attention_mask=mask)
+    with pytest.raises(ValueError, match=r"position_embeddings must be \[B, 2L - 1, E\]"):
+        module(x, position_embeddings=pos[:, 1:], attention_mask=mask)
+
+
+def test_parakeet_encoder_matches_transformers():
+    """A two-layer Parakeet encoder, float64 (SDPA), on a padded batch of log-mel features: the fused
+    encoder's hidden states at the kept frames and a step's gradients of every parameter equal
+    transformers'. (A padded frame's query sees no key; ours gives zeros there, transformers
+    averages all values; the convolution module zeroes those frames, so kept frames never
+    read them.)"""
+    torch.manual_seed(0)
+    model = parakeet.ParakeetEncoder(_parakeet_config("sdpa")).eval().double()
+    fused = parakeet.ParakeetEncoder(_parakeet_config("sdpa")).eval().double()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, parakeet.ParakeetEncoderAttention):
+                m.bias_u.normal_(0, 0.3)
+                m.bias_v.normal_(0, 0.3)
+    fused.load_state_dict(model.state_dict())
+    assert hf.use_fused_attention(fused) == ["layers.0.self_attn", "layers.1.self_attn"]
+    features = torch.randn(2, 400, 16, dtype=torch.float64)
+    keep = torch.ones(2, 400, dtype=torch.long)
+    keep[1, 250:] = 0
+    exp = model(features, attention_mask=keep)
+    got = fused(features, attention_mask=keep)
+    frames = exp.attention_mask.bool()
+    assert frames.shape == (2, 50) and not frames[1].all()
+    torch.testing.assert_close(got.last_hidden_state[frames], exp.last_hidden_state[frames],
+                               atol=1e-10, rtol=1e-10)
+    exp.last_hidden_state[frames].square().sum().backward()
+    got.last_hidden_state[frames].square().sum().backward()
+    for (name, p), q in zip(fused.named_parameters(), model.parameters(), strict=True):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-10, rtol=1e-8, msg=name)
+
+
+def test_parakeet_fallbacks():
+    """output_attentions and position dropout in training (per-sequence positions) run
+    transformers' forward: the same outputs, attention weights returned."""
+    torch.manual_seed(0)
+    config = _parakeet_config(dropout_positions=0.1)
+    model = parakeet.ParakeetEncoder(config).double()
+    fused = parakeet.ParakeetEncoder(config).double()
+    fused.load_state_dict(model.state_dict())
+    hf.use_fused_attention(fused)
+    features = torch.randn(2, 120, 16, dtype=torch.float64)
+    out = fused.eval()(features, output_attentions=True)
+    want = model.eval()(features, output_attentions=True)
+    assert len(out.attentions) == 2
+    for g, e in zip(out.attentions, want.attentions, strict=True):
+        torch.testing.assert_close(g, e, atol=0, rtol=0)
+    for m in (model, fused):
+        m.train()
+        torch.manual_seed(1)
+        m.out = m(features).last_hidden_state
+    torch.testing.assert_close(fused.out, model.out, atol=0, rtol=0)
+
+
+def test_parakeet_ctc_training_compiles():
+    """ParakeetForCTC, fused, compiled (fullgraph) in training mode with attention dropout and a
+    padded batch: no graph break, a finite CTC loss (taken outside: transformers' own CTC loss
+    enters a cuDNN flags context, a graph break of its own), gradients reaching bias_u and
+    bias_v."""
+    torch.manual_seed(0)
+    config = transformers.ParakeetCTCConfig(encoder_config=_parakeet_config().to_dict(),
+                                            vocab_size=12, pad_token_id=11)
+    model = transformers.ParakeetForCTC(config).float().train()
+    assert len(hf.use_fused_attention(model)) == 2
+    features = torch.randn(2, 160, 16)
+    keep = torch.ones(2, 160, dtype=torch.long)
+    keep[1, 100:] = 0
+    torch._dynamo.reset()
+    logits = torch.compile(lambda f, m: model(input_features=f, attention_mask=m).logits,
+                           fullgraph=True)(features, keep)
+    frames = model.encoder._get_output_attention_mask(keep, target_length=logits.shape[1]).sum(-1)
+    loss = torch.nn.functional.ctc_loss(logits.log_softmax(-1).transpose(0, 1),
+                                        torch.randint(0, 11, (2, 4)), frames,
+                                        torch.tensor([4, 4]), blank=11)
+    loss.backward()
+    assert torch.isfinite(loss)
+    for m in model.modules():
+        if isinstance(m, parakeet.ParakeetEncoderAttention):
+            assert m.bias_u.grad is not None and m.bias_u.grad.abs().sum() > 0
+            assert torch.isfinite(m.bias_v.grad).all() and m.bias_v.grad.abs().sum() > 0

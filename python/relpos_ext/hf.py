@@ -47,6 +47,14 @@ and made contiguous) for every layer; fused, the encoder makes the ``[H, 257]`` 
 each ``MPNetSelfAttention`` passes it to ``rel_attention`` as ``rel_bias``. ``output_attentions``
 runs transformers' forward on the bias expanded from the table.
 
+Parakeet (NVIDIA's FastConformer ASR encoders: ``ParakeetForCTC``, ``ParakeetForRNNT``,
+``ParakeetForTDT``, ``ParakeetEncoder``; transformers' ``modeling_parakeet.py``
+``ParakeetEncoderAttention``) has Transformer-XL's attention too: ``relative_k_proj`` of the
+encoder's sinusoids is the per-head table, ``bias_u``/``bias_v`` are ``u``/``v``. transformers
+forms ``[B, H, L, 2L - 1]`` and ``[B, H, L, L]`` scores for it; a padded frame neither attends nor
+is attended (its bool ``[B, 1, L, L]`` mask), and the fused form gives such a frame zeros where
+transformers averages every value (its convolution module then zeroes those frames).
+
 This file imports nothing from transformers: it recognises the modules by class name and
 attributes, so the package does not depend on it.
 """
@@ -87,6 +95,8 @@ SUPPORTED_CLASSES = {
     # MPNet: the encoder makes the bias table, each self-attention layer reads it
     "MPNetEncoder": (None,),
     "MPNetSelfAttention": (None,),
+    # NVIDIA's FastConformer ASR encoders (Parakeet CTC/RNNT/TDT): Transformer-XL positions
+    "ParakeetEncoderAttention": (None,),
 }
 T5_CLASSES = ("T5Attention", "MT5Attention", "SwitchTransformersAttention", "LongT5Attention",
               "Pop2PianoAttention", "UdopAttention")
@@ -231,6 +241,43 @@ def _fused_espnet_forward(
                             key_padding_mask=padding, rel_bias=bias,
                             dropout_p=self.dropout.p if self.training else 0.0)
     return _merge(self, out, self.head_dim), None
+
+
+def _fused_parakeet_forward(
+    self: nn.Module,
+    hidden_states: Tensor,
+    position_embeddings: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    **kwargs: object,
+) -> tuple[Tensor, None]:
+    """ParakeetEncoderAttention's forward (FastConformer's relative positional attention,
+    Transformer-XL's) with the core done by rel_attention. ``position_embeddings``:
+    ``[B, 2L - 1, E]`` from ``ParakeetEncoderRelPositionalEncoding``, rows for ``i - j`` from
+    ``L - 1`` down to ``1 - L``, the same for every sequence of the batch (as the encoder makes
+    them; the table is read from the first); ``attention_mask``: bool ``[B, 1, L, L]``, True =
+    attend.
+    Returns ``(output, None)``. ``output_attentions``, and position dropout in training (which
+    makes the sequences' positions differ), run transformers' forward."""
+    if kwargs.get("output_attentions") or (self.training and self.config.dropout_positions > 0):
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask,
+                                  **kwargs)
+    batch, length, _ = hidden_states.shape
+    heads, dim = self.config.num_attention_heads, self.head_dim
+    if position_embeddings is None or position_embeddings.shape[1] != 2 * length - 1:
+        got = None if position_embeddings is None else tuple(position_embeddings.shape)
+        raise ValueError(f"relpos_ext.hf: position_embeddings must be [B, 2L - 1, E] = "
+                         f"[{batch}, {2 * length - 1}, E], got {got}")
+    q = self.q_proj(hidden_states).view(batch, length, heads, dim).transpose(1, 2)
+    k, v = (proj(hidden_states).view(batch, length, -1, dim).transpose(1, 2)
+            for proj in (self.k_proj, self.v_proj))
+    table = self.relative_k_proj(position_embeddings[0]).to(q.dtype)
+    table = table.view(2 * length - 1, heads, dim).transpose(0, 1)  # row r + L - 1: r = j - i
+    q, bias = transformer_xl_inputs(q, table, self.bias_u, self.bias_v, self.scaling)
+    out = ops.rel_attention(q, k, v, table, None, length - 1, scale=self.scaling,
+                            attn_mask=_hidden_keys(attention_mask),
+                            dropout_p=self.attention_dropout if self.training else 0.0,
+                            rel_bias=bias)
+    return self.o_proj(out.transpose(1, 2).reshape(batch, length, heads * dim)), None
 
 
 def _fused_t5_forward(
@@ -462,6 +509,7 @@ def use_fused_attention(model: nn.Module) -> list[str]:
                  else _fused_umt5_forward if cls == "UMT5Attention"
                  else _fused_deberta_forward if cls == "DisentangledSelfAttention"
                  else _fused_mpnet_forward if cls == "MPNetSelfAttention"
+                 else _fused_parakeet_forward if cls == "ParakeetEncoderAttention"
                  else _fused_forward)
         module.forward = types.MethodType(fused, module)
         changed.append(name)
