@@ -179,8 +179,15 @@ def _xl_table(self: nn.Module, pos_emb: Tensor | None, length: int, dtype: torch
         got = None if pos_emb is None else tuple(pos_emb.shape)
         raise ValueError(f"relpos_ext.hf: relative_position_embeddings must be [1, 2L - 1, E] = "
                          f"[1, {2 * length - 1}, E], got {got}")
-    pos = self.linear_pos(pos_emb).to(dtype)
-    return pos.view(2 * length - 1, self.num_heads, -1).transpose(0, 1)
+    return _per_head_table(self.linear_pos, pos_emb[0], self.num_heads, length, dtype)
+
+
+def _per_head_table(proj: nn.Module, pos: Tensor, heads: int, length: int,
+                    dtype: torch.dtype) -> Tensor:
+    """Transformer-XL position embeddings ``[2L - 1, E]`` (rows for ``i - j`` from ``L - 1`` down
+    to ``1 - L``) projected by ``proj`` into per-head tables ``[H, 2L - 1, D]``: row ``r + L - 1``
+    is distance ``r = j - i``, rel_attention's unclipped table (K = L - 1)."""
+    return proj(pos).to(dtype).view(2 * length - 1, heads, -1).transpose(0, 1)
 
 
 def _fused_forward(
@@ -270,8 +277,7 @@ def _fused_parakeet_forward(
     q = self.q_proj(hidden_states).view(batch, length, heads, dim).transpose(1, 2)
     k, v = (proj(hidden_states).view(batch, length, -1, dim).transpose(1, 2)
             for proj in (self.k_proj, self.v_proj))
-    table = self.relative_k_proj(position_embeddings[0]).to(q.dtype)
-    table = table.view(2 * length - 1, heads, dim).transpose(0, 1)  # row r + L - 1: r = j - i
+    table = _per_head_table(self.relative_k_proj, position_embeddings[0], heads, length, q.dtype)
     q, bias = transformer_xl_inputs(q, table, self.bias_u, self.bias_v, self.scaling)
     out = ops.rel_attention(q, k, v, table, None, length - 1, scale=self.scaling,
                             attn_mask=_hidden_keys(attention_mask),

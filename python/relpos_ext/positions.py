@@ -241,6 +241,8 @@ def _proportional_inv_freq(dim: int, base: float, factor: float,
         raise ValueError("rope_inv_freq: partial_rotary_factor must be in [0, 1], got "
                          f"{partial_rotary_factor}")
     angles = int(partial_rotary_factor * dim // 2)
+    # transformers' own arange of `angles` exponents, not a slice of the default frequencies:
+    # a vectorised pow may round an element differently at another position in a longer tensor
     rotated = 1.0 / (base ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).to(
         dtype=torch.float) / dim))
     inv_freq = torch.cat((rotated, torch.zeros(dim // 2 - angles, dtype=torch.float32)))
