@@ -1909,6 +1909,23 @@ int64_t last_key_tile(const RelAttentionParams& p, int64_t i_last, int64_t bk) {
   return (k_end + bk - 1) / bk;
 }
 
+// The keys that query rows [i0, i0 + mq) can see among key tiles [t0, t1) of tk keys: from the
+// first to the last tile that tile_mask does not hide (the window, padding, the attention mask's
+// tile classes, segment ids), as whole tiles; empty when it hides them all. The relative terms'
+// band (band_of) covers these keys only: a window, a block-sparse mask or packed documents then
+// cost a band of about their own width per query tile, not of every key, where the tables are
+// long (Transformer-XL's K = L - 1).
+KeySpan seen_keys(const RelAttentionParams& p, const Head& hd, int64_t i0, int64_t mq, int64_t t0,
+                  int64_t t1, int64_t tk) {
+  auto hidden = [&](int64_t t) {
+    const int64_t j0 = t * tk;
+    return tile_mask(p, hd, i0, mq, j0, imin(tk, p.k_len - j0)) == TileMask::kHidden;
+  };
+  while (t0 < t1 && hidden(t0)) ++t0;
+  while (t1 > t0 && hidden(t1 - 1)) --t1;
+  return t1 > t0 ? KeySpan{t0 * tk, imin(t1 * tk, p.k_len)} : KeySpan{0, 0};
+}
+
 // ------------------------------------------------------------------------------ forward
 // Work items: (b, h, query tile of TQ rows, key chunk) of batch * heads * ceil(q_len / TQ) *
 // split.chunks, with tiles of TQ x TK: BQ x BK, or kAttentionWideTile squared (split.tile).
@@ -2014,7 +2031,9 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
     }
     // qs = Q * scale * log2(e): S, QE and so the logits come out scaled, in base 2
     scale_copy(float_rows(p.dtype, hd.q + i0 * D * es, mq, D, qf), scale2, qs, mq * D);
-    const Band band = band_of(p, i0, mq, kb, ke);
+    const int64_t kt_end = imin(last_key_tile(p, i0 + mq - 1, TK), (ke + TK - 1) / TK);
+    const KeySpan seen = seen_keys(p, hd, i0, mq, kb / TK, kt_end, TK);
+    const Band band = band_of(p, i0, mq, seen.begin, seen.end);
     if (hd.rel_k) {  // QE = Q @ rel_k[band]^T, and the two clamped buckets per row
       load_row(p.dtype, hd.rel_k, ek0, D);
       load_row(p.dtype, hd.rel_k + (rows_tab - 1) * D * es, ek1, D);
@@ -2045,7 +2064,6 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       fill_f32(w, 0.f, mq * band.n);
       fill_f32(mref, kNegInf, mq * n_ktiles);
     }
-    const int64_t kt_end = imin(last_key_tile(p, i0 + mq - 1, TK), (ke + TK - 1) / TK);
     if (hd.k != cached) {
       cached = hd.k;
       built = 0;
@@ -2057,7 +2075,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       if (!f32) build_key_tiles(p.dtype, hd.v, D, TK, 0, p.k_len, built, kt_end, nullptr, v_all, tmp);
       built = kt_end;
     }
-    for (int64_t t = kb / TK; t < kt_end; ++t) {
+    for (int64_t t = seen.begin / TK; t * TK < seen.end; ++t) {
       const int64_t j0 = t * TK, nk = imin(TK, p.k_len - j0);
       const TileMask tm = tile_mask(p, hd, i0, mq, j0, nk);
       if (tm == TileMask::kHidden) continue;  // as if every logit were -inf
@@ -2623,7 +2641,8 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
           const int64_t row0 = bh * p.q_len + i0;
           // key tiles of this run visible from the query tile: [r0, t_end)
           const int64_t t_end = imin(last_key_tile(p, i0 + mq - 1, BK), r1);
-          if (t_end <= r0) continue;
+          const KeySpan seen = seen_keys(p, hd, i0, mq, r0, t_end, BK);
+          if (seen.end <= seen.begin) continue;  // every tile hidden: P = dS = 0
           const float* qp = float_rows(p.dtype, hd.q + i0 * D * es, mq, D, qf);
           const float* dop = float_rows(p.dtype, static_cast<const char*>(bp.grad_out) + row0 * D * es, mq, D, dof);
           // as in the forward, S and QE come from qs = Q * scale * log2(e): logits in base 2
@@ -2655,8 +2674,8 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
           float* ds_hi = ds_hi_all + g0 + i0;
           float* p_lo = p_lo_all + g0 + i0;
           float* p_hi = p_hi_all + g0 + i0;
-          // the band of inside buckets this run's keys reach from the query tile
-          const Band band = band_of(p, i0, mq, rb, re);
+          // the band of inside buckets this run's keys reach from the query tile (those it sees)
+          const Band band = band_of(p, i0, mq, seen.begin, seen.end);
           // QE = Q @ rel_k^T over the band (by dots as S), and the bias in its units
           if (hd.rel_k && bdot) {
             band_dots(h16.rel_k, D, band, q_bf, D, mq, scale2, qe, band_pk);
@@ -2675,7 +2694,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
             fill_f32(wp, 0.f, mq * band.n);
           }
           float* dq = dq_h + i0 * D;
-          for (int64_t t = r0; t < t_end; ++t) {
+          for (int64_t t = seen.begin / BK; t * BK < seen.end; ++t) {
             const int64_t j0 = t * BK, nk = imin(BK, p.k_len - j0), tl = t - r0;
             const TileMask tm = tile_mask(p, hd, i0, mq, j0, nk);
             if (tm == TileMask::kHidden) continue;  // P = dS = 0 on the whole tile

@@ -588,7 +588,8 @@ def rel_attention(
         attn_mask: bool ``[Lq, Lk]`` or ``[B or 1, H or 1, Lq, Lk]``, True = query i ignores
             key j (nn.MultiheadAttention's convention, the opposite of SDPA's bool mask), on top
             of ``causal`` and ``key_padding_mask``; read tile by tile, never copied beyond
-            ``contiguous()``. Any pattern: prefix-LM, packed documents, local windows.
+            ``contiguous()``. Any pattern: prefix-LM, packed documents, local windows. Tiles it
+            hides wholly are skipped (on the CPU, the relative terms' band too).
         q_segment_ids, k_segment_ids: integer ``[B, Lq]`` and ``[B, Lk]``, both or neither:
             query i sees key j only when ``q_segment_ids[b, i] == k_segment_ids[b, j]``, on top
             of the other masks. Packed documents in O(L) rather than an ``[L, L]``
@@ -599,8 +600,9 @@ def rel_attention(
             when ``-window_left <= r <= window_right``, ``r = (k_offset + j) - (q_offset + i)``
             (flash-attention's ``window_size``); -1 leaves that side unbounded. With ``causal``,
             ``window_left = w - 1`` keeps the last w positions (Mistral's sliding window). Key
-            tiles wholly outside the window are skipped, so the cost grows with L times the
-            window, not L^2.
+            tiles wholly outside the window are skipped, and the relative terms' ``q . rel_k``
+            band covers only the keys a query tile sees, so the cost grows with L times the
+            window, not L^2, even with an unclipped table (K = L - 1).
         rel_bias: ``[2K+1]`` or ``[H, 2K+1]``, or None: a scalar per bucket added to the
             logits after the scale, as T5's bucketed position bias or ALiBi's slopes (expanded to
             one entry per clipped distance: :func:`relpos_ext.t5_bias_table`,
