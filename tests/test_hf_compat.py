@@ -24,6 +24,9 @@ else:
 from transformers.models.fastspeech2_conformer import (  # noqa: E402
     modeling_fastspeech2_conformer as fastspeech2,
 )
+from transformers.models.nemotron_asr_streaming import (  # noqa: E402
+    modeling_nemotron_asr_streaming as nemotron,
+)
 from transformers.models.parakeet import modeling_parakeet as parakeet  # noqa: E402
 from transformers.models.seamless_m4t import modeling_seamless_m4t as seamless_v1  # noqa: E402
 from transformers.models.seamless_m4t_v2 import modeling_seamless_m4t_v2 as seamless  # noqa: E402
@@ -829,5 +832,129 @@ def test_parakeet_ctc_training_compiles():
     assert torch.isfinite(loss)
     for m in model.modules():
         if isinstance(m, parakeet.ParakeetEncoderAttention):
+            assert m.bias_u.grad is not None and m.bias_u.grad.abs().sum() > 0
+            assert torch.isfinite(m.bias_v.grad).all() and m.bias_v.grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------------- NemotronAsrStreaming
+# chunks of 3 frames (lookahead 2), left context 10 frames: 3 earlier chunks, a cache of 10
+NEMOTRON_LOOKAHEAD = 2
+
+
+def _nemotron_pair(impl="sdpa", ref_impl="sdpa", **kw):
+    """transformers' NemotronAsrStreamingEncoder (two layers, float64, random u and v biases,
+    attention implementation ``ref_impl``) and a fused copy with the same weights (``impl``)."""
+    torch.manual_seed(0)
+    config = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64,
+                  conv_kernel_size=3, subsampling_conv_channels=8, num_mel_bins=16, layerdrop=0.0,
+                  sliding_window=11, default_num_lookahead_tokens=NEMOTRON_LOOKAHEAD, **kw)
+    model = nemotron.NemotronAsrStreamingEncoder(transformers.NemotronAsrStreamingEncoderConfig(
+        attn_implementation=ref_impl, **config)).eval().double()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nemotron.NemotronAsrStreamingEncoderAttention):
+                m.bias_u.normal_(0, 0.3)
+                m.bias_v.normal_(0, 0.3)
+    fused = nemotron.NemotronAsrStreamingEncoder(transformers.NemotronAsrStreamingEncoderConfig(
+        attn_implementation=impl, **config)).eval().double()
+    fused.load_state_dict(model.state_dict())
+    assert hf.use_fused_attention(fused) == ["layers.0.self_attn", "layers.1.self_attn"]
+    return model, fused
+
+
+def _assert_same_grads(fused, model):
+    for (name, p), q in zip(fused.named_parameters(), model.parameters(), strict=True):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-10, rtol=1e-8, msg=name)
+
+
+# transformers' eager form of this model inverts a float mask (its ``attention_mask.logical_not()``
+# is meant for bool masks; with eager attention it gets 0 / finfo.min ones): its SDPA form is the
+# reference; the fused eager-configured model reads the float mask right
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_nemotron_streaming_encoder_matches_transformers(impl):
+    """A two-layer NemotronAsrStreaming encoder, float64, offline (no cache) on a padded batch,
+    with its chunked limited-context mask: hidden states at the kept frames and every
+    parameter's gradient equal transformers' (SDPA)."""
+    model, fused = _nemotron_pair(impl)
+    features = torch.randn(2, 400, 16, dtype=torch.float64)
+    keep = torch.ones(2, 400, dtype=torch.long)
+    keep[1, 250:] = 0
+    exp = model(features, attention_mask=keep, num_lookahead_tokens=NEMOTRON_LOOKAHEAD)
+    got = fused(features, attention_mask=keep, num_lookahead_tokens=NEMOTRON_LOOKAHEAD)
+    frames = exp.attention_mask.bool()
+    assert frames.shape == (2, 51) and not frames[1].all()
+    torch.testing.assert_close(got.last_hidden_state[frames], exp.last_hidden_state[frames],
+                               atol=1e-10, rtol=1e-10)
+    exp.last_hidden_state[frames].square().sum().backward()
+    got.last_hidden_state[frames].square().sum().backward()
+    _assert_same_grads(fused, model)
+
+
+def _stream(model, features, chunks):
+    """Cache-aware streaming as NemotronAsrStreamingForRNNT.generate feeds it: a first chunk of
+    ``1 + 8 * lookahead`` mel frames, then ``8 * (lookahead + 1)``; the encoder's outputs
+    concatenated, and the length of the K/V cache after each chunk."""
+    cache = padding = None
+    outs, cached = [], []
+    start = 0
+    for i in range(chunks):
+        n = 1 + 8 * NEMOTRON_LOOKAHEAD if i == 0 else 8 * (NEMOTRON_LOOKAHEAD + 1)
+        out = model(features[:, start:start + n], past_key_values=cache, padding_cache=padding,
+                    use_cache=True, num_lookahead_tokens=NEMOTRON_LOOKAHEAD)
+        cache, padding = out.past_key_values, out.padding_cache
+        outs.append(out.last_hidden_state)
+        cached.append(cache.layers[0].keys.shape[-2])
+        start += n
+    return torch.cat(outs, 1), cached
+
+
+def test_nemotron_streaming_chunks_match_transformers():
+    """Chunk-by-chunk streaming with the sliding-window K/V cache (queries after cached frames:
+    q_offset = cache length; the cache is trimmed to the window once full): every chunk's
+    output and every parameter's gradient equal transformers', and the streamed frames equal
+    the offline encoder's."""
+    model, fused = _nemotron_pair()
+    features = torch.randn(1, 17 + 24 * 7, 16, dtype=torch.float64)
+    exp, exp_cached = _stream(model, features, 8)
+    got, cached = _stream(fused, features, 8)
+    assert cached == exp_cached and cached[0] == 3 and max(cached) == 10  # grown, then trimmed
+    assert got.shape == (1, 24, 32)
+    torch.testing.assert_close(got, exp, atol=1e-10, rtol=1e-10)
+    offline = fused(features, num_lookahead_tokens=NEMOTRON_LOOKAHEAD).last_hidden_state
+    torch.testing.assert_close(got, offline[:, :24], atol=1e-10, rtol=1e-10)
+    exp.square().sum().backward()
+    got.square().sum().backward()
+    _assert_same_grads(fused, model)
+    layer, cache = fused.layers[0].self_attn, transformers.DynamicCache()
+    cache.update(*torch.randn(2, 1, 4, 16, 8, dtype=torch.float64), 0)
+    with pytest.raises(ValueError, match=r"must be \[B, 2L - 1, E\] = \[1, 41, E\] for L = 21 "
+                                         r"keys \(16 of them cached\), got \(1, 9, 32\)"):
+        layer(torch.randn(1, 5, 32, dtype=torch.float64), past_key_values=cache,
+              position_embeddings=torch.randn(1, 9, 32, dtype=torch.float64))
+
+
+def test_nemotron_streaming_fallback_and_training_compiles():
+    """output_attentions runs transformers' forward (eager: the same weights, bitwise); a fused
+    encoder compiles (fullgraph) in training mode with attention dropout and padding, gradients
+    reaching bias_u and bias_v."""
+    model, fused = _nemotron_pair("eager", "eager", attention_dropout=0.1)
+    features = torch.randn(2, 120, 16, dtype=torch.float64)
+    out = fused(features, output_attentions=True, num_lookahead_tokens=NEMOTRON_LOOKAHEAD)
+    want = model(features, output_attentions=True, num_lookahead_tokens=NEMOTRON_LOOKAHEAD)
+    assert len(out.attentions) == 2
+    for g, e in zip(out.attentions, want.attentions, strict=True):
+        torch.testing.assert_close(g, e, atol=0, rtol=0)
+    fused = fused.float().train()
+    keep = torch.ones(2, 120, dtype=torch.long)
+    keep[1, 70:] = 0
+    torch._dynamo.reset()
+    hidden = torch.compile(
+        lambda f, m: fused(f, attention_mask=m,
+                           num_lookahead_tokens=NEMOTRON_LOOKAHEAD).last_hidden_state,
+        fullgraph=True)(features.float(), keep)
+    hidden.square().mean().backward()
+    for m in fused.modules():
+        if isinstance(m, nemotron.NemotronAsrStreamingEncoderAttention):
             assert m.bias_u.grad is not None and m.bias_u.grad.abs().sum() > 0
             assert torch.isfinite(m.bias_v.grad).all() and m.bias_v.grad.abs().sum() > 0

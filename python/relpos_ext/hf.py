@@ -54,6 +54,16 @@ encoder's sinusoids is the per-head table, ``bias_u``/``bias_v`` are ``u``/``v``
 forms ``[B, H, L, 2L - 1]`` and ``[B, H, L, L]`` scores for it; a padded frame neither attends nor
 is attended (its bool ``[B, 1, L, L]`` mask), and the fused form gives such a frame zeros where
 transformers averages every value (its convolution module then zeroes those frames).
+NVIDIA's cache-aware streaming FastConformer (nemotron-speech-streaming:
+``NemotronAsrStreamingForRNNT``, ``NemotronAsrStreamingEncoder``; its
+``NemotronAsrStreamingEncoderAttention``) is that attention with a sliding-window K/V cache: a
+chunk's queries come after the cached frames (``q_offset``), the table spans cache and chunk,
+and a chunked limited-context mask (each chunk sees itself and a few chunks before) makes the
+``attn_mask`` block-sparse, so the fused kernels skip its hidden tiles. Offline (a whole
+recording in one call) and chunk by chunk with the cache, it matches transformers' SDPA form.
+transformers' eager form of this model applies ``logical_not`` to the float mask its encoder
+gives eager attention, so it attends the masked keys (NaN when streaming); the fused module reads
+either mask form right.
 
 This file imports nothing from transformers: it recognises the modules by class name and
 attributes, so the package does not depend on it.
@@ -97,6 +107,8 @@ SUPPORTED_CLASSES = {
     "MPNetSelfAttention": (None,),
     # NVIDIA's FastConformer ASR encoders (Parakeet CTC/RNNT/TDT): Transformer-XL positions
     "ParakeetEncoderAttention": (None,),
+    # its cache-aware streaming sibling (nemotron-speech-streaming): the same attention, a K/V cache
+    "NemotronAsrStreamingEncoderAttention": (None,),
 }
 T5_CLASSES = ("T5Attention", "MT5Attention", "SwitchTransformersAttention", "LongT5Attention",
               "Pop2PianoAttention", "UdopAttention")
@@ -255,32 +267,45 @@ def _fused_parakeet_forward(
     hidden_states: Tensor,
     position_embeddings: Tensor | None = None,
     attention_mask: Tensor | None = None,
+    past_key_values: object | None = None,
     **kwargs: object,
 ) -> tuple[Tensor, None]:
     """ParakeetEncoderAttention's forward (FastConformer's relative positional attention,
-    Transformer-XL's) with the core done by rel_attention. ``position_embeddings``:
-    ``[B, 2L - 1, E]`` from ``ParakeetEncoderRelPositionalEncoding``, rows for ``i - j`` from
-    ``L - 1`` down to ``1 - L``, the same for every sequence of the batch (as the encoder makes
-    them; the table is read from the first); ``attention_mask``: bool ``[B, 1, L, L]``, True =
-    attend.
+    Transformer-XL's), and NemotronAsrStreamingEncoderAttention's (the same with a sliding-window
+    K/V cache for cache-aware streaming), with the core done by rel_attention.
+    The chunk's ``L`` queries follow the ``C`` cached frames that ``past_key_values.update``
+    returns before its keys (``q_offset = C``; no cache: ``C = 0``). ``position_embeddings``:
+    ``[B, 2(C + L) - 1, E]`` from the encoder's relative positional encoding, rows for ``i - j``
+    from ``C + L - 1`` down to ``1 - C - L``, the same for every sequence of the batch (as the
+    encoder makes them; the table is read from the first), the unclipped table (K = C + L - 1).
+    ``attention_mask``: ``[B, 1, L, C + L]``, bool (True = attend) or additive float: the padding,
+    and for streaming models the chunked limited-context mask. A query row that sees no key gives
+    zeros (transformers averages every value there, or gives NaN; the encoder's convolution
+    module zeroes those frames).
     Returns ``(output, None)``. ``output_attentions``, and position dropout in training (which
     makes the sequences' positions differ), run transformers' forward."""
     if kwargs.get("output_attentions") or (self.training and self.config.dropout_positions > 0):
+        if past_key_values is not None:  # (Parakeet's forward has no such argument)
+            kwargs["past_key_values"] = past_key_values
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask,
                                   **kwargs)
     batch, length, _ = hidden_states.shape
     heads, dim = self.config.num_attention_heads, self.head_dim
-    if position_embeddings is None or position_embeddings.shape[1] != 2 * length - 1:
-        got = None if position_embeddings is None else tuple(position_embeddings.shape)
-        raise ValueError(f"relpos_ext.hf: position_embeddings must be [B, 2L - 1, E] = "
-                         f"[{batch}, {2 * length - 1}, E], got {got}")
     q = self.q_proj(hidden_states).view(batch, length, heads, dim).transpose(1, 2)
     k, v = (proj(hidden_states).view(batch, length, -1, dim).transpose(1, 2)
             for proj in (self.k_proj, self.v_proj))
-    table = _per_head_table(self.relative_k_proj, position_embeddings[0], heads, length, q.dtype)
+    if past_key_values is not None:
+        k, v = past_key_values.update(k, v, self.layer_idx)
+    total = k.shape[2]
+    if position_embeddings is None or position_embeddings.shape[1] != 2 * total - 1:
+        got = None if position_embeddings is None else tuple(position_embeddings.shape)
+        raise ValueError(f"relpos_ext.hf: position_embeddings must be [B, 2L - 1, E] = "
+                         f"[{batch}, {2 * total - 1}, E] for L = {total} keys "
+                         f"({total - length} of them cached), got {got}")
+    table = _per_head_table(self.relative_k_proj, position_embeddings[0], heads, total, q.dtype)
     q, bias = transformer_xl_inputs(q, table, self.bias_u, self.bias_v, self.scaling)
-    out = ops.rel_attention(q, k, v, table, None, length - 1, scale=self.scaling,
-                            attn_mask=_hidden_keys(attention_mask),
+    out = ops.rel_attention(q, k, v, table, None, total - 1, scale=self.scaling,
+                            q_offset=total - length, attn_mask=_hidden_keys(attention_mask),
                             dropout_p=self.attention_dropout if self.training else 0.0,
                             rel_bias=bias)
     return self.o_proj(out.transpose(1, 2).reshape(batch, length, heads * dim)), None
@@ -515,7 +540,8 @@ def use_fused_attention(model: nn.Module) -> list[str]:
                  else _fused_umt5_forward if cls == "UMT5Attention"
                  else _fused_deberta_forward if cls == "DisentangledSelfAttention"
                  else _fused_mpnet_forward if cls == "MPNetSelfAttention"
-                 else _fused_parakeet_forward if cls == "ParakeetEncoderAttention"
+                 else _fused_parakeet_forward if cls in ("ParakeetEncoderAttention",
+                                                         "NemotronAsrStreamingEncoderAttention")
                  else _fused_forward)
         module.forward = types.MethodType(fused, module)
         changed.append(name)
