@@ -16,7 +16,13 @@ input embeddings, ``--batch`` sequences of L tokens (MPNet's positions end at 51
 there either; ``--position parakeet``: a ``ParakeetEncoderAttention`` at parakeet-tdt-0.6b-v2's
 width (E=1024, H=8, D=128; FastConformer, Transformer-XL positions over every distance), L
 frames (80 ms each after its 8x subsampling: L=4000 is 320 s of audio), the padding mask in the
-bool ``[B, 1, L, L]`` form its encoder makes (padded frames neither attend nor are attended).
+bool ``[B, 1, L, L]`` form its encoder makes (padded frames neither attend nor are attended);
+``--position nemotron``: a ``NemotronAsrStreamingEncoderAttention`` at
+nemotron-speech-streaming-en-0.6b's width (E=1024, H=8, D=128; Parakeet's attention with a
+streaming cache) run offline on L frames, as its encoder runs a whole recording: the chunked
+limited-context mask of its default lookahead (chunks of 14 frames, each query sees its own
+chunk and the 5 before: at most 84 keys) and the padding, bool ``[B, 1, L, L]``; no eager form
+(transformers' eager form inverts the float mask its encoder gives it).
 Three forms:
 
 * ``eager`` -- transformers' eager attention (``attn_implementation="eager"``): relative_key
@@ -39,6 +45,7 @@ Usage::
     python benchmarks/bench_hf.py --position deberta -L 512 1024 2048   # -> bench_hf_deberta.json
     python benchmarks/bench_hf.py --position mpnet -B 32 -L 128 256 512  # -> bench_hf_mpnet.json
     python benchmarks/bench_hf.py --position parakeet   # -> bench_hf_parakeet.json
+    python benchmarks/bench_hf.py --position nemotron   # -> bench_hf_nemotron.json
     python benchmarks/bench_hf.py -L 500 1000 --out /tmp/h.json
 """
 
@@ -78,7 +85,7 @@ def live_gib(method: str, mode: str, length: int, position: str, batch: int = 1)
     if position == "deberta":  # c2p, p2c, scores, probabilities [H, L, L] and an int64 index
         return (6 * T5_HEADS * length * length * 4 + 8 * length * length) \
             * (2 if mode == "train" else 1) / 2**30
-    heads = PARAKEET_HEADS if position == "parakeet" else HEADS
+    heads = PARAKEET_HEADS if position in ("parakeet", "nemotron") else HEADS
     if position == "relative_key":
         positions = length * length * (EMBED // HEADS) * 4
     else:
@@ -102,8 +109,8 @@ def _layer(method: str, length: int, position: str, batch: int = 1):
         return _deberta_layer(method, length)
     if position == "mpnet":
         return _mpnet_model(method, length, batch)
-    if position == "parakeet":
-        return _parakeet_layer(method, length)
+    if position in ("parakeet", "nemotron"):
+        return _fastconformer_layer(method, length, position == "nemotron")
     from transformers.models.wav2vec2_bert.modeling_wav2vec2_bert import (
         Wav2Vec2BertRelPositionalEmbedding,
     )
@@ -129,26 +136,41 @@ def _layer(method: str, length: int, position: str, batch: int = 1):
     return module, x, kw, torch.randn(1, length, EMBED)
 
 
-def _parakeet_layer(method: str, length: int):
-    """A ParakeetEncoderAttention with random u and v biases (its model's initialisation), the
-    encoder's position embeddings and bool mask (the last 5% of the frames padded)."""
+def _fastconformer_layer(method: str, length: int, streaming: bool):
+    """A ParakeetEncoderAttention (``streaming``: a NemotronAsrStreamingEncoderAttention, run
+    offline: no cache) with random u and v biases (its model's initialisation), the encoder's
+    position embeddings and its bool mask: the last 5% of the frames padded (Parakeet: they
+    neither attend nor are attended), and for the streaming model the chunked limited-context
+    mask of its default lookahead (chunks of ``lookahead + 1`` frames, each seeing itself and
+    ``(sliding_window - 1) // chunk`` chunks before)."""
     import transformers
+    from transformers.models.nemotron_asr_streaming import modeling_nemotron_asr_streaming as nm
     from transformers.models.parakeet import modeling_parakeet as parakeet
 
     import relpos_ext.hf
 
-    config = transformers.ParakeetEncoderConfig(
+    kind = nm.NemotronAsrStreamingEncoder if streaming else parakeet.ParakeetEncoder
+    config = kind.config_class(
         hidden_size=PARAKEET_EMBED, num_attention_heads=PARAKEET_HEADS, attention_dropout=0.0,
         attn_implementation="sdpa" if method == "sdpa" else "eager")
-    module = parakeet.ParakeetEncoderAttention(config, 0)
+    attention = (nm.NemotronAsrStreamingEncoderAttention if streaming
+                 else parakeet.ParakeetEncoderAttention)
+    module = attention(config, 0)
     torch.nn.init.normal_(module.bias_u, std=config.initializer_range)
     torch.nn.init.normal_(module.bias_v, std=config.initializer_range)
     if method == "fused":
         relpos_ext.hf.use_fused_attention(module)
     x = torch.randn(1, length, PARAKEET_EMBED)
     keep = torch.arange(length) < length - length // 20
-    kw = {"attention_mask": (keep[:, None] & keep[None, :])[None, None],
-          "position_embeddings": parakeet.ParakeetEncoderRelPositionalEncoding(config)(x)}
+    if streaming:
+        chunk = config.default_num_lookahead_tokens + 1
+        back = (torch.arange(length)[:, None] // chunk) - (torch.arange(length)[None, :] // chunk)
+        mask = (back >= 0) & (back <= (config.sliding_window - 1) // chunk) & keep[None, :]
+        positions = nm.NemotronAsrStreamingEncoderRelPositionalEncoding(config)
+    else:
+        mask = keep[:, None] & keep[None, :]
+        positions = parakeet.ParakeetEncoderRelPositionalEncoding(config)
+    kw = {"attention_mask": mask[None, None], "position_embeddings": positions(x)}
     return module, x, kw, torch.randn(1, length, PARAKEET_EMBED)
 
 
@@ -253,18 +275,23 @@ def measure(method: str, mode: str, length: int, args: argparse.Namespace) -> di
 
 
 def check(length: int, position: str, batch: int = 1) -> dict:
-    """Runs in a forked child: the other forms' outputs against eager's on the kept positions
-    (DeBERTa and Parakeet mask padded query rows too, where the forms legitimately differ)."""
+    """Runs in a forked child: the other forms' outputs against eager's (SDPA's where there is
+    no eager form) on the kept positions (DeBERTa and Parakeet mask padded query rows too,
+    where the forms legitimately differ)."""
     outs = {}
     kept = length - length // 20
-    for method in _methods(position):
+    methods = _methods(position)
+    for method in methods:
         module, x, kw, _ = _layer(method, length, position, batch)
         with torch.no_grad():
             outs[method] = module(x, **kw)[0][:, :kept]
-    return {m: (outs[m] - outs["eager"]).abs().max().item() for m in outs if m != "eager"}
+    ref = "eager" if "eager" in methods else "sdpa"
+    return {m: (outs[m] - outs[ref]).abs().max().item() for m in outs if m != ref}
 
 
 def _methods(position: str) -> tuple[str, ...]:
+    if position == "nemotron":
+        return ("fused", "sdpa")
     return ("fused", "eager") if position in ("deberta", "mpnet") else METHODS
 
 
@@ -273,10 +300,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", "-L", type=int, nargs="+", default=[500, 1000, 2000, 4000])
     p.add_argument("--position",
-                   choices=["relative_key", "relative", "t5", "deberta", "mpnet", "parakeet"],
+                   choices=["relative_key", "relative", "t5", "deberta", "mpnet", "parakeet",
+                            "nemotron"],
                    default="relative_key",
                    help="position_embeddings_type (default relative_key), or t5, deberta, "
-                        "mpnet, parakeet")
+                        "mpnet, parakeet, nemotron")
     p.add_argument("--batch", "-B", type=int, default=1,
                    help="sequences per call, mpnet only (the others run B=1)")
     p.add_argument("--mem-cap-gib", type=float, default=12.0,
@@ -305,9 +333,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"transformers {transformers.__version__}; MPNetModel {MPNET_LAYERS} layers "
               f"E={embed} H={heads} D={embed // heads} FFN={MPNET_FFN}, 32 buckets, max "
               f"distance 128, float32, B={args.batch}")
-    elif args.position == "parakeet":
+    elif args.position in ("parakeet", "nemotron"):
         embed, heads = PARAKEET_EMBED, PARAKEET_HEADS
-        print(f"transformers {transformers.__version__}; ParakeetEncoderAttention E={embed} "
+        name = ("ParakeetEncoderAttention" if args.position == "parakeet"
+                else "NemotronAsrStreamingEncoderAttention (offline, chunked mask)")
+        print(f"transformers {transformers.__version__}; {name} E={embed} "
               f"H={heads} D={embed // heads}, Transformer-XL positions, float32, B=1")
     elif args.position == "deberta":
         embed, heads = T5_EMBED, T5_HEADS
@@ -320,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"transformers {transformers.__version__}; Wav2Vec2BertSelfAttention E={EMBED} "
               f"H={HEADS} D={EMBED // HEADS}, {args.position}{where}, float32, B=1")
     errors = in_child(check, 300, args.position, min(args.batch, 2))
-    print("max |out - eager| at L=300: " + ", ".join(f"{m} {e:.2e}" for m, e in errors.items())
+    ref = "eager" if "eager" in _methods(args.position) else "sdpa"
+    print(f"max |out - {ref}| at L=300: " + ", ".join(f"{m} {e:.2e}" for m, e in errors.items())
           if "error" not in errors else f"check failed: {errors['error']}")
 
     def skip(method: str, mode: str, length: int) -> str | None:
@@ -335,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                    "left": LEFT, "right": RIGHT,
                    "dtype": "float32", "batch": args.batch, "lengths": args.lengths,
                    "threads": args.threads, "mem_cap_gib": args.mem_cap_gib},
-        "max_abs_error_vs_eager_L300": errors, "methods": list(_methods(args.position)),
+        "max_abs_error_vs_eager_L300": errors, "error_reference": ref, "methods": list(_methods(args.position)),
         "rows": rows,
     }, args.out)
     return 0
