@@ -958,3 +958,44 @@ def test_nemotron_streaming_fallback_and_training_compiles():
         if isinstance(m, nemotron.NemotronAsrStreamingEncoderAttention):
             assert m.bias_u.grad is not None and m.bias_u.grad.abs().sum() > 0
             assert torch.isfinite(m.bias_v.grad).all() and m.bias_v.grad.abs().sum() > 0
+
+
+def test_nemotron_streaming_rnnt_generate():
+    """NemotronAsrStreamingForRNNT.generate, the entry point: streaming from a generator of mel
+    chunks (the encoder's K/V cache between chunks) and offline; the fused model's encoder
+    outputs, chunk by chunk, and token sequences (float64, random weights) equal transformers'
+    (SDPA)."""
+    torch.manual_seed(0)
+    encoder = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                   intermediate_size=64, conv_kernel_size=3, subsampling_conv_channels=8,
+                   num_mel_bins=16, layerdrop=0.0, sliding_window=11,
+                   default_num_lookahead_tokens=NEMOTRON_LOOKAHEAD, attn_implementation="sdpa")
+    config = transformers.NemotronAsrStreamingConfig(
+        encoder_config=encoder, vocab_size=12, decoder_hidden_size=16, blank_token_id=11,
+        pad_token_id=11, bos_token_id=11, decoder_start_token_id=11)
+    model = transformers.NemotronAsrStreamingForRNNT(config).eval().double()
+    fused = transformers.NemotronAsrStreamingForRNNT(config).eval().double()
+    fused.load_state_dict(model.state_dict())
+    assert len(hf.use_fused_attention(fused)) == 2
+    first, rest = 1 + 8 * NEMOTRON_LOOKAHEAD, 8 * (NEMOTRON_LOOKAHEAD + 1)
+    features = torch.randn(1, first + 9 * rest, 16, dtype=torch.float64)
+
+    def chunks():
+        yield features[:, :first]
+        for i in range(9):
+            yield features[:, first + i * rest:first + (i + 1) * rest]
+
+    encoded = {model: [], fused: []}
+    for m in (model, fused):
+        m.encoder.register_forward_hook(
+            lambda mod, args, out, seen=encoded[m]: seen.append(out.last_hidden_state))
+    with torch.no_grad():
+        for streaming in (True, False):
+            exp, got = (m.generate(chunks() if streaming else features,
+                                   num_lookahead_tokens=NEMOTRON_LOOKAHEAD)
+                        for m in (model, fused))
+            assert len(exp.sequences.unique()) > 2  # more than blanks and one token
+            torch.testing.assert_close(got.sequences, exp.sequences, atol=0, rtol=0)
+    assert len(encoded[model]) == 11  # 10 chunks, then the whole recording
+    for g, e in zip(encoded[fused], encoded[model], strict=True):
+        torch.testing.assert_close(g, e, atol=1e-10, rtol=1e-10)
