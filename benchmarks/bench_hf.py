@@ -22,7 +22,11 @@ nemotron-speech-streaming-en-0.6b's width (E=1024, H=8, D=128; Parakeet's attent
 streaming cache) run offline on L frames, as its encoder runs a whole recording: the chunked
 limited-context mask of its default lookahead (chunks of 14 frames, each query sees its own
 chunk and the 5 before: at most 84 keys) and the padding, bool ``[B, 1, L, L]``; no eager form
-(transformers' eager form inverts the float mask its encoder gives it).
+(transformers' eager form inverts the float mask its encoder gives it). With ``--encoder``
+(parakeet and nemotron only): the whole encoder at its default size instead of one layer (24
+layers, E=1024, H=8, FFN 4096, conv kernel 9, random weights, as parakeet-tdt-0.6b-v2 and
+nemotron-speech-streaming-en-0.6b), on ``8 L`` mel frames (L encoder frames of 80 ms; default
+750 and 3000, 60 and 240 s of audio), no padding, fused against SDPA, forward only.
 Three forms:
 
 * ``eager`` -- transformers' eager attention (``attn_implementation="eager"``): relative_key
@@ -46,6 +50,7 @@ Usage::
     python benchmarks/bench_hf.py --position mpnet -B 32 -L 128 256 512  # -> bench_hf_mpnet.json
     python benchmarks/bench_hf.py --position parakeet   # -> bench_hf_parakeet.json
     python benchmarks/bench_hf.py --position nemotron   # -> bench_hf_nemotron.json
+    python benchmarks/bench_hf.py --position parakeet --encoder   # -> bench_hf_parakeet_encoder.json
     python benchmarks/bench_hf.py -L 500 1000 --out /tmp/h.json
 """
 
@@ -94,9 +99,9 @@ def live_gib(method: str, mode: str, length: int, position: str, batch: int = 1)
     return (positions + scores) * (2 if mode == "train" else 1) / 2**30
 
 
-def _layer(method: str, length: int, position: str, batch: int = 1):
-    """The attention module, its input, padding mask, upstream gradient and the keyword
-    arguments of a call."""
+def _layer(method: str, length: int, position: str, batch: int = 1, encoder: bool = False):
+    """The attention module (``encoder``: the whole encoder), its input, upstream gradient and
+    the keyword arguments of a call (the padding mask among them)."""
     import transformers
     from transformers.models.wav2vec2_bert.modeling_wav2vec2_bert import Wav2Vec2BertSelfAttention
 
@@ -110,6 +115,8 @@ def _layer(method: str, length: int, position: str, batch: int = 1):
     if position == "mpnet":
         return _mpnet_model(method, length, batch)
     if position in ("parakeet", "nemotron"):
+        if encoder:
+            return _fastconformer_encoder(method, length, position == "nemotron")
         return _fastconformer_layer(method, length, position == "nemotron")
     from transformers.models.wav2vec2_bert.modeling_wav2vec2_bert import (
         Wav2Vec2BertRelPositionalEmbedding,
@@ -172,6 +179,29 @@ def _fastconformer_layer(method: str, length: int, streaming: bool):
         positions = parakeet.ParakeetEncoderRelPositionalEncoding(config)
     kw = {"attention_mask": mask[None, None], "position_embeddings": positions(x)}
     return module, x, kw, torch.randn(1, length, PARAKEET_EMBED)
+
+
+def _fastconformer_encoder(method: str, length: int, streaming: bool):
+    """A whole ParakeetEncoder (``streaming``: NemotronAsrStreamingEncoder, offline, its default
+    lookahead) at its default size, random weights and u, v biases, on ``8 length`` mel frames:
+    ``length`` encoder frames after its 8x subsampling. No upstream gradient: forward only."""
+    import transformers  # noqa: F401  (the models' modules import it)
+    from transformers.models.nemotron_asr_streaming import modeling_nemotron_asr_streaming as nm
+    from transformers.models.parakeet import modeling_parakeet as parakeet
+
+    import relpos_ext.hf
+
+    kind = nm.NemotronAsrStreamingEncoder if streaming else parakeet.ParakeetEncoder
+    config = kind.config_class(attention_dropout=0.0, attn_implementation="sdpa")
+    model = kind(config).eval()
+    for name, p in model.named_parameters():
+        if name.endswith(("bias_u", "bias_v")):
+            torch.nn.init.normal_(p, std=config.initializer_range)
+    if method == "fused":
+        relpos_ext.hf.use_fused_attention(model)
+    x = torch.randn(1, 8 * length, config.num_mel_bins)
+    kw = {"num_lookahead_tokens": config.default_num_lookahead_tokens} if streaming else {}
+    return model, x, kw, None
 
 
 def _t5_layer(method: str, length: int):
@@ -259,7 +289,7 @@ def _mpnet_model(method: str, length: int, batch: int):
 def measure(method: str, mode: str, length: int, args: argparse.Namespace) -> dict:
     """Runs in a forked child: the warm-up, then memory and time of one call."""
     torch.set_num_threads(args.threads)
-    module, x, kw, upstream = _layer(method, length, args.position, args.batch)
+    module, x, kw, upstream = _layer(method, length, args.position, args.batch, args.encoder)
     if mode == "inference":
         def run():
             with torch.no_grad():
@@ -274,23 +304,23 @@ def measure(method: str, mode: str, length: int, args: argparse.Namespace) -> di
     return measure_call(run, args, trim=True)
 
 
-def check(length: int, position: str, batch: int = 1) -> dict:
+def check(length: int, position: str, batch: int = 1, encoder: bool = False) -> dict:
     """Runs in a forked child: the other forms' outputs against eager's (SDPA's where there is
     no eager form) on the kept positions (DeBERTa and Parakeet mask padded query rows too,
     where the forms legitimately differ)."""
     outs = {}
     kept = length - length // 20
-    methods = _methods(position)
+    methods = _methods(position, encoder)
     for method in methods:
-        module, x, kw, _ = _layer(method, length, position, batch)
+        module, x, kw, _ = _layer(method, length, position, batch, encoder)
         with torch.no_grad():
             outs[method] = module(x, **kw)[0][:, :kept]
     ref = "eager" if "eager" in methods else "sdpa"
     return {m: (outs[m] - outs[ref]).abs().max().item() for m in outs if m != ref}
 
 
-def _methods(position: str) -> tuple[str, ...]:
-    if position == "nemotron":
+def _methods(position: str, encoder: bool = False) -> tuple[str, ...]:
+    if position == "nemotron" or encoder:
         return ("fused", "sdpa")
     return ("fused", "eager") if position in ("deberta", "mpnet") else METHODS
 
@@ -298,13 +328,16 @@ def _methods(position: str) -> tuple[str, ...]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", "-L", type=int, nargs="+", default=[500, 1000, 2000, 4000])
+    p.add_argument("--lengths", "-L", type=int, nargs="+",
+                   help="sequence lengths (default 500 1000 2000 4000; --encoder: 750 3000)")
     p.add_argument("--position",
                    choices=["relative_key", "relative", "t5", "deberta", "mpnet", "parakeet",
                             "nemotron"],
                    default="relative_key",
                    help="position_embeddings_type (default relative_key), or t5, deberta, "
                         "mpnet, parakeet, nemotron")
+    p.add_argument("--encoder", action="store_true",
+                   help="parakeet, nemotron: the whole encoder at its default size, forward only")
     p.add_argument("--batch", "-B", type=int, default=1,
                    help="sequences per call, mpnet only (the others run B=1)")
     p.add_argument("--mem-cap-gib", type=float, default=12.0,
@@ -313,8 +346,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.batch != 1 and args.position != "mpnet":
         p.error("--batch is for --position mpnet; the other layers run B=1")
+    if args.encoder and args.position not in ("parakeet", "nemotron"):
+        p.error("--encoder is for --position parakeet or nemotron")
+    if args.lengths is None:
+        args.lengths = [750, 3000] if args.encoder else [500, 1000, 2000, 4000]
     if args.out == RESULTS / "bench_hf.json" and args.position != "relative_key":
-        args.out = RESULTS / f"bench_hf_{args.position}.json"
+        args.out = RESULTS / f"bench_hf_{args.position}{'_encoder' if args.encoder else ''}.json"
     return args
 
 
@@ -337,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
         embed, heads = PARAKEET_EMBED, PARAKEET_HEADS
         name = ("ParakeetEncoderAttention" if args.position == "parakeet"
                 else "NemotronAsrStreamingEncoderAttention (offline, chunked mask)")
+        if args.encoder:
+            name = ("ParakeetEncoder" if args.position == "parakeet"
+                    else "NemotronAsrStreamingEncoder (offline)") + " 24 layers FFN=4096,"
         print(f"transformers {transformers.__version__}; {name} E={embed} "
               f"H={heads} D={embed // heads}, Transformer-XL positions, float32, B=1")
     elif args.position == "deberta":
@@ -349,8 +389,9 @@ def main(argv: list[str] | None = None) -> int:
         where = f" [-{LEFT}, {RIGHT}]" if args.position == "relative_key" else " (Transformer-XL)"
         print(f"transformers {transformers.__version__}; Wav2Vec2BertSelfAttention E={EMBED} "
               f"H={HEADS} D={EMBED // HEADS}, {args.position}{where}, float32, B=1")
-    errors = in_child(check, 300, args.position, min(args.batch, 2))
-    ref = "eager" if "eager" in _methods(args.position) else "sdpa"
+    methods = _methods(args.position, args.encoder)
+    errors = in_child(check, 300, args.position, min(args.batch, 2), args.encoder)
+    ref = "eager" if "eager" in methods else "sdpa"
     print(f"max |out - {ref}| at L=300: " + ", ".join(f"{m} {e:.2e}" for m, e in errors.items())
           if "error" not in errors else f"check failed: {errors['error']}")
 
@@ -358,15 +399,16 @@ def main(argv: list[str] | None = None) -> int:
         need = live_gib(method, mode, length, args.position, args.batch)
         return f"skip ({need:.1f} GiB)" if need > args.mem_cap_gib else None
 
-    rows = measure_grid(measure, args, MODES, _methods(args.position), skip, width=22)
+    modes = ("inference",) if args.encoder else MODES
+    rows = measure_grid(measure, args, modes, methods, skip, width=22)
     write_json({
         "benchmark": "bench_hf", "timestamp": timestamp(), "torch_version": torch.__version__,
         "transformers_version": transformers.__version__, "build_info": info, "machine": mach,
         "config": {"embed_dim": embed, "heads": heads, "position": args.position,
-                   "left": LEFT, "right": RIGHT,
+                   "encoder": args.encoder, "left": LEFT, "right": RIGHT,
                    "dtype": "float32", "batch": args.batch, "lengths": args.lengths,
                    "threads": args.threads, "mem_cap_gib": args.mem_cap_gib},
-        "max_abs_error_vs_eager_L300": errors, "error_reference": ref, "methods": list(_methods(args.position)),
+        "max_abs_error_vs_eager_L300": errors, "error_reference": ref, "methods": list(methods),
         "rows": rows,
     }, args.out)
     return 0
