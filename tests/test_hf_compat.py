@@ -960,6 +960,8 @@ def test_nemotron_streaming_fallback_and_training_compiles():
             assert torch.isfinite(m.bias_v.grad).all() and m.bias_v.grad.abs().sum() > 0
 
 
+# (transformers warns that generate's max_length is its default: RNNT decoding ends with the frames)
+@pytest.mark.filterwarnings("ignore:Using the model-agnostic default `max_length`")
 def test_nemotron_streaming_rnnt_generate():
     """NemotronAsrStreamingForRNNT.generate, the entry point: streaming from a generator of mel
     chunks (the encoder's K/V cache between chunks) and offline; the fused model's encoder

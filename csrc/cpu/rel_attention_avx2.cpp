@@ -9,7 +9,8 @@
 // query row's keys into three parts (common/relpos_index.h inner_keys): keys left of the
 // clipping window share bucket 0, keys right of it share bucket 2K, and inside it the bucket
 // grows by one per key (the skew). The clamped parts are running sums per row; the inside is a
-// band of at most BQ + Lk - 1 buckets per query tile, handled with small matmuls:
+// band of at most BQ + Lk - 1 buckets per query tile (of the keys the tile sees: seen_keys),
+// handled with small matmuls:
 // QE = Q @ rel_k[band]^T (key term, added along the skew) and W = the probability mass per
 // bucket (value term, W @ rel_v[band] at the end).
 // Logits are kept in base 2: the query tile is multiplied by scale * log2(e) before S = Q K^T and
