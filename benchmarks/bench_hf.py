@@ -150,7 +150,6 @@ def _fastconformer_layer(method: str, length: int, streaming: bool):
     neither attend nor are attended), and for the streaming model the chunked limited-context
     mask of its default lookahead (chunks of ``lookahead + 1`` frames, each seeing itself and
     ``(sliding_window - 1) // chunk`` chunks before)."""
-    import transformers
     from transformers.models.nemotron_asr_streaming import modeling_nemotron_asr_streaming as nm
     from transformers.models.parakeet import modeling_parakeet as parakeet
 
@@ -185,7 +184,6 @@ def _fastconformer_encoder(method: str, length: int, streaming: bool):
     """A whole ParakeetEncoder (``streaming``: NemotronAsrStreamingEncoder, offline, its default
     lookahead) at its default size, random weights and u, v biases, on ``8 length`` mel frames:
     ``length`` encoder frames after its 8x subsampling. No upstream gradient: forward only."""
-    import transformers  # noqa: F401  (the models' modules import it)
     from transformers.models.nemotron_asr_streaming import modeling_nemotron_asr_streaming as nm
     from transformers.models.parakeet import modeling_parakeet as parakeet
 
@@ -315,7 +313,7 @@ def check(length: int, position: str, batch: int = 1, encoder: bool = False) -> 
         module, x, kw, _ = _layer(method, length, position, batch, encoder)
         with torch.no_grad():
             outs[method] = module(x, **kw)[0][:, :kept]
-    ref = "eager" if "eager" in methods else "sdpa"
+    ref = _reference(methods)
     return {m: (outs[m] - outs[ref]).abs().max().item() for m in outs if m != ref}
 
 
@@ -323,6 +321,11 @@ def _methods(position: str, encoder: bool = False) -> tuple[str, ...]:
     if position == "nemotron" or encoder:
         return ("fused", "sdpa")
     return ("fused", "eager") if position in ("deberta", "mpnet") else METHODS
+
+
+def _reference(methods: tuple[str, ...]) -> str:
+    """The form the others' outputs are checked against: eager, or SDPA where there is none."""
+    return "eager" if "eager" in methods else "sdpa"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -372,11 +375,11 @@ def main(argv: list[str] | None = None) -> int:
               f"distance 128, float32, B={args.batch}")
     elif args.position in ("parakeet", "nemotron"):
         embed, heads = PARAKEET_EMBED, PARAKEET_HEADS
-        name = ("ParakeetEncoderAttention" if args.position == "parakeet"
-                else "NemotronAsrStreamingEncoderAttention (offline, chunked mask)")
-        if args.encoder:
-            name = ("ParakeetEncoder" if args.position == "parakeet"
-                    else "NemotronAsrStreamingEncoder (offline)") + " 24 layers FFN=4096,"
+        name = {("parakeet", False): "ParakeetEncoderAttention",
+                ("nemotron", False): "NemotronAsrStreamingEncoderAttention (offline, chunked mask)",
+                ("parakeet", True): "ParakeetEncoder 24 layers FFN=4096,",
+                ("nemotron", True): "NemotronAsrStreamingEncoder (offline) 24 layers FFN=4096,",
+                }[args.position, args.encoder]
         print(f"transformers {transformers.__version__}; {name} E={embed} "
               f"H={heads} D={embed // heads}, Transformer-XL positions, float32, B=1")
     elif args.position == "deberta":
@@ -391,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
               f"H={HEADS} D={EMBED // HEADS}, {args.position}{where}, float32, B=1")
     methods = _methods(args.position, args.encoder)
     errors = in_child(check, 300, args.position, min(args.batch, 2), args.encoder)
-    ref = "eager" if "eager" in methods else "sdpa"
+    ref = _reference(methods)
     print(f"max |out - {ref}| at L=300: " + ", ".join(f"{m} {e:.2e}" for m, e in errors.items())
           if "error" not in errors else f"check failed: {errors['error']}")
 

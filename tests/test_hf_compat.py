@@ -754,6 +754,30 @@ def test_parakeet_attention_matches_transformers(length, dtype, impl):
         module(x, position_embeddings=pos[:, 1:], attention_mask=mask)
 
 
+def _assert_same_grads(fused, model):
+    for (name, p), q in zip(fused.named_parameters(), model.parameters(), strict=True):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-10, rtol=1e-8, msg=name)
+
+
+def _check_padded_encoder(model, fused, frames, **call_kw):
+    """Two sequences of 400 log-mel frames, the second padded after 250, through transformers'
+    encoder and the fused one (float64): hidden states at the kept frames (``frames`` of them
+    after subsampling) and every parameter's gradient of a loss on them must match."""
+    features = torch.randn(2, 400, 16, dtype=torch.float64)
+    keep = torch.ones(2, 400, dtype=torch.long)
+    keep[1, 250:] = 0
+    exp = model(features, attention_mask=keep, **call_kw)
+    got = fused(features, attention_mask=keep, **call_kw)
+    kept = exp.attention_mask.bool()
+    assert kept.shape == (2, frames) and not kept[1].all()
+    torch.testing.assert_close(got.last_hidden_state[kept], exp.last_hidden_state[kept],
+                               atol=1e-10, rtol=1e-10)
+    exp.last_hidden_state[kept].square().sum().backward()
+    got.last_hidden_state[kept].square().sum().backward()
+    _assert_same_grads(fused, model)
+
+
 def test_parakeet_encoder_matches_transformers():
     """A two-layer Parakeet encoder, float64 (SDPA), on a padded batch of log-mel features: the fused
     encoder's hidden states at the kept frames and a step's gradients of every parameter equal
@@ -770,20 +794,7 @@ def test_parakeet_encoder_matches_transformers():
                 m.bias_v.normal_(0, 0.3)
     fused.load_state_dict(model.state_dict())
     assert hf.use_fused_attention(fused) == ["layers.0.self_attn", "layers.1.self_attn"]
-    features = torch.randn(2, 400, 16, dtype=torch.float64)
-    keep = torch.ones(2, 400, dtype=torch.long)
-    keep[1, 250:] = 0
-    exp = model(features, attention_mask=keep)
-    got = fused(features, attention_mask=keep)
-    frames = exp.attention_mask.bool()
-    assert frames.shape == (2, 50) and not frames[1].all()
-    torch.testing.assert_close(got.last_hidden_state[frames], exp.last_hidden_state[frames],
-                               atol=1e-10, rtol=1e-10)
-    exp.last_hidden_state[frames].square().sum().backward()
-    got.last_hidden_state[frames].square().sum().backward()
-    for (name, p), q in zip(fused.named_parameters(), model.parameters(), strict=True):
-        if q.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, atol=1e-10, rtol=1e-8, msg=name)
+    _check_padded_encoder(model, fused, 50)
 
 
 def test_parakeet_fallbacks():
@@ -862,12 +873,6 @@ def _nemotron_pair(impl="sdpa", ref_impl="sdpa", **kw):
     return model, fused
 
 
-def _assert_same_grads(fused, model):
-    for (name, p), q in zip(fused.named_parameters(), model.parameters(), strict=True):
-        if q.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, atol=1e-10, rtol=1e-8, msg=name)
-
-
 # transformers' eager form of this model inverts a float mask (its ``attention_mask.logical_not()``
 # is meant for bool masks; with eager attention it gets 0 / finfo.min ones): its SDPA form is the
 # reference; the fused eager-configured model reads the float mask right
@@ -877,18 +882,7 @@ def test_nemotron_streaming_encoder_matches_transformers(impl):
     with its chunked limited-context mask: hidden states at the kept frames and every
     parameter's gradient equal transformers' (SDPA)."""
     model, fused = _nemotron_pair(impl)
-    features = torch.randn(2, 400, 16, dtype=torch.float64)
-    keep = torch.ones(2, 400, dtype=torch.long)
-    keep[1, 250:] = 0
-    exp = model(features, attention_mask=keep, num_lookahead_tokens=NEMOTRON_LOOKAHEAD)
-    got = fused(features, attention_mask=keep, num_lookahead_tokens=NEMOTRON_LOOKAHEAD)
-    frames = exp.attention_mask.bool()
-    assert frames.shape == (2, 51) and not frames[1].all()
-    torch.testing.assert_close(got.last_hidden_state[frames], exp.last_hidden_state[frames],
-                               atol=1e-10, rtol=1e-10)
-    exp.last_hidden_state[frames].square().sum().backward()
-    got.last_hidden_state[frames].square().sum().backward()
-    _assert_same_grads(fused, model)
+    _check_padded_encoder(model, fused, 51, num_lookahead_tokens=NEMOTRON_LOOKAHEAD)
 
 
 def _stream(model, features, chunks):
