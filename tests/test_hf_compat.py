@@ -30,6 +30,8 @@ from transformers.models.nemotron_asr_streaming import (  # noqa: E402
 from transformers.models.parakeet import modeling_parakeet as parakeet  # noqa: E402
 from transformers.models.seamless_m4t import modeling_seamless_m4t as seamless_v1  # noqa: E402
 from transformers.models.seamless_m4t_v2 import modeling_seamless_m4t_v2 as seamless  # noqa: E402
+from transformers.models.speecht5 import modeling_speecht5 as speecht5  # noqa: E402
+from transformers.models.vits import modeling_vits as vits  # noqa: E402
 from transformers.models.wav2vec2_bert import modeling_wav2vec2_bert as w2v  # noqa: E402
 from transformers.models.wav2vec2_conformer import (  # noqa: E402
     modeling_wav2vec2_conformer as conformer,
@@ -995,3 +997,216 @@ def test_nemotron_streaming_rnnt_generate():
     assert len(encoded[model]) == 11  # 10 chunks, then the whole recording
     for g, e in zip(encoded[fused], encoded[model], strict=True):
         torch.testing.assert_close(g, e, atol=1e-10, rtol=1e-10)
+
+
+# ---------------------------------------------------------------------- SpeechT5
+# encoder_max_relative_position M = 6: distances clipped to [-5, 6] (r = j - i) within L = 37
+def _speecht5_config(**kw):
+    config = dict(hidden_size=32, encoder_attention_heads=4, encoder_layers=2, encoder_ffn_dim=64,
+                  decoder_attention_heads=4, decoder_layers=2, decoder_ffn_dim=64,
+                  encoder_max_relative_position=6, vocab_size=40, encoder_layerdrop=0.0,
+                  decoder_layerdrop=0.0, num_mel_bins=16, conv_dim=(16, 16),
+                  conv_stride=(2, 2), conv_kernel=(3, 3), num_conv_pos_embeddings=8,
+                  num_conv_pos_embedding_groups=4, speech_decoder_prenet_units=32,
+                  speech_decoder_postnet_units=32, speech_decoder_postnet_layers=2,
+                  speech_decoder_postnet_kernel=3, max_text_positions=64,
+                  max_speech_positions=512)
+    config.update(kw)
+    return transformers.SpeechT5Config(**config)
+
+
+def _speecht5_encoder_pair(dtype):
+    """transformers' SpeechT5Encoder (two layers; its table scaled like the projections) and a
+    fused copy with the same weights."""
+    torch.manual_seed(0)
+    model = speecht5.SpeechT5Encoder(_speecht5_config()).eval().to(dtype)
+    with torch.no_grad():
+        model.embed_positions.pe_k.weight.mul_(0.3)
+    fused = speecht5.SpeechT5Encoder(_speecht5_config()).eval().to(dtype)
+    fused.load_state_dict(model.state_dict())
+    assert hf.use_fused_attention(fused) == ["layers.0.attention", "layers.1.attention",
+                                             "embed_positions"]
+    return model, fused
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("length", [1, 5, 37])
+def test_speecht5_encoder_matches_transformers(length, dtype):
+    """SpeechT5's encoder (Shaw's key term, distances clipped to [1 - M, M]) on a padded batch:
+    hidden states at every frame (a padded frame's query still sees the kept keys) and the
+    gradients of the input and every parameter (pe_k included) equal transformers'."""
+    model, fused = _speecht5_encoder_pair(dtype)
+    x = torch.randn(2, length, 32, dtype=dtype)
+    keep = torch.ones(2, length, dtype=torch.long)
+    keep[1, max(1, length - 9):] = 0
+    upstream = torch.randn_like(x)
+    outs = []
+    for m in (model, fused):
+        xm = x.clone().requires_grad_()
+        out = m(xm, attention_mask=keep).last_hidden_state
+        (out * upstream).sum().backward()
+        outs.append((out, xm.grad))
+    (exp, exp_dx), (got, got_dx) = outs
+    torch.testing.assert_close(got, exp, **TOL[dtype])
+    torch.testing.assert_close(got_dx, exp_dx, **TOL[dtype])
+    for (name, p), q in zip(fused.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **TOL[dtype], msg=name)
+    assert fused.embed_positions.pe_k.weight.grad.abs().sum() > 0
+
+
+def test_speecht5_fallbacks():
+    """output_attentions, and a fused layer given transformers' ``[L, L, D]`` bias (its encoder
+    left unfused), run transformers' forward: the same outputs and attention weights."""
+    model, fused = _speecht5_encoder_pair(torch.float64)
+    x = torch.randn(2, 20, 32, dtype=torch.float64)
+    out = fused(x, output_attentions=True)
+    want = model(x, output_attentions=True)
+    assert len(out.attentions) == 2
+    for g, e in zip(out.attentions, want.attentions, strict=True):
+        torch.testing.assert_close(g, e, atol=0, rtol=0)
+    torch.testing.assert_close(out.last_hidden_state, want.last_hidden_state, atol=0, rtol=0)
+    del fused.embed_positions.forward  # transformers' [L, L, D] gather again
+    torch.testing.assert_close(fused(x).last_hidden_state, want.last_hidden_state,
+                               atol=0, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore:Using the model-agnostic default `max_length`")
+def test_speecht5_speech_to_text_matches_transformers():
+    """SpeechT5ForSpeechToText (ASR), float64, on a padded batch of raw audio: the loss and
+    every parameter's gradient of a training step equal transformers', and so do greedy
+    generate's tokens (the decoder, with its KV cache, is left alone)."""
+    torch.manual_seed(0)
+    model = transformers.SpeechT5ForSpeechToText(_speecht5_config()).double()
+    with torch.no_grad():
+        model.speecht5.encoder.wrapped_encoder.embed_positions.pe_k.weight.mul_(0.3)
+    fused = transformers.SpeechT5ForSpeechToText(_speecht5_config()).double()
+    fused.load_state_dict(model.state_dict())
+    names = hf.use_fused_attention(fused)
+    assert names == [f"speecht5.encoder.wrapped_encoder.layers.{i}.attention" for i in (0, 1)] \
+        + ["speecht5.encoder.wrapped_encoder.embed_positions"]
+    audio = torch.randn(2, 200, dtype=torch.float64)
+    keep = torch.ones(2, 200, dtype=torch.long)
+    keep[1, 120:] = 0
+    labels = torch.randint(1, 40, (2, 6))
+    for m in (model, fused):
+        m.eval()  # no dropout: the two must be comparable
+        m.loss = m(input_values=audio, attention_mask=keep, labels=labels).loss
+        m.loss.backward()
+    torch.testing.assert_close(fused.loss, model.loss, atol=1e-10, rtol=1e-10)
+    _assert_same_grads(fused, model)
+    with torch.no_grad():
+        exp, got = (m.generate(input_values=audio, attention_mask=keep, max_new_tokens=6)
+                    for m in (model, fused))
+    assert len(exp.unique()) > 2
+    torch.testing.assert_close(got, exp, atol=0, rtol=0)
+
+
+# (SpeechT5's encoder asks whether FSDP manages it, an lru_cache'd call dynamo traces through)
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+def test_speecht5_encoder_training_compiles():
+    """A fused SpeechT5 encoder compiles (fullgraph) in training mode with attention dropout
+    (only; the output differs from eval mode's) and a padded batch; the gradient reaches the
+    position table pe_k."""
+    torch.manual_seed(0)
+    encoder = speecht5.SpeechT5Encoder(_speecht5_config(
+        attention_dropout=0.1, hidden_dropout=0.0, activation_dropout=0.0)).train()
+    assert len(hf.use_fused_attention(encoder)) == 3
+    x = torch.randn(2, 30, 32)
+    keep = torch.ones(2, 30, dtype=torch.long)
+    keep[1, 18:] = 0
+    torch._dynamo.reset()
+    hidden = torch.compile(lambda x, m: encoder(x, attention_mask=m).last_hidden_state,
+                           fullgraph=True)(x, keep)
+    hidden.square().mean().backward()
+    with torch.no_grad():
+        eval_out = encoder.eval()(x, attention_mask=keep).last_hidden_state
+        assert (hidden - eval_out).abs().max() > 1e-3  # the dropped weights, not float noise
+    grad = encoder.embed_positions.pe_k.weight.grad
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------------- VITS
+def _vits_config(**kw):
+    """A tiny VITS (MMS-TTS) with a window of 2: sequences of 9+ tokens have distances past it."""
+    config = dict(vocab_size=20, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                  window_size=2, ffn_dim=32, flow_size=8, spectrogram_bins=9,
+                  upsample_initial_channel=16, upsample_rates=[4, 2], upsample_kernel_sizes=[8, 4],
+                  resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3]],
+                  prior_encoder_num_flows=2, prior_encoder_num_wavenet_layers=2,
+                  duration_predictor_num_flows=2, duration_predictor_filter_channels=16,
+                  depth_separable_num_layers=2, layerdrop=0.0)
+    config.update(kw)
+    return transformers.VitsConfig(**config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("length", [1, 3, 23])
+def test_vits_text_encoder_matches_transformers(length, dtype):
+    """VITS's text encoder (Shaw's key and value terms within the window, zero beyond) on a
+    padded batch: hidden states at every token and every parameter's gradient (emb_rel_k and
+    emb_rel_v included) equal transformers'."""
+    torch.manual_seed(0)
+    model = vits.VitsTextEncoder(_vits_config()).eval().to(dtype)
+    fused = vits.VitsTextEncoder(_vits_config()).eval().to(dtype)
+    fused.load_state_dict(model.state_dict())
+    assert hf.use_fused_attention(fused) == ["encoder.layers.0.attention",
+                                             "encoder.layers.1.attention"]
+    ids = torch.randint(1, 20, (2, length))
+    keep = torch.ones(2, length, dtype=torch.long)
+    keep[1, max(1, length - 7):] = 0
+    upstream = torch.randn(2, length, 16, dtype=dtype)
+    for m in (model, fused):
+        m.out = m(ids, keep[..., None].to(dtype), attention_mask=keep).last_hidden_state
+        (m.out * upstream).sum().backward()
+    torch.testing.assert_close(fused.out, model.out, **TOL[dtype])
+    for (name, p), q in zip(fused.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **TOL[dtype], msg=name)
+    rel = fused.encoder.layers[0].attention
+    assert rel.emb_rel_k.grad.abs().sum() > 0 and rel.emb_rel_v.grad.abs().sum() > 0
+
+
+def test_vits_model_waveform_and_fallbacks():
+    """VitsModel (text to waveform; its samplers seeded alike), float64, on a padded batch: the
+    same waveform as transformers'. output_attentions runs transformers' forward (the same
+    weights); a module without relative embeddings (window_size=0) is left alone."""
+    torch.manual_seed(0)
+    model = transformers.VitsModel(_vits_config()).eval().double()
+    fused = transformers.VitsModel(_vits_config()).eval().double()
+    fused.load_state_dict(model.state_dict())
+    assert len(hf.use_fused_attention(fused)) == 2
+    ids = torch.randint(1, 20, (2, 14))
+    keep = torch.ones(2, 14, dtype=torch.long)
+    keep[1, 9:] = 0
+    with torch.no_grad():
+        exp, got = [], []
+        for m, out in ((model, exp), (fused, got)):
+            torch.manual_seed(1)
+            out.append(m(ids, attention_mask=keep).waveform)
+            out.append(m.text_encoder(ids, keep[..., None].double(), attention_mask=keep,
+                                      output_attentions=True).attentions)
+    assert exp[0].shape[0] == 2 and exp[0].shape[1] > 100
+    torch.testing.assert_close(got[0], exp[0], atol=1e-10, rtol=1e-10)
+    assert len(got[1]) == 2
+    for g, e in zip(got[1], exp[1], strict=True):
+        torch.testing.assert_close(g, e, atol=0, rtol=0)
+    assert hf.use_fused_attention(vits.VitsAttention(_vits_config(window_size=0))) == []
+
+
+def test_vits_attention_training_compiles():
+    """A fused VitsAttention compiles (fullgraph) in training mode with attention dropout (the
+    output differs from eval mode's) and a padding mask; the gradients reach emb_rel_k and
+    emb_rel_v."""
+    torch.manual_seed(0)
+    config = _vits_config(attention_dropout=0.1)
+    module = vits.VitsAttention(config).train()
+    assert hf.use_fused_attention(module) == [""]
+    x = torch.randn(2, 12, 16)
+    mask = torch.zeros(2, 1, 12, 12)
+    mask[1, ..., 8:] = torch.finfo(torch.float32).min
+    torch._dynamo.reset()
+    out, _ = torch.compile(module, fullgraph=True)(x, attention_mask=mask)
+    out.square().mean().backward()
+    with torch.no_grad():
+        assert (out - module.eval()(x, attention_mask=mask)[0]).abs().max() > 0.05
+    for p in (module.emb_rel_k, module.emb_rel_v):
+        assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0

@@ -47,6 +47,23 @@ and made contiguous) for every layer; fused, the encoder makes the ``[H, 257]`` 
 each ``MPNetSelfAttention`` passes it to ``rel_attention`` as ``rel_bias``. ``output_attentions``
 runs transformers' forward on the bias expanded from the table.
 
+SpeechT5 (``SpeechT5ForSpeechToText``, ``SpeechT5ForTextToSpeech``, ``SpeechT5ForSpeechToSpeech``;
+transformers' ``modeling_speecht5.py``) has Shaw's key term in its encoder: its
+``SpeechT5RelativePositionalEncoding`` gathers an embedding of 2M rows (M =
+``encoder_max_relative_position``, 160) by ``clamp(i - j, -M, M - 1)`` into an ``[L, L, D]``
+tensor for the whole stack (1 GiB at L = 2048, D = 64, float32), and each encoder
+``SpeechT5Attention`` multiplies its queries by it. Fused, the positional encoding returns the
+``[2M + 1, D]`` table instead and each encoder layer passes it to ``rel_attention`` as ``rel_k``.
+The decoder's attention has no relative positions and is left alone.
+
+VITS (``VitsModel``: MMS-TTS's text-to-speech models in over 1000 languages; transformers'
+``modeling_vits.py`` ``VitsAttention``) has both of Shaw's terms, key and value, in its text
+encoder: ``emb_rel_k`` and ``emb_rel_v`` (``[1, 2w + 1, D]``, shared by the heads, w =
+``window_size``, 4) for distances up to w, zero beyond. transformers forms ``[B H, L, 2L - 1]``
+relative logits and skews them, and skews the probabilities back for the value term. Fused,
+each table gains a zero row at either end (K = w + 1) and goes to ``rel_attention`` as
+``rel_k`` and ``rel_v``.
+
 Parakeet (NVIDIA's FastConformer ASR encoders: ``ParakeetForCTC``, ``ParakeetForRNNT``,
 ``ParakeetForTDT``, ``ParakeetEncoder``; transformers' ``modeling_parakeet.py``
 ``ParakeetEncoderAttention``) has Transformer-XL's attention too: ``relative_k_proj`` of the
@@ -105,6 +122,12 @@ SUPPORTED_CLASSES = {
     # MPNet: the encoder makes the bias table, each self-attention layer reads it
     "MPNetEncoder": (None,),
     "MPNetSelfAttention": (None,),
+    # SpeechT5's encoder (ASR, TTS, voice conversion): the positional encoding makes the table,
+    # each encoder self-attention layer reads it (the decoder's layers have no positions)
+    "SpeechT5RelativePositionalEncoding": (None,),
+    "SpeechT5Attention": (None,),
+    # VITS / MMS-TTS text encoder: Shaw's key and value terms within a window
+    "VitsAttention": (None,),
     # NVIDIA's FastConformer ASR encoders (Parakeet CTC/RNNT/TDT): Transformer-XL positions
     "ParakeetEncoderAttention": (None,),
     # its cache-aware streaming sibling (nemotron-speech-streaming): the same attention, a K/V cache
@@ -493,6 +516,90 @@ def _fused_mpnet_forward(
     return (out,)
 
 
+def _speecht5_table(self: nn.Module, hidden_states: Tensor) -> Tensor:
+    """SpeechT5RelativePositionalEncoding's forward as the ``[2M + 1, D]`` rel_k table (Shaw's
+    K = M, ``max_length``), where transformers gathers ``[L, L, D]``. Its embedding ``pe_k``
+    has row ``clamp(i - j, -M, M - 1) + M``, i.e. ``M - r`` for ``r = j - i`` clamped to
+    ``[1 - M, M]``: flipped, that is a table clipped to ``[-(M - 1), M]``."""
+    m = self.max_length
+    return clipped_table(self.pe_k.weight.flip(0), m - 1, m)
+
+
+def _fused_speecht5_forward(
+    self: nn.Module,
+    hidden_states: Tensor,
+    key_value_states: Tensor | None = None,
+    past_key_values: object | None = None,
+    attention_mask: Tensor | None = None,
+    position_bias: Tensor | None = None,
+    output_attentions: bool = False,
+    **kwargs: object,
+) -> tuple[Tensor, None]:
+    """SpeechT5Attention's forward in SpeechT5's encoder with the core done by rel_attention:
+    the module's projections, ``position_bias`` the fused encoder's ``[2M + 1, D]`` table
+    (:func:`_speecht5_table`) as ``rel_k``, transformers' attention mask, its dropout in
+    training. Returns ``(output, None)``. A ``[L, L, D]`` position_bias (an encoder left
+    unfused), none, a cache, cross-attention and ``output_attentions`` run transformers' forward
+    (on the ``[L, L, D]`` bias expanded from the table)."""
+    table = position_bias is not None and position_bias.dim() == 2
+    if not table or output_attentions or key_value_states is not None \
+            or past_key_values is not None:
+        if table:  # the fused encoder's [2K+1, D] table as transformers' [L, L, D] gather
+            length = hidden_states.shape[1]
+            buckets = reference.shaw_buckets(length, length, position_bias.shape[0] // 2,
+                                             device=position_bias.device)
+            position_bias = position_bias[buckets]
+        return type(self).forward(self, hidden_states, key_value_states, past_key_values,
+                                  attention_mask, position_bias, output_attentions, **kwargs)
+    return _shaw_self_attention(self, hidden_states, attention_mask, position_bias, None,
+                                position_bias.shape[0] // 2), None
+
+
+def _shaw_self_attention(self: nn.Module, hidden_states: Tensor, mask: Tensor | None,
+                         rel_k: Tensor | None, rel_v: Tensor | None, max_distance: int) -> Tensor:
+    """Self-attention of a module with ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``,
+    ``scaling`` and a float ``dropout`` (SpeechT5, VITS) through rel_attention with the Shaw
+    tables ``rel_k`` / ``rel_v``; ``mask``: transformers' attention mask."""
+    batch, length, _ = hidden_states.shape
+    heads, dim = self.num_heads, self.head_dim
+    q, k, v = (proj(hidden_states).view(batch, length, heads, dim).transpose(1, 2)
+               for proj in (self.q_proj, self.k_proj, self.v_proj))
+    rel_k, rel_v = (None if t is None else t.to(q.dtype) for t in (rel_k, rel_v))
+    padding, attn_mask = _padding_or_mask(mask, batch)
+    out = ops.rel_attention(q, k, v, rel_k, rel_v, max_distance, scale=self.scaling,
+                            key_padding_mask=padding, attn_mask=attn_mask,
+                            dropout_p=self.dropout if self.training else 0.0)
+    return self.out_proj(out.transpose(1, 2).reshape(batch, length, heads * dim))
+
+
+def _windowed_table(emb: Tensor) -> Tensor:
+    """VITS's ``[1, 2w + 1, D]`` relative embedding (rows for ``r = j - i`` in ``[-w, w]``, zero
+    beyond: transformers pads it with zeros) as a ``[2w + 3, D]`` Shaw table of K = w + 1 whose
+    two edge rows are zero, so that clamping every longer distance there gives zero."""
+    return nn.functional.pad(emb[0], (0, 0, 1, 1))
+
+
+def _fused_vits_forward(
+    self: nn.Module,
+    hidden_states: Tensor,
+    key_value_states: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    output_attentions: bool = False,
+) -> tuple[Tensor, None]:
+    """VitsAttention's forward (VITS / MMS-TTS text encoder: Shaw's key and value terms within a
+    window of ``window_size`` distances, none beyond) with the core done by rel_attention: the
+    module's projections, ``emb_rel_k`` / ``emb_rel_v`` as ``rel_k`` / ``rel_v``
+    (:func:`_windowed_table`), transformers' attention mask, its dropout in training. Returns
+    ``(output, None)``; ``output_attentions`` runs transformers' forward. (``key_value_states``
+    is unused there too: VITS only self-attends.)"""
+    if output_attentions:
+        return type(self).forward(self, hidden_states, key_value_states, attention_mask,
+                                  output_attentions)
+    return _shaw_self_attention(self, hidden_states, attention_mask,
+                                _windowed_table(self.emb_rel_k), _windowed_table(self.emb_rel_v),
+                                self.window_size + 1), None
+
+
 def _is_deberta_v2(module: nn.Module) -> bool:
     """DeBERTa-v2's DisentangledSelfAttention, not DeBERTa v1's (in_proj, talking heads) or
     SEW-D's copy (another forward signature and dropout) of the same name."""
@@ -511,7 +618,8 @@ def use_fused_attention(model: nn.Module) -> list[str]:
     forward, which forms the weights (O(L^2) memory).
     Call it after loading the weights; ``model.to(...)`` works before or after. The swap is an
     instance attribute: ``del module.forward`` gives a module its own back (an MPNet encoder's
-    is ``compute_position_bias``; give it back together with its layers' ``forward``).
+    is ``compute_position_bias``; give it back, or a SpeechT5 positional encoding's ``forward``,
+    together with its layers' ``forward``).
     """
     changed = []
     for name, module in model.named_modules():
@@ -529,6 +637,14 @@ def use_fused_attention(model: nn.Module) -> list[str]:
             if module.relative_attention:
                 module._relpos_max_distance = deberta_max_distance(
                     module.position_buckets, module.max_relative_positions)
+        if cls == "SpeechT5Attention" and module.is_decoder:
+            continue  # the decoder's self- and cross-attention have no relative positions
+        if cls == "VitsAttention" and not module.window_size:
+            continue  # no relative embeddings (transformers' own forward fails there)
+        if cls == "SpeechT5RelativePositionalEncoding":
+            module.forward = types.MethodType(_speecht5_table, module)
+            changed.append(name)
+            continue
         if cls == "MPNetEncoder":
             if module.relative_attention_bias.num_embeddings < MPNET_BUCKETS:
                 continue  # transformers' own bias would fail to index it; leave it so
@@ -540,6 +656,8 @@ def use_fused_attention(model: nn.Module) -> list[str]:
                  else _fused_umt5_forward if cls == "UMT5Attention"
                  else _fused_deberta_forward if cls == "DisentangledSelfAttention"
                  else _fused_mpnet_forward if cls == "MPNetSelfAttention"
+                 else _fused_speecht5_forward if cls == "SpeechT5Attention"
+                 else _fused_vits_forward if cls == "VitsAttention"
                  else _fused_parakeet_forward if cls in ("ParakeetEncoderAttention",
                                                          "NemotronAsrStreamingEncoderAttention")
                  else _fused_forward)
