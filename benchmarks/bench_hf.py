@@ -27,6 +27,12 @@ chunk and the 5 before: at most 84 keys) and the padding, bool ``[B, 1, L, L]``;
 layers, E=1024, H=8, FFN 4096, conv kernel 9, random weights, as parakeet-tdt-0.6b-v2 and
 nemotron-speech-streaming-en-0.6b), on ``8 L`` mel frames (L encoder frames of 80 ms; default
 750 and 3000, 60 and 240 s of audio), no padding, fused against SDPA, forward only.
+``--position speecht5``: a whole ``SpeechT5Encoder`` as speecht5_asr's (12 layers, E=768, H=12,
+D=64, FFN 3072; Shaw keys clipped to ``[-159, 160]``, gathered once by its encoder into an
+``[L, L, D]`` tensor for all layers), on L frames of its speech prenet's output (50 per second),
+the last 5% padded; eager only (the model has no SDPA form). ``--position vits``: one
+``VitsAttention`` at MMS-TTS's width (E=192, H=2, D=96; Shaw keys and values within a window of
+4 distances, zero beyond), L text tokens, the last 5% padded; eager only.
 Three forms:
 
 * ``eager`` -- transformers' eager attention (``attn_implementation="eager"``): relative_key
@@ -51,6 +57,8 @@ Usage::
     python benchmarks/bench_hf.py --position parakeet   # -> bench_hf_parakeet.json
     python benchmarks/bench_hf.py --position nemotron   # -> bench_hf_nemotron.json
     python benchmarks/bench_hf.py --position parakeet --encoder   # -> bench_hf_parakeet_encoder.json
+    python benchmarks/bench_hf.py --position speecht5   # -> bench_hf_speecht5.json
+    python benchmarks/bench_hf.py --position vits -L 100 500 1000 4000   # -> bench_hf_vits.json
     python benchmarks/bench_hf.py -L 500 1000 --out /tmp/h.json
 """
 
@@ -74,6 +82,8 @@ MODES = ("inference", "train")
 T5_EMBED, T5_HEADS = 768, 12
 PARAKEET_EMBED, PARAKEET_HEADS = 1024, 8
 MPNET_LAYERS, MPNET_FFN = 12, 3072
+SPEECHT5_MAX_DISTANCE = 160  # encoder_max_relative_position
+VITS_EMBED, VITS_HEADS, VITS_WINDOW = 192, 2, 4
 
 
 def live_gib(method: str, mode: str, length: int, position: str, batch: int = 1) -> float:
@@ -85,6 +95,13 @@ def live_gib(method: str, mode: str, length: int, position: str, batch: int = 1)
     if position == "mpnet":  # the [B, H, L, L] bias, and scores, probabilities per layer
         return (3 * batch * T5_HEADS * length * length * 4
                 * (MPNET_LAYERS if mode == "train" else 1) / 2**30)
+    if position == "speecht5":  # the [L, L, D] gather (and its gradient), scores per layer
+        per_layer = 3 * T5_HEADS * length * length * 4
+        gather = length * length * (T5_EMBED // T5_HEADS) * 4
+        return (2 * gather + MPNET_LAYERS * per_layer if mode == "train"
+                else gather + per_layer) / 2**30
+    if position == "vits":  # [H, L, 2L - 1] relative logits and probabilities, [H, L, L] scores
+        return 7 * VITS_HEADS * length * length * 4 * (2 if mode == "train" else 1) / 2**30
     if position == "t5":
         return 4 * T5_HEADS * length * length * 4 * (2 if mode == "train" else 1) / 2**30
     if position == "deberta":  # c2p, p2c, scores, probabilities [H, L, L] and an int64 index
@@ -114,6 +131,10 @@ def _layer(method: str, length: int, position: str, batch: int = 1, encoder: boo
         return _deberta_layer(method, length)
     if position == "mpnet":
         return _mpnet_model(method, length, batch)
+    if position == "speecht5":
+        return _speecht5_encoder(method, length)
+    if position == "vits":
+        return _vits_layer(method, length)
     if position in ("parakeet", "nemotron"):
         if encoder:
             return _fastconformer_encoder(method, length, position == "nemotron")
@@ -251,15 +272,18 @@ def _deberta_layer(method: str, length: int):
                         "rel_embeddings": rel_emb}, torch.randn(1, length, T5_EMBED))
 
 
-class _OnEmbeddings(torch.nn.Module):
-    """An MPNetModel called on input embeddings, its output first, as the other layers'."""
+class _LastHidden(torch.nn.Module):
+    """A model called on its input (``input_name``: MPNetModel's ``inputs_embeds``, an encoder's
+    ``hidden_states``) and a ``[B, L]`` padding mask, its last hidden state first, as the other
+    layers' outputs."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, input_name: str) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.input_name = model, input_name
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor]:
-        return (self.model(inputs_embeds=x, attention_mask=attention_mask).last_hidden_state,)
+        out = self.model(**{self.input_name: x}, attention_mask=attention_mask)
+        return (out.last_hidden_state,)
 
 
 def _mpnet_model(method: str, length: int, batch: int):
@@ -280,8 +304,48 @@ def _mpnet_model(method: str, length: int, batch: int):
         relpos_ext.hf.use_fused_attention(model)
     x = torch.randn(batch, length, T5_EMBED)
     keep = (torch.arange(length) < length - length // 20).long()[None].expand(batch, -1)
-    return (_OnEmbeddings(model), x, {"attention_mask": keep},
+    return (_LastHidden(model, "inputs_embeds"), x, {"attention_mask": keep},
             torch.randn(batch, length, T5_EMBED))
+
+
+def _speecht5_encoder(method: str, length: int):
+    """speecht5_asr's SpeechT5Encoder (the stack after its speech prenet), random weights, on L
+    frames with the last 5% padded (the model makes its ``[B, 1, L, L]`` mask)."""
+    import transformers
+    from transformers.models.speecht5 import modeling_speecht5 as speecht5
+
+    import relpos_ext.hf
+
+    config = transformers.SpeechT5Config(
+        hidden_size=T5_EMBED, encoder_attention_heads=T5_HEADS, encoder_layers=MPNET_LAYERS,
+        encoder_ffn_dim=MPNET_FFN, encoder_max_relative_position=SPEECHT5_MAX_DISTANCE,
+        hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        encoder_layerdrop=0.0)
+    model = speecht5.SpeechT5Encoder(config).eval()
+    if method == "fused":
+        relpos_ext.hf.use_fused_attention(model)
+    keep = (torch.arange(length) < length - length // 20).long()[None]
+    return (_LastHidden(model, "hidden_states"), torch.randn(1, length, T5_EMBED),
+            {"attention_mask": keep}, torch.randn(1, length, T5_EMBED))
+
+
+def _vits_layer(method: str, length: int):
+    """MMS-TTS's VitsAttention (a text encoder layer's), the last 5% of the tokens padded, as
+    the ``[B, 1, L, L]`` additive mask its encoder makes."""
+    import transformers
+    from transformers.models.vits import modeling_vits as vits
+
+    import relpos_ext.hf
+
+    config = transformers.VitsConfig(hidden_size=VITS_EMBED, num_attention_heads=VITS_HEADS,
+                                     window_size=VITS_WINDOW, attention_dropout=0.0)
+    module = vits.VitsAttention(config)
+    if method == "fused":
+        relpos_ext.hf.use_fused_attention(module)
+    mask = torch.zeros(1, 1, length, length)
+    mask[..., length - length // 20:] = torch.finfo(torch.float32).min
+    return (module, torch.randn(1, length, VITS_EMBED), {"attention_mask": mask},
+            torch.randn(1, length, VITS_EMBED))
 
 
 def measure(method: str, mode: str, length: int, args: argparse.Namespace) -> dict:
@@ -320,7 +384,8 @@ def check(length: int, position: str, batch: int = 1, encoder: bool = False) -> 
 def _methods(position: str, encoder: bool = False) -> tuple[str, ...]:
     if position == "nemotron" or encoder:
         return ("fused", "sdpa")
-    return ("fused", "eager") if position in ("deberta", "mpnet") else METHODS
+    return (("fused", "eager") if position in ("deberta", "mpnet", "speecht5", "vits")
+            else METHODS)
 
 
 def _reference(methods: tuple[str, ...]) -> str:
@@ -335,10 +400,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sequence lengths (default 500 1000 2000 4000; --encoder: 750 3000)")
     p.add_argument("--position",
                    choices=["relative_key", "relative", "t5", "deberta", "mpnet", "parakeet",
-                            "nemotron"],
+                            "nemotron", "speecht5", "vits"],
                    default="relative_key",
                    help="position_embeddings_type (default relative_key), or t5, deberta, "
-                        "mpnet, parakeet, nemotron")
+                        "mpnet, parakeet, nemotron, speecht5, vits")
     p.add_argument("--encoder", action="store_true",
                    help="parakeet, nemotron: the whole encoder at its default size, forward only")
     p.add_argument("--batch", "-B", type=int, default=1,
@@ -382,6 +447,15 @@ def main(argv: list[str] | None = None) -> int:
                 }[args.position, args.encoder]
         print(f"transformers {transformers.__version__}; {name} E={embed} "
               f"H={heads} D={embed // heads}, Transformer-XL positions, float32, B=1")
+    elif args.position == "speecht5":
+        embed, heads = T5_EMBED, T5_HEADS
+        print(f"transformers {transformers.__version__}; SpeechT5Encoder {MPNET_LAYERS} layers "
+              f"E={embed} H={heads} D={embed // heads} FFN={MPNET_FFN}, Shaw keys clipped to "
+              f"[-{SPEECHT5_MAX_DISTANCE - 1}, {SPEECHT5_MAX_DISTANCE}], float32, B=1")
+    elif args.position == "vits":
+        embed, heads = VITS_EMBED, VITS_HEADS
+        print(f"transformers {transformers.__version__}; VitsAttention E={embed} H={heads} "
+              f"D={embed // heads}, Shaw keys and values within {VITS_WINDOW}, float32, B=1")
     elif args.position == "deberta":
         embed, heads = T5_EMBED, T5_HEADS
         print(f"transformers {transformers.__version__}; DeBERTa-v2 DisentangledSelfAttention "
