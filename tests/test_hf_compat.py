@@ -1101,6 +1101,39 @@ def test_speecht5_speech_to_text_matches_transformers():
     torch.testing.assert_close(got, exp, atol=0, rtol=0)
 
 
+def test_speecht5_text_to_speech_generate_matches_transformers():
+    """SpeechT5ForTextToSpeech.generate_speech (speecht5_tts's entry point), float64, on a
+    padded batch of token ids: the fused encoder's outputs and the generated spectrograms (a
+    fixed number of frames: the stop threshold is out of reach) equal transformers'."""
+    torch.manual_seed(0)
+    config = _speecht5_config(speaker_embedding_dim=8, reduction_factor=2)
+    model = transformers.SpeechT5ForTextToSpeech(config).eval().double()
+    with torch.no_grad():
+        model.speecht5.encoder.wrapped_encoder.embed_positions.pe_k.weight.mul_(0.3)
+    fused = transformers.SpeechT5ForTextToSpeech(config).eval().double()
+    fused.load_state_dict(model.state_dict())
+    assert len(hf.use_fused_attention(fused)) == 3
+    ids = torch.randint(4, 40, (2, 17))
+    keep = torch.ones(2, 17, dtype=torch.long)
+    keep[1, 11:] = 0
+    speakers = torch.randn(2, 8, dtype=torch.float64)
+    encoded = {model: [], fused: []}
+    for m in (model, fused):
+        m.speecht5.encoder.register_forward_hook(
+            lambda mod, args, out, seen=encoded[m]: seen.append(out.last_hidden_state))
+    with torch.no_grad():
+        exp, got = [], []
+        for m, out in ((model, exp), (fused, got)):
+            torch.manual_seed(1)  # the decoder prenet's dropout is on in eval mode too
+            out.append(m.generate_speech(ids, speakers, attention_mask=keep, threshold=2.0,
+                                         maxlenratio=1.0))
+        (exp,), (got,) = exp, got
+    assert exp.shape == (2, 16, 16)  # maxlenratio * 17 tokens / reduction 2 steps of 2 frames
+    torch.testing.assert_close(got, exp, atol=1e-10, rtol=1e-10)
+    (g,), (e,) = encoded[fused], encoded[model]
+    torch.testing.assert_close(g[keep.bool()], e[keep.bool()], atol=1e-10, rtol=1e-10)
+
+
 # (SpeechT5's encoder asks whether FSDP manages it, an lru_cache'd call dynamo traces through)
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 def test_speecht5_encoder_training_compiles():
