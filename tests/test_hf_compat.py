@@ -1243,3 +1243,38 @@ def test_vits_attention_training_compiles():
         assert (out - module.eval()(x, attention_mask=mask)[0]).abs().max() > 0.05
     for p in (module.emb_rel_k, module.emb_rel_v):
         assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["speecht5", "vits"])
+def test_speecht5_vits_half_precision_no_less_accurate_than_transformers(kind, half):
+    """bfloat16 and float16 SpeechT5 and VITS attention layers (weights and tables of unit-ish
+    scale, so that the attention, not the input's rounding, sets the error) with a padding
+    mask: against float64, the fused output's error is within 1.5x transformers' own error in
+    that dtype."""
+    torch.manual_seed(0)
+    if kind == "speecht5":
+        encoder = speecht5.SpeechT5Encoder(_speecht5_config()).eval().double()
+        module, positions = encoder.layers[0].attention, encoder.embed_positions
+    else:
+        encoder = vits.VitsEncoder(_vits_config()).eval().double()
+        module = positions = encoder.layers[0].attention
+    with torch.no_grad():
+        for p in list(module.parameters()) + list(positions.parameters()):
+            p.normal_(0, 0.3)
+    x = torch.randn(2, 37, module.embed_dim, dtype=torch.float64)
+    mask = _padding_mask([37, 29], 37, torch.float64)
+
+    def run(dtype):
+        kw = {"position_bias": positions(x.to(dtype))} if kind == "speecht5" else {}
+        return module(x.to(dtype), attention_mask=mask.to(dtype), **kw)[0].double()
+
+    with torch.no_grad():
+        exact = run(torch.float64)
+        encoder.to(half)
+        theirs = run(half)
+        assert len(hf.use_fused_attention(encoder)) == 3 if kind == "speecht5" else 2
+        ours = run(half)
+    err_theirs = (theirs - exact).abs().max().item()
+    err_ours = (ours - exact).abs().max().item()
+    assert 0 < err_ours <= 1.5 * err_theirs + 1e-6, (err_ours, err_theirs)
