@@ -538,8 +538,8 @@ def _fused_speecht5_forward(
     """SpeechT5Attention's forward in SpeechT5's encoder with the core done by rel_attention:
     the module's projections, ``position_bias`` the fused encoder's ``[2M + 1, D]`` table
     (:func:`_speecht5_table`) as ``rel_k``, transformers' attention mask, its dropout in
-    training. Returns ``(output, None)``. A ``[L, L, D]`` position_bias (an encoder left
-    unfused), none, a cache, cross-attention and ``output_attentions`` run transformers' forward
+    training. Returns ``(output, None)``. No position_bias or an ``[L, L, D]`` one (an encoder
+    left unfused), a cache, cross-attention and ``output_attentions`` run transformers' forward
     (on the ``[L, L, D]`` bias expanded from the table)."""
     table = position_bias is not None and position_bias.dim() == 2
     if not table or output_attentions or key_value_states is not None \
