@@ -1278,3 +1278,26 @@ def test_speecht5_vits_half_precision_no_less_accurate_than_transformers(kind, h
     err_theirs = (theirs - exact).abs().max().item()
     err_ours = (ours - exact).abs().max().item()
     assert 0 < err_ours <= 1.5 * err_theirs + 1e-6, (err_ours, err_theirs)
+
+
+@pytest.mark.parametrize("kind,reach", [("speecht5", 1), ("speecht5", 2), ("speecht5", 40),
+                                        ("vits", 1), ("vits", 4), ("vits", 30)])
+def test_speecht5_vits_table_edges(kind, reach):
+    """The tables' edges: SpeechT5 with M = 1 (one distance on the negative side, none clipped
+    at zero) and M past the sequence; VITS with a window of 1 and one past the sequence (23
+    tokens): float64 outputs equal transformers'."""
+    torch.manual_seed(0)
+    if kind == "speecht5":
+        config = _speecht5_config(encoder_max_relative_position=reach)
+        make, x = speecht5.SpeechT5Encoder, (torch.randn(2, 23, 32, dtype=torch.float64),)
+    else:
+        config = _vits_config(window_size=reach)
+        make = vits.VitsTextEncoder
+        x = (torch.randint(1, 20, (2, 23)), torch.ones(2, 23, 1, dtype=torch.float64))
+    model = make(config).eval().double()
+    fused = make(config).eval().double()
+    fused.load_state_dict(model.state_dict())
+    assert hf.use_fused_attention(fused)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(*x).last_hidden_state, model(*x).last_hidden_state,
+                                   atol=1e-10, rtol=1e-10)
