@@ -1283,9 +1283,9 @@ def test_speecht5_vits_half_precision_no_less_accurate_than_transformers(kind, h
 @pytest.mark.parametrize("kind,reach", [("speecht5", 1), ("speecht5", 2), ("speecht5", 40),
                                         ("vits", 1), ("vits", 4), ("vits", 30)])
 def test_speecht5_vits_table_edges(kind, reach):
-    """The tables' edges: SpeechT5 with M = 1 (one distance on the negative side, none clipped
-    at zero) and M past the sequence; VITS with a window of 1 and one past the sequence (23
-    tokens): float64 outputs equal transformers'."""
+    """The tables' edges: SpeechT5 with M = 1 (distances clipped to [0, 1]: every earlier key
+    reads the distance-0 row) and M past the sequence; VITS with a window of 1 and one past the
+    sequence (23 tokens): float64 outputs equal transformers'."""
     torch.manual_seed(0)
     if kind == "speecht5":
         config = _speecht5_config(encoder_max_relative_position=reach)
