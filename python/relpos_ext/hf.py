@@ -368,26 +368,40 @@ def _t5_self_attention(self: nn.Module, hidden_states: Tensor, mask: Tensor | No
                        table: Tensor | None) -> Tensor:
     """T5's (and UMT5's) self-attention through rel_attention: causal in a decoder, no scaling
     (T5 does not scale its logits), its dropout (a float there) in training."""
-    return _biased_self_attention(self, hidden_states, mask, table, self.n_heads,
-                                  self.key_value_proj_dim, self.is_decoder, 1.0,
-                                  self.dropout if self.training else 0.0)
+    return _self_attention(hidden_states, (self.q, self.k, self.v), self.o, self.n_heads,
+                           self.key_value_proj_dim, mask, rel_bias=table, causal=self.is_decoder,
+                           scale=1.0, dropout_p=self.dropout if self.training else 0.0)
 
 
-def _biased_self_attention(self: nn.Module, hidden_states: Tensor, mask: Tensor | None,
-                           table: Tensor | None, heads: int, dim: int, causal: bool,
-                           scale: float | None, dropout_p: float) -> Tensor:
-    """Self-attention of a module with ``q``, ``k``, ``v`` and ``o`` projections (T5, UMT5,
-    MPNet) through rel_attention, ``table`` its ``[H, 2K+1]`` bias (or None) as ``rel_bias``;
-    ``mask``: transformers' attention mask."""
+def _self_attention(hidden_states: Tensor, projections: tuple[nn.Module, nn.Module, nn.Module],
+                    output: nn.Module, heads: int, dim: int, mask: Tensor | None, *,
+                    rel_k: Tensor | None = None, rel_v: Tensor | None = None,
+                    rel_bias: Tensor | None = None, causal: bool = False,
+                    scale: float | None = None, dropout_p: float = 0.0) -> Tensor:
+    """Self-attention of a module's q, k, v ``projections`` and ``output`` projection (T5, UMT5,
+    MPNet, SpeechT5, VITS) through rel_attention, its tables cast to the activations' dtype
+    (K read from their ``2K + 1`` rows; none: K = 0); ``mask``: transformers' attention
+    mask."""
     batch, length, _ = hidden_states.shape
-    shape = (batch, length, heads, dim)
-    q, k, v = (proj(hidden_states).view(shape).transpose(1, 2) for proj in (self.q, self.k, self.v))
+    q, k, v = (proj(hidden_states).view(batch, length, heads, dim).transpose(1, 2)
+               for proj in projections)
+    rows = (rel_bias.shape[-1] if rel_bias is not None else rel_k.shape[-2] if rel_k is not None
+            else rel_v.shape[-2] if rel_v is not None else 1)
+    rel_k, rel_v, rel_bias = (None if t is None else t.to(q.dtype)
+                              for t in (rel_k, rel_v, rel_bias))
     padding, attn_mask = _padding_or_mask(mask, batch)
-    out = ops.rel_attention(
-        q, k, v, None, None, 0 if table is None else table.shape[-1] // 2,
-        causal=causal, scale=scale, key_padding_mask=padding, attn_mask=attn_mask,
-        dropout_p=dropout_p, rel_bias=None if table is None else table.to(q.dtype))
-    return self.o(out.transpose(1, 2).reshape(batch, length, heads * dim))
+    out = ops.rel_attention(q, k, v, rel_k, rel_v, rows // 2, causal=causal, scale=scale,
+                            key_padding_mask=padding, attn_mask=attn_mask, dropout_p=dropout_p,
+                            rel_bias=rel_bias)
+    return output(out.transpose(1, 2).reshape(batch, length, heads * dim))
+
+
+def _per_pair(table: Tensor, length: int, axis: int) -> Tensor:
+    """A distance table's ``axis`` (``2K + 1`` rows) expanded to every (query, key) pair of a
+    self-attention over ``length`` positions, ``[..., L, L, ...]``: transformers' form of it,
+    for the fallbacks to its forward."""
+    buckets = reference.shaw_buckets(length, length, table.shape[axis] // 2, device=table.device)
+    return table[(slice(None),) * axis + (buckets,)]
 
 
 def _fused_umt5_forward(
@@ -504,15 +518,13 @@ def _fused_mpnet_forward(
     table = position_bias is not None and position_bias.dim() == 2
     if output_attentions or (position_bias is not None and not table):
         if table:  # the fused encoder's [H, 2K+1] table as transformers' [1, H, L, L] bias
-            length = hidden_states.shape[1]
-            buckets = reference.shaw_buckets(length, length, position_bias.shape[-1] // 2,
-                                             device=position_bias.device)
-            position_bias = position_bias[:, buckets].unsqueeze(0)
+            position_bias = _per_pair(position_bias, hidden_states.shape[1], 1).unsqueeze(0)
         return type(self).forward(self, hidden_states, attention_mask, position_bias,
                                   output_attentions, **kwargs)
-    out = _biased_self_attention(self, hidden_states, attention_mask, position_bias,
-                                 self.num_attention_heads, self.attention_head_size, False, None,
-                                 self.dropout.p if self.training else 0.0)
+    out = _self_attention(hidden_states, (self.q, self.k, self.v), self.o,
+                          self.num_attention_heads, self.attention_head_size, attention_mask,
+                          rel_bias=position_bias,
+                          dropout_p=self.dropout.p if self.training else 0.0)
     return (out,)
 
 
@@ -545,31 +557,21 @@ def _fused_speecht5_forward(
     if not table or output_attentions or key_value_states is not None \
             or past_key_values is not None:
         if table:  # the fused encoder's [2K+1, D] table as transformers' [L, L, D] gather
-            length = hidden_states.shape[1]
-            buckets = reference.shaw_buckets(length, length, position_bias.shape[0] // 2,
-                                             device=position_bias.device)
-            position_bias = position_bias[buckets]
+            position_bias = _per_pair(position_bias, hidden_states.shape[1], 0)
         return type(self).forward(self, hidden_states, key_value_states, past_key_values,
                                   attention_mask, position_bias, output_attentions, **kwargs)
-    return _shaw_self_attention(self, hidden_states, attention_mask, position_bias, None,
-                                position_bias.shape[0] // 2), None
+    return _shaw_self_attention(self, hidden_states, attention_mask, position_bias, None), None
 
 
 def _shaw_self_attention(self: nn.Module, hidden_states: Tensor, mask: Tensor | None,
-                         rel_k: Tensor | None, rel_v: Tensor | None, max_distance: int) -> Tensor:
+                         rel_k: Tensor, rel_v: Tensor | None) -> Tensor:
     """Self-attention of a module with ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``,
-    ``scaling`` and a float ``dropout`` (SpeechT5, VITS) through rel_attention with the Shaw
-    tables ``rel_k`` / ``rel_v``; ``mask``: transformers' attention mask."""
-    batch, length, _ = hidden_states.shape
-    heads, dim = self.num_heads, self.head_dim
-    q, k, v = (proj(hidden_states).view(batch, length, heads, dim).transpose(1, 2)
-               for proj in (self.q_proj, self.k_proj, self.v_proj))
-    rel_k, rel_v = (None if t is None else t.to(q.dtype) for t in (rel_k, rel_v))
-    padding, attn_mask = _padding_or_mask(mask, batch)
-    out = ops.rel_attention(q, k, v, rel_k, rel_v, max_distance, scale=self.scaling,
-                            key_padding_mask=padding, attn_mask=attn_mask,
-                            dropout_p=self.dropout if self.training else 0.0)
-    return self.out_proj(out.transpose(1, 2).reshape(batch, length, heads * dim))
+    ``scaling`` and a float ``dropout`` (SpeechT5, VITS) with the Shaw tables ``rel_k`` /
+    ``rel_v`` (``[2K + 1, D]``)."""
+    return _self_attention(hidden_states, (self.q_proj, self.k_proj, self.v_proj), self.out_proj,
+                           self.num_heads, self.head_dim, mask, rel_k=rel_k, rel_v=rel_v,
+                           scale=self.scaling,
+                           dropout_p=self.dropout if self.training else 0.0)
 
 
 def _windowed_table(emb: Tensor) -> Tensor:
@@ -596,8 +598,8 @@ def _fused_vits_forward(
         return type(self).forward(self, hidden_states, key_value_states, attention_mask,
                                   output_attentions)
     return _shaw_self_attention(self, hidden_states, attention_mask,
-                                _windowed_table(self.emb_rel_k), _windowed_table(self.emb_rel_v),
-                                self.window_size + 1), None
+                                _windowed_table(self.emb_rel_k),
+                                _windowed_table(self.emb_rel_v)), None
 
 
 def _is_deberta_v2(module: nn.Module) -> bool:
