@@ -756,10 +756,13 @@ def test_parakeet_attention_matches_transformers(length, dtype, impl):
         module(x, position_embeddings=pos[:, 1:], attention_mask=mask)
 
 
-def _assert_same_grads(fused, model):
+def _assert_same_grads(fused, model, **tol):
+    """Every parameter's gradient in the fused model equals the one in transformers' (default
+    tolerance: float64's)."""
+    tol = tol or dict(atol=1e-10, rtol=1e-8)
     for (name, p), q in zip(fused.named_parameters(), model.parameters(), strict=True):
         if q.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, atol=1e-10, rtol=1e-8, msg=name)
+            torch.testing.assert_close(p.grad, q.grad, **tol, msg=name)
 
 
 def _check_padded_encoder(model, fused, frames, **call_kw):
@@ -1049,8 +1052,7 @@ def test_speecht5_encoder_matches_transformers(length, dtype):
     (exp, exp_dx), (got, got_dx) = outs
     torch.testing.assert_close(got, exp, **TOL[dtype])
     torch.testing.assert_close(got_dx, exp_dx, **TOL[dtype])
-    for (name, p), q in zip(fused.named_parameters(), model.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, **TOL[dtype], msg=name)
+    _assert_same_grads(fused, model, **TOL[dtype])
     assert fused.embed_positions.pe_k.weight.grad.abs().sum() > 0
 
 
@@ -1192,8 +1194,7 @@ def test_vits_text_encoder_matches_transformers(length, dtype):
         m.out = m(ids, keep[..., None].to(dtype), attention_mask=keep).last_hidden_state
         (m.out * upstream).sum().backward()
     torch.testing.assert_close(fused.out, model.out, **TOL[dtype])
-    for (name, p), q in zip(fused.named_parameters(), model.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, **TOL[dtype], msg=name)
+    _assert_same_grads(fused, model, **TOL[dtype])
     rel = fused.encoder.layers[0].attention
     assert rel.emb_rel_k.grad.abs().sum() > 0 and rel.emb_rel_v.grad.abs().sum() > 0
 
@@ -1273,7 +1274,7 @@ def test_speecht5_vits_half_precision_no_less_accurate_than_transformers(kind, h
         exact = run(torch.float64)
         encoder.to(half)
         theirs = run(half)
-        assert len(hf.use_fused_attention(encoder)) == 3 if kind == "speecht5" else 2
+        assert len(hf.use_fused_attention(encoder)) == (3 if kind == "speecht5" else 2)
         ours = run(half)
     err_theirs = (theirs - exact).abs().max().item()
     err_ours = (ours - exact).abs().max().item()
