@@ -36,6 +36,7 @@ from transformers.models.wav2vec2_bert import modeling_wav2vec2_bert as w2v  # n
 from transformers.models.wav2vec2_conformer import (  # noqa: E402
     modeling_wav2vec2_conformer as conformer,
 )
+from transformers.models.wavlm import modeling_wavlm as wavlm  # noqa: E402
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float64: dict(atol=1e-10, rtol=1e-10)}
 
@@ -1302,3 +1303,120 @@ def test_speecht5_vits_table_edges(kind, reach):
     with torch.no_grad():
         torch.testing.assert_close(fused(*x).last_hidden_state, model(*x).last_hidden_state,
                                    atol=1e-10, rtol=1e-10)
+
+
+# ---------------------------------------------------------------------- WavLM
+# 16 buckets up to distance 40: sequences of 98 frames reach past it
+@pytest.fixture
+def fuse_short_wavlm(monkeypatch):
+    """Every length fused (the tests' 98 frames are below hf.WAVLM_MIN_LENGTH)."""
+    monkeypatch.setattr(hf, "WAVLM_MIN_LENGTH", {"inference": 0, "training": 0})
+
+
+def _wavlm_pair(stable, **kw):
+    """transformers' WavLMModel (two layers, float64, random gate constants) and a fused copy
+    with the same weights. ``stable``: the pre-norm encoder (wavlm-large's)."""
+    config = transformers.WavLMConfig(
+        hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4, num_buckets=16, max_bucket_distance=40, layerdrop=0.0,
+        do_stable_layer_norm=stable, feat_extract_norm="layer" if stable else "group", **kw)
+    torch.manual_seed(0)
+    model = transformers.WavLMModel(config).eval().double()
+    with torch.no_grad():  # ones in its constructor; vary them per head
+        for m in model.modules():
+            if isinstance(m, wavlm.WavLMAttention):
+                m.gru_rel_pos_const.normal_(1, 0.5)
+    fused = transformers.WavLMModel(config).eval().double()
+    fused.load_state_dict(model.state_dict())
+    assert hf.use_fused_attention(fused) == [f"encoder.layers.{i}.attention" for i in (0, 1)]
+    return model, fused
+
+
+# (transformers' WavLM passes F.multi_head_attention_forward a bool padding mask and a float bias)
+@pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask and attn_mask")
+@pytest.mark.parametrize("stable", [False, True])
+def test_wavlm_matches_transformers(stable, fuse_short_wavlm):
+    """WavLMModel (T5's bucketed bias gated per query and head), float64, on a padded batch of
+    raw audio: hidden states at every frame and every parameter's gradient of a loss on the kept
+    frames (rel_attn_embed, gru_rel_pos_linear and gru_rel_pos_const included) equal
+    transformers'."""
+    model, fused = _wavlm_pair(stable)
+    audio = torch.randn(2, 2000, dtype=torch.float64)
+    keep = torch.ones(2, 2000, dtype=torch.long)
+    keep[1, 1400:] = 0
+    exp = model(audio, attention_mask=keep).last_hidden_state
+    got = fused(audio, attention_mask=keep).last_hidden_state
+    assert exp.shape == (2, 98, 32)
+    kept = model._get_feature_vector_attention_mask(98, keep).bool()
+    assert not kept[1].all()
+    torch.testing.assert_close(got, exp, atol=1e-10, rtol=1e-10)
+    exp[kept].square().sum().backward()
+    got[kept].square().sum().backward()
+    _assert_same_grads(fused, model)
+    first = fused.encoder.layers[0].attention
+    for p in (first.rel_attn_embed.weight, first.gru_rel_pos_const, first.gru_rel_pos_linear.weight,
+              fused.encoder.layers[1].attention.gru_rel_pos_const):
+        assert p.grad.abs().sum() > 0
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+def test_wavlm_attention_outputs_and_training_compiles(fuse_short_wavlm):
+    """output_attentions runs transformers' forward (its weights, bitwise); a fused WavLMModel,
+    its feature encoder frozen, compiles (fullgraph) in training mode with attention dropout
+    (the output differs from eval mode's) and a padded batch, gradients reaching the bias table
+    and the gates."""
+    model, fused = _wavlm_pair(False, attention_dropout=0.2, hidden_dropout=0.0,
+                               activation_dropout=0.0, feat_proj_dropout=0.0,
+                               mask_time_prob=0.0)
+    audio = torch.randn(2, 2000, dtype=torch.float64)
+    want = model(audio, output_attentions=True)
+    out = fused(audio, output_attentions=True)
+    assert len(out.attentions) == 2
+    for g, e in zip(out.attentions, want.attentions, strict=True):
+        torch.testing.assert_close(g, e, atol=0, rtol=0)
+    fused = fused.float().train()
+    fused.freeze_feature_encoder()  # as fine-tuning does (its requires_grad switch is a break)
+    keep = torch.ones(2, 2000, dtype=torch.long)
+    keep[1, 1400:] = 0
+    torch._dynamo.reset()
+    hidden = torch.compile(lambda a, m: fused(a, attention_mask=m).last_hidden_state,
+                           fullgraph=True)(audio.float(), keep)
+    hidden.square().mean().backward()
+    first = fused.encoder.layers[0].attention
+    for p in (first.rel_attn_embed.weight, first.gru_rel_pos_const):
+        assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+    with torch.no_grad():
+        dropped = hidden - fused.eval()(audio.float(), attention_mask=keep).last_hidden_state
+    assert dropped.abs().max() > 1e-3  # the dropped weights, not float noise
+
+
+@pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask and attn_mask")
+@pytest.mark.parametrize("grads", [False, True], ids=["inference", "training"])
+def test_wavlm_short_inputs_run_transformers_attention(monkeypatch, grads):
+    """Below hf.WAVLM_MIN_LENGTH frames (the entry for whether autograd records) a fused WavLM
+    runs transformers' attention, bitwise the unfused model's, gradients included; from it on,
+    rel_attention."""
+    model, fused = _wavlm_pair(False)
+    calls = []
+    rel_attention = hf.ops.rel_attention
+    monkeypatch.setattr(hf.ops, "rel_attention",
+                        lambda *a, **kw: calls.append(1) or rel_attention(*a, **kw))
+    audio = torch.randn(2, 2000, dtype=torch.float64)
+    mode, other = ("training", "inference") if grads else ("inference", "training")
+    for length, fused_calls in [(99, 0), (98, 2)]:
+        monkeypatch.setattr(hf, "WAVLM_MIN_LENGTH", {mode: length, other: 0 if length > 98 else 999})
+        calls.clear()
+        with torch.set_grad_enabled(grads):
+            got = fused(audio).last_hidden_state
+            exp = model(audio).last_hidden_state
+        assert len(calls) == fused_calls
+        if fused_calls:
+            torch.testing.assert_close(got, exp, atol=1e-10, rtol=1e-10)
+            continue
+        assert torch.equal(got, exp)
+        if grads:
+            got.square().sum().backward()
+            exp.square().sum().backward()
+            for (name, a), b in zip(fused.named_parameters(), model.parameters(), strict=True):
+                assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad), name

@@ -64,6 +64,17 @@ relative logits and skews them, and skews the probabilities back for the value t
 each table gains a zero row at either end (K = w + 1) and goes to ``rel_attention`` as
 ``rel_k`` and ``rel_v``.
 
+WavLM (``WavLMModel`` and its heads: wavlm-base-plus, wavlm-large; transformers'
+``modeling_wavlm.py`` ``WavLMAttention``) adds T5's bidirectional bucketed bias (320 buckets,
+max distance 800) times a gate per query and head, a function of that query's input. Its first
+layer builds the bias as ``[B H, L, L]`` for the whole stack, each layer gates it, and
+``F.multi_head_attention_forward`` forms the ``[B H, L, L]`` weights (``need_weights``). Fused,
+the first layer makes the ``[H, 1601]`` table, and the gated bias is ``q . rel_k`` with one more
+feature: ``q`` gains a column ``gate / scaling``, ``rel_k`` is the table in that column (zeros
+elsewhere), ``k`` and ``v`` gain zeros (head dimension 64 -> 65). That extra feature costs a band
+matmul per query tile that a plain bias does not, so below :data:`WAVLM_MIN_LENGTH` frames, where
+transformers' own attention is as fast or faster, the fused layers call it instead.
+
 Parakeet (NVIDIA's FastConformer ASR encoders: ``ParakeetForCTC``, ``ParakeetForRNNT``,
 ``ParakeetForTDT``, ``ParakeetEncoder``; transformers' ``modeling_parakeet.py``
 ``ParakeetEncoderAttention``) has Transformer-XL's attention too: ``relative_k_proj`` of the
@@ -98,7 +109,17 @@ from .nn import additive_mask_hidden, clipped_table
 from .positions import deberta_buckets, deberta_max_distance, t5_bias_table
 
 __all__ = ["SUPPORTED_CLASSES", "apply_rotary_pos_emb", "apply_rotary_pos_emb_single",
-           "transformer_xl_inputs", "use_fused_attention"]
+           "WAVLM_MIN_LENGTH", "transformer_xl_inputs", "use_fused_attention"]
+
+#: The shortest input (frames, 50 per second of audio) for which a fused WavLM encoder runs
+#: rel_attention; shorter inputs run transformers' own attention, bitwise as unfused. The fused
+#: form's extra query feature costs it a band matmul that the crossover reflects: on
+#: wavlm-base-plus's encoder (``bench_hf.py --position wavlm``, 2-core Zen 4, float32, one or two
+#: runs per length) it ran 0.95-0.99x transformers' speed at 250-400 frames and 1.02-1.16x at
+#: 500-600 without gradients; with autograd recording ("training"), 0.86-0.97x up to 600 frames,
+#: 0.98-1.04x at 800 and 1.12-1.14x at 1000. Set an entry to 0 to fuse every length, or to a
+#: large number to fuse none.
+WAVLM_MIN_LENGTH = {"inference": 500, "training": 1000}
 
 # transformers attention classes -> the position types whose forward use_fused_attention replaces
 # (the module's position_embeddings_type; None: the class has no such attribute, one fixed type)
@@ -128,6 +149,8 @@ SUPPORTED_CLASSES = {
     "SpeechT5Attention": (None,),
     # VITS / MMS-TTS text encoder: Shaw's key and value terms within a window
     "VitsAttention": (None,),
+    # WavLM: T5's bias gated per query; the first layer makes the table, the others read it
+    "WavLMAttention": (None,),
     # NVIDIA's FastConformer ASR encoders (Parakeet CTC/RNNT/TDT): Transformer-XL positions
     "ParakeetEncoderAttention": (None,),
     # its cache-aware streaming sibling (nemotron-speech-streaming): the same attention, a K/V cache
@@ -602,6 +625,66 @@ def _fused_vits_forward(
                                 _windowed_table(self.emb_rel_v)), None
 
 
+def _wavlm_gate(self: nn.Module, hidden_states: Tensor) -> Tensor:
+    """WavLMAttention's gate of the position bias, per query and head, ``[B, H, L]``: its
+    ``gru_rel_pos_linear`` of each head's slice of the input, as transformers computes it."""
+    batch, length, _ = hidden_states.shape
+    sliced = hidden_states.view(batch, length, self.num_heads, -1).transpose(1, 2)
+    proj = self.gru_rel_pos_linear(sliced).view(batch, self.num_heads, length, 2, 4).sum(-1)
+    gate_a, gate_b = torch.sigmoid(proj).chunk(2, dim=-1)
+    return (gate_a * (gate_b * self.gru_rel_pos_const - 1.0) + 2.0)[..., 0]
+
+
+def _fused_wavlm_forward(
+    self: nn.Module,
+    hidden_states: Tensor,
+    attention_mask: Tensor | None = None,
+    position_bias: Tensor | None = None,
+    index: int = 0,
+    **kwargs: object,
+) -> tuple[Tensor, None, Tensor]:
+    """WavLMAttention's forward with the core done by rel_attention. WavLM adds T5's bucketed
+    bias (bidirectional, ``num_buckets``, ``max_distance``) times a gate ``g[b, h, i]`` per
+    query (:func:`_wavlm_gate`). The first layer makes the ``[H, 2K+1]`` table
+    (:func:`relpos_ext.t5_bias_table`, K = ``max_distance``) and returns it as
+    ``position_bias`` for the others, where transformers passes ``[B H, L, L]``.
+    ``g_i . bias[r]`` is ``q_i . rel_k[r]`` with one more feature: ``q`` gains a column
+    ``g / scaling``, ``rel_k`` is the table in that column and zeros elsewhere, ``k`` and ``v``
+    gain zeros (head dimension D + 1). ``attention_mask``: ``[B, L]``, 1 = kept frame. Returns
+    ``(output, None, table)``. ``output_attentions``, or a ``[B H, L, L]`` position_bias (an
+    unfused first layer), run transformers' forward (on the bias expanded from the table). So
+    does a first layer given fewer than :data:`WAVLM_MIN_LENGTH` frames; its ``[B H, L, L]``
+    bias then sends the other layers there too."""
+    table = position_bias
+    if table is None and hasattr(self, "rel_attn_embed"):
+        grads = torch.is_grad_enabled() and (hidden_states.requires_grad or any(
+            p.requires_grad for p in self.parameters()))
+        if hidden_states.shape[1] < WAVLM_MIN_LENGTH["training" if grads else "inference"]:
+            return type(self).forward(self, hidden_states, attention_mask, None, index, **kwargs)
+        table = t5_bias_table(self.rel_attn_embed.weight, True, self.max_distance)
+    if kwargs.get("output_attentions") or table is None or table.dim() != 2:
+        if table is not None and table.dim() == 2:  # as transformers' [B H, L, L] bias
+            batch, length, _ = hidden_states.shape
+            buckets = reference.shaw_buckets(length, length, table.shape[-1] // 2,
+                                             device=table.device)
+            table = table[:, buckets].repeat(batch, 1, 1)
+        return type(self).forward(self, hidden_states, attention_mask, table, index, **kwargs)
+    batch, length, _ = hidden_states.shape
+    heads, dim = self.num_heads, self.head_dim
+    gate = _wavlm_gate(self, hidden_states)
+    q, k, v = (proj(hidden_states).view(batch, length, heads, dim).transpose(1, 2)
+               for proj in (self.q_proj, self.k_proj, self.v_proj))
+    q = torch.cat([q, (gate / self.scaling).to(q.dtype)[..., None]], dim=-1)
+    k, v = (nn.functional.pad(t, (0, 1)) for t in (k, v))
+    rel_k = nn.functional.pad(table.to(q.dtype)[..., None], (dim, 0))
+    out = ops.rel_attention(q, k, v, rel_k, None, table.shape[-1] // 2, scale=self.scaling,
+                            key_padding_mask=None if attention_mask is None
+                            else attention_mask.ne(1),
+                            dropout_p=self.dropout if self.training else 0.0)
+    out = out[..., :dim].transpose(1, 2).reshape(batch, length, heads * dim)
+    return self.out_proj(out), None, table
+
+
 def _is_deberta_v2(module: nn.Module) -> bool:
     """DeBERTa-v2's DisentangledSelfAttention, not DeBERTa v1's (in_proj, talking heads) or
     SEW-D's copy (another forward signature and dropout) of the same name."""
@@ -617,7 +700,8 @@ def use_fused_attention(model: nn.Module) -> list[str]:
     rotary positions, are left alone). The outputs match transformers' eager attention to float
     rounding, except on a query row whose every key is masked (ours gives zeros there, as
     FastSpeech2-Conformer does). A call with ``output_attentions`` runs transformers' own
-    forward, which forms the weights (O(L^2) memory).
+    forward, which forms the weights (O(L^2) memory); so does a WavLM input shorter than
+    :data:`WAVLM_MIN_LENGTH`, where that is faster.
     Call it after loading the weights; ``model.to(...)`` works before or after. The swap is an
     instance attribute: ``del module.forward`` gives a module its own back (an MPNet encoder's
     is ``compute_position_bias``; give it back, or a SpeechT5 positional encoding's ``forward``,
@@ -660,6 +744,7 @@ def use_fused_attention(model: nn.Module) -> list[str]:
                  else _fused_mpnet_forward if cls == "MPNetSelfAttention"
                  else _fused_speecht5_forward if cls == "SpeechT5Attention"
                  else _fused_vits_forward if cls == "VitsAttention"
+                 else _fused_wavlm_forward if cls == "WavLMAttention"
                  else _fused_parakeet_forward if cls in ("ParakeetEncoderAttention",
                                                          "NemotronAsrStreamingEncoderAttention")
                  else _fused_forward)
