@@ -32,7 +32,12 @@ D=64, FFN 3072; Shaw keys clipped to ``[-159, 160]``, gathered once by its encod
 ``[L, L, D]`` tensor for all layers), on L frames of its speech prenet's output (50 per second),
 the last 5% padded; eager only (the model has no SDPA form). ``--position vits``: one
 ``VitsAttention`` at MMS-TTS's width (E=192, H=2, D=96; Shaw keys and values within a window of
-4 distances, zero beyond), L text tokens, the last 5% padded; eager only.
+4 distances, zero beyond), L text tokens, the last 5% padded; eager only. ``--position
+wavlm``: a whole ``WavLMEncoder`` as wavlm-base-plus's (12 layers, E=768, H=12, D=64, FFN 3072;
+T5's bias, 320 buckets up to 800, gated per query; transformers' only form, which forms the
+attention weights), on L frames of its feature encoder's output (50 per second), the last 5%
+padded; fused at every length (``hf.WAVLM_MIN_LENGTH``, where short inputs stay unfused, is set
+from this crossover).
 Three forms:
 
 * ``eager`` -- transformers' eager attention (``attn_implementation="eager"``): relative_key
@@ -59,6 +64,7 @@ Usage::
     python benchmarks/bench_hf.py --position parakeet --encoder   # -> bench_hf_parakeet_encoder.json
     python benchmarks/bench_hf.py --position speecht5   # -> bench_hf_speecht5.json
     python benchmarks/bench_hf.py --position vits -L 100 500 1000 4000   # -> bench_hf_vits.json
+    python benchmarks/bench_hf.py --position wavlm -L 250 500 800 1000 2000 4000   # -> bench_hf_wavlm.json
     python benchmarks/bench_hf.py -L 500 1000 --out /tmp/h.json
 """
 
@@ -100,6 +106,9 @@ def live_gib(method: str, mode: str, length: int, position: str, batch: int = 1)
         gather = length * length * (T5_EMBED // T5_HEADS) * 4
         return (2 * gather + MPNET_LAYERS * per_layer if mode == "train"
                 else gather + per_layer) / 2**30
+    if position == "wavlm":  # [B H, L, L] bias, gated bias, scores and weights per layer
+        per_layer = 4 * T5_HEADS * length * length * 4
+        return per_layer * (MPNET_LAYERS if mode == "train" else 1) / 2**30
     if position == "vits":  # [H, L, 2L - 1] relative logits and probabilities, [H, L, L] scores
         return 7 * VITS_HEADS * length * length * 4 * (2 if mode == "train" else 1) / 2**30
     if position == "t5":
@@ -135,6 +144,8 @@ def _layer(method: str, length: int, position: str, batch: int = 1, encoder: boo
         return _speecht5_encoder(method, length)
     if position == "vits":
         return _vits_layer(method, length)
+    if position == "wavlm":
+        return _wavlm_encoder(method, length)
     if position in ("parakeet", "nemotron"):
         if encoder:
             return _fastconformer_encoder(method, length, position == "nemotron")
@@ -275,13 +286,14 @@ def _deberta_layer(method: str, length: int):
 class _LastHidden(torch.nn.Module):
     """A model called on its input (``input_name``: MPNetModel's ``inputs_embeds``, an encoder's
     ``hidden_states``) and a ``[B, L]`` padding mask, its last hidden state first, as the other
-    layers' outputs."""
+    layers' outputs. ``clone``: pass a copy (WavLM's encoder zeroes padded frames in place)."""
 
-    def __init__(self, model: torch.nn.Module, input_name: str) -> None:
+    def __init__(self, model: torch.nn.Module, input_name: str, clone: bool = False) -> None:
         super().__init__()
-        self.model, self.input_name = model, input_name
+        self.model, self.input_name, self.clone = model, input_name, clone
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor]:
+        x = x.clone() if self.clone else x
         out = self.model(**{self.input_name: x}, attention_mask=attention_mask)
         return (out.last_hidden_state,)
 
@@ -326,6 +338,27 @@ def _speecht5_encoder(method: str, length: int):
         relpos_ext.hf.use_fused_attention(model)
     keep = (torch.arange(length) < length - length // 20).long()[None]
     return (_LastHidden(model, "hidden_states"), torch.randn(1, length, T5_EMBED),
+            {"attention_mask": keep}, torch.randn(1, length, T5_EMBED))
+
+
+def _wavlm_encoder(method: str, length: int):
+    """wavlm-base-plus's WavLMEncoder (the stack after its feature encoder and projection),
+    random weights, on L frames with the last 5% padded (its ``[B, L]`` bool mask)."""
+    import transformers
+    from transformers.models.wavlm import modeling_wavlm as wavlm
+
+    import relpos_ext.hf
+
+    config = transformers.WavLMConfig(
+        hidden_size=T5_EMBED, num_attention_heads=T5_HEADS, num_hidden_layers=MPNET_LAYERS,
+        intermediate_size=MPNET_FFN, hidden_dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, layerdrop=0.0)
+    model = wavlm.WavLMEncoder(config).eval()
+    if method == "fused":  # the fused form at every length, below hf.WAVLM_MIN_LENGTH too
+        relpos_ext.hf.WAVLM_MIN_LENGTH.update(inference=0, training=0)
+        relpos_ext.hf.use_fused_attention(model)
+    keep = (torch.arange(length) < length - length // 20)[None]
+    return (_LastHidden(model, "hidden_states", clone=True), torch.randn(1, length, T5_EMBED),
             {"attention_mask": keep}, torch.randn(1, length, T5_EMBED))
 
 
@@ -384,7 +417,7 @@ def check(length: int, position: str, batch: int = 1, encoder: bool = False) -> 
 def _methods(position: str, encoder: bool = False) -> tuple[str, ...]:
     if position == "nemotron" or encoder:
         return ("fused", "sdpa")
-    return (("fused", "eager") if position in ("deberta", "mpnet", "speecht5", "vits")
+    return (("fused", "eager") if position in ("deberta", "mpnet", "speecht5", "vits", "wavlm")
             else METHODS)
 
 
@@ -400,10 +433,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sequence lengths (default 500 1000 2000 4000; --encoder: 750 3000)")
     p.add_argument("--position",
                    choices=["relative_key", "relative", "t5", "deberta", "mpnet", "parakeet",
-                            "nemotron", "speecht5", "vits"],
+                            "nemotron", "speecht5", "vits", "wavlm"],
                    default="relative_key",
                    help="position_embeddings_type (default relative_key), or t5, deberta, "
-                        "mpnet, parakeet, nemotron, speecht5, vits")
+                        "mpnet, parakeet, nemotron, speecht5, vits, wavlm")
     p.add_argument("--encoder", action="store_true",
                    help="parakeet, nemotron: the whole encoder at its default size, forward only")
     p.add_argument("--batch", "-B", type=int, default=1,
@@ -452,6 +485,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"transformers {transformers.__version__}; SpeechT5Encoder {MPNET_LAYERS} layers "
               f"E={embed} H={heads} D={embed // heads} FFN={MPNET_FFN}, Shaw keys clipped to "
               f"[-{SPEECHT5_MAX_DISTANCE - 1}, {SPEECHT5_MAX_DISTANCE}], float32, B=1")
+    elif args.position == "wavlm":
+        embed, heads = T5_EMBED, T5_HEADS
+        print(f"transformers {transformers.__version__}; WavLMEncoder {MPNET_LAYERS} layers "
+              f"E={embed} H={heads} D={embed // heads} FFN={MPNET_FFN}, T5 bias (320 buckets, "
+              f"max distance 800) gated per query, float32, B=1")
     elif args.position == "vits":
         embed, heads = VITS_EMBED, VITS_HEADS
         print(f"transformers {transformers.__version__}; VitsAttention E={embed} H={heads} "
