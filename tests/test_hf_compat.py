@@ -1420,3 +1420,33 @@ def test_wavlm_short_inputs_run_transformers_attention(monkeypatch, grads):
             exp.square().sum().backward()
             for (name, a), b in zip(fused.named_parameters(), model.parameters(), strict=True):
                 assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad), name
+
+
+@pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask and attn_mask")
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_wavlm_half_precision_no_less_accurate_than_transformers(half, fuse_short_wavlm):
+    """A bfloat16 / float16 WavLM attention layer (the first, which makes the bias; weights,
+    table and gates of unit-ish scale, so that the attention, not the input's rounding, sets the
+    error; q's gate column is rounded to that dtype too), with padding: against float64, the
+    fused output's error at kept frames is within 1.5x transformers' own error in that dtype."""
+    model, _ = _wavlm_pair(False)
+    module = model.encoder.layers[0].attention
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(2, 98, 32, dtype=torch.float64)
+    keep = torch.ones(2, 98, dtype=torch.bool)
+    keep[1, 70:] = False
+
+    def run(dtype):
+        return module(x.to(dtype), attention_mask=keep)[0].double()
+
+    with torch.no_grad():
+        exact = run(torch.float64)
+        module.to(half)
+        theirs = run(half)
+        assert hf.use_fused_attention(module) == [""]
+        ours = run(half)
+    err_theirs = (theirs - exact)[keep].abs().max().item()
+    err_ours = (ours - exact)[keep].abs().max().item()
+    assert 0 < err_ours <= 1.5 * err_theirs + 1e-6, (err_ours, err_theirs)
