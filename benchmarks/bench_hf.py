@@ -36,8 +36,8 @@ the last 5% padded; eager only (the model has no SDPA form). ``--position vits``
 wavlm``: a whole ``WavLMEncoder`` as wavlm-base-plus's (12 layers, E=768, H=12, D=64, FFN 3072;
 T5's bias, 320 buckets up to 800, gated per query; transformers' only form, which forms the
 attention weights), on L frames of its feature encoder's output (50 per second), the last 5%
-padded; fused at every length (``hf.WAVLM_MIN_LENGTH``, where short inputs stay unfused, is set
-from this crossover).
+padded; fused at every length (``use_fused_attention``'s ``wavlm_min_length`` 0; its default,
+``hf.WAVLM_MIN_LENGTH``, below which inputs stay unfused, is set from this crossover).
 Three forms:
 
 * ``eager`` -- transformers' eager attention (``attn_implementation="eager"``): relative_key
@@ -355,8 +355,7 @@ def _wavlm_encoder(method: str, length: int):
         activation_dropout=0.0, layerdrop=0.0)
     model = wavlm.WavLMEncoder(config).eval()
     if method == "fused":  # the fused form at every length, below hf.WAVLM_MIN_LENGTH too
-        relpos_ext.hf.WAVLM_MIN_LENGTH.update(inference=0, training=0)
-        relpos_ext.hf.use_fused_attention(model)
+        relpos_ext.hf.use_fused_attention(model, wavlm_min_length={"inference": 0, "training": 0})
     keep = (torch.arange(length) < length - length // 20)[None]
     return (_LastHidden(model, "hidden_states", clone=True), torch.randn(1, length, T5_EMBED),
             {"attention_mask": keep}, torch.randn(1, length, T5_EMBED))

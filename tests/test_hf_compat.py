@@ -1307,15 +1307,13 @@ def test_speecht5_vits_table_edges(kind, reach):
 
 # ---------------------------------------------------------------------- WavLM
 # 16 buckets up to distance 40: sequences of 98 frames reach past it
-@pytest.fixture
-def fuse_short_wavlm(monkeypatch):
-    """Every length fused (the tests' 98 frames are below hf.WAVLM_MIN_LENGTH)."""
-    monkeypatch.setattr(hf, "WAVLM_MIN_LENGTH", {"inference": 0, "training": 0})
+FUSE_EVERY_LENGTH = {"inference": 0, "training": 0}  # the tests' 98 frames are below the default
 
 
-def _wavlm_pair(stable, **kw):
+def _wavlm_pair(stable, min_length=FUSE_EVERY_LENGTH, **kw):
     """transformers' WavLMModel (two layers, float64, random gate constants) and a fused copy
-    with the same weights. ``stable``: the pre-norm encoder (wavlm-large's)."""
+    with the same weights, fused from ``min_length`` frames on. ``stable``: the pre-norm encoder
+    (wavlm-large's)."""
     config = transformers.WavLMConfig(
         hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64,
         conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=16,
@@ -1329,14 +1327,15 @@ def _wavlm_pair(stable, **kw):
                 m.gru_rel_pos_const.normal_(1, 0.5)
     fused = transformers.WavLMModel(config).eval().double()
     fused.load_state_dict(model.state_dict())
-    assert hf.use_fused_attention(fused) == [f"encoder.layers.{i}.attention" for i in (0, 1)]
+    assert hf.use_fused_attention(fused, wavlm_min_length=min_length) == [
+        f"encoder.layers.{i}.attention" for i in (0, 1)]
     return model, fused
 
 
 # (transformers' WavLM passes F.multi_head_attention_forward a bool padding mask and a float bias)
 @pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask and attn_mask")
 @pytest.mark.parametrize("stable", [False, True])
-def test_wavlm_matches_transformers(stable, fuse_short_wavlm):
+def test_wavlm_matches_transformers(stable):
     """WavLMModel (T5's bucketed bias gated per query and head), float64, on a padded batch of
     raw audio: hidden states at every frame and every parameter's gradient of a loss on the kept
     frames (rel_attn_embed, gru_rel_pos_linear and gru_rel_pos_const included) equal
@@ -1361,7 +1360,7 @@ def test_wavlm_matches_transformers(stable, fuse_short_wavlm):
 
 
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
-def test_wavlm_attention_outputs_and_training_compiles(fuse_short_wavlm):
+def test_wavlm_attention_outputs_and_training_compiles():
     """output_attentions runs transformers' forward (its weights, bitwise); a fused WavLMModel,
     its feature encoder frozen, compiles (fullgraph) in training mode with attention dropout
     (the output differs from eval mode's) and a padded batch, gradients reaching the bias table
@@ -1394,18 +1393,22 @@ def test_wavlm_attention_outputs_and_training_compiles(fuse_short_wavlm):
 @pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask and attn_mask")
 @pytest.mark.parametrize("grads", [False, True], ids=["inference", "training"])
 def test_wavlm_short_inputs_run_transformers_attention(monkeypatch, grads):
-    """Below hf.WAVLM_MIN_LENGTH frames (the entry for whether autograd records) a fused WavLM
+    """Below ``wavlm_min_length`` frames (its entry for whether autograd records) a fused WavLM
     runs transformers' attention, bitwise the unfused model's, gradients included; from it on,
-    rel_attention."""
-    model, fused = _wavlm_pair(False)
+    rel_attention. The default is hf.WAVLM_MIN_LENGTH."""
     calls = []
     rel_attention = hf.ops.rel_attention
     monkeypatch.setattr(hf.ops, "rel_attention",
                         lambda *a, **kw: calls.append(1) or rel_attention(*a, **kw))
     audio = torch.randn(2, 2000, dtype=torch.float64)
     mode, other = ("training", "inference") if grads else ("inference", "training")
-    for length, fused_calls in [(99, 0), (98, 2)]:
-        monkeypatch.setattr(hf, "WAVLM_MIN_LENGTH", {mode: length, other: 0 if length > 98 else 999})
+    for length, fused_calls in [(99, 0), (98, 2), (None, 0)]:
+        limits = None if length is None else {mode: length, other: 0 if length > 98 else 999}
+        model, fused = _wavlm_pair(False, min_length=limits)
+        if length is None:
+            assert fused.encoder.layers[0].attention._relpos_min_length == hf.WAVLM_MIN_LENGTH
+            with pytest.raises(ValueError, match="wavlm_min_length takes the keys"):
+                hf.use_fused_attention(fused, wavlm_min_length={"train": 0})
         calls.clear()
         with torch.set_grad_enabled(grads):
             got = fused(audio).last_hidden_state
@@ -1424,7 +1427,7 @@ def test_wavlm_short_inputs_run_transformers_attention(monkeypatch, grads):
 
 @pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask and attn_mask")
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
-def test_wavlm_half_precision_no_less_accurate_than_transformers(half, fuse_short_wavlm):
+def test_wavlm_half_precision_no_less_accurate_than_transformers(half):
     """A bfloat16 / float16 WavLM attention layer (the first, which makes the bias; weights,
     table and gates of unit-ish scale, so that the attention, not the input's rounding, sets the
     error; q's gate column is rounded to that dtype too), with padding: against float64, the
@@ -1445,7 +1448,7 @@ def test_wavlm_half_precision_no_less_accurate_than_transformers(half, fuse_shor
         exact = run(torch.float64)
         module.to(half)
         theirs = run(half)
-        assert hf.use_fused_attention(module) == [""]
+        assert hf.use_fused_attention(module, wavlm_min_length=FUSE_EVERY_LENGTH) == [""]
         ours = run(half)
     err_theirs = (theirs - exact)[keep].abs().max().item()
     err_ours = (ours - exact)[keep].abs().max().item()

@@ -72,8 +72,9 @@ layer builds the bias as ``[B H, L, L]`` for the whole stack, each layer gates i
 the first layer makes the ``[H, 1601]`` table, and the gated bias is ``q . rel_k`` with one more
 feature: ``q`` gains a column ``gate / scaling``, ``rel_k`` is the table in that column (zeros
 elsewhere), ``k`` and ``v`` gain zeros (head dimension 64 -> 65). That extra feature costs a band
-matmul per query tile that a plain bias does not, so below :data:`WAVLM_MIN_LENGTH` frames, where
-transformers' own attention is as fast or faster, the fused layers call it instead.
+matmul per query tile that a plain bias does not, so below ``wavlm_min_length`` frames
+(:func:`use_fused_attention`; :data:`WAVLM_MIN_LENGTH` by default), where transformers' own
+attention is as fast or faster, the fused layers call it instead.
 
 Parakeet (NVIDIA's FastConformer ASR encoders: ``ParakeetForCTC``, ``ParakeetForRNNT``,
 ``ParakeetForTDT``, ``ParakeetEncoder``; transformers' ``modeling_parakeet.py``
@@ -100,6 +101,7 @@ attributes, so the package does not depend on it.
 from __future__ import annotations
 
 import types
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
@@ -111,15 +113,15 @@ from .positions import deberta_buckets, deberta_max_distance, t5_bias_table
 __all__ = ["SUPPORTED_CLASSES", "apply_rotary_pos_emb", "apply_rotary_pos_emb_single",
            "WAVLM_MIN_LENGTH", "transformer_xl_inputs", "use_fused_attention"]
 
-#: The shortest input (frames, 50 per second of audio) for which a fused WavLM encoder runs
-#: rel_attention; shorter inputs run transformers' own attention, bitwise as unfused. The fused
+#: The default ``wavlm_min_length`` of :func:`use_fused_attention`: the shortest input (frames, 50
+#: per second of audio) for which a fused WavLM encoder runs rel_attention, without and with
+#: autograd recording; shorter inputs run transformers' own attention, bitwise as unfused. The fused
 #: form's extra query feature costs it a band matmul that the crossover reflects: on
 #: wavlm-base-plus's encoder (``bench_hf.py --position wavlm``, 2-core Zen 4, float32, one or two
 #: runs per length) it ran 0.95-0.99x transformers' speed at 250-400 frames and 1.02-1.16x at
 #: 500-600 without gradients; with autograd recording ("training"), 0.86-0.97x up to 600 frames,
-#: 0.98-1.04x at 800 and 1.12-1.14x at 1000. Set an entry to 0 to fuse every length, or to a
-#: large number to fuse none.
-WAVLM_MIN_LENGTH = {"inference": 500, "training": 1000}
+#: 0.98-1.04x at 800 and 1.12-1.14x at 1000.
+WAVLM_MIN_LENGTH: Mapping[str, int] = types.MappingProxyType({"inference": 500, "training": 1000})
 
 # transformers attention classes -> the position types whose forward use_fused_attention replaces
 # (the module's position_embeddings_type; None: the class has no such attribute, one fixed type)
@@ -653,13 +655,13 @@ def _fused_wavlm_forward(
     gain zeros (head dimension D + 1). ``attention_mask``: ``[B, L]``, 1 = kept frame. Returns
     ``(output, None, table)``. ``output_attentions``, or a ``[B H, L, L]`` position_bias (an
     unfused first layer), run transformers' forward (on the bias expanded from the table). So
-    does a first layer given fewer than :data:`WAVLM_MIN_LENGTH` frames; its ``[B H, L, L]``
-    bias then sends the other layers there too."""
+    does a first layer given fewer than ``_relpos_min_length`` frames (use_fused_attention's
+    ``wavlm_min_length``); its ``[B H, L, L]`` bias then sends the other layers there too."""
     table = position_bias
     if table is None and hasattr(self, "rel_attn_embed"):
         grads = torch.is_grad_enabled() and (hidden_states.requires_grad or any(
             p.requires_grad for p in self.parameters()))
-        if hidden_states.shape[1] < WAVLM_MIN_LENGTH["training" if grads else "inference"]:
+        if hidden_states.shape[1] < self._relpos_min_length["training" if grads else "inference"]:
             return type(self).forward(self, hidden_states, attention_mask, None, index, **kwargs)
         table = t5_bias_table(self.rel_attn_embed.weight, True, self.max_distance)
     if kwargs.get("output_attentions") or table is None or table.dim() != 2:
@@ -692,7 +694,8 @@ def _is_deberta_v2(module: nn.Module) -> bool:
             and type(module).__module__.endswith("modeling_deberta_v2"))
 
 
-def use_fused_attention(model: nn.Module) -> list[str]:
+def use_fused_attention(model: nn.Module,
+                        wavlm_min_length: Mapping[str, int] | None = None) -> list[str]:
     """Route every supported relative-position attention module of ``model`` through
     :func:`relpos_ext.rel_attention`, in place; returns the names of the modules changed.
 
@@ -700,13 +703,19 @@ def use_fused_attention(model: nn.Module) -> list[str]:
     rotary positions, are left alone). The outputs match transformers' eager attention to float
     rounding, except on a query row whose every key is masked (ours gives zeros there, as
     FastSpeech2-Conformer does). A call with ``output_attentions`` runs transformers' own
-    forward, which forms the weights (O(L^2) memory); so does a WavLM input shorter than
-    :data:`WAVLM_MIN_LENGTH`, where that is faster.
+    forward, which forms the weights (O(L^2) memory).
+    ``wavlm_min_length``: ``{"inference": frames, "training": frames}``, the shortest WavLM input
+    that runs fused, without and with autograd recording (a key left out, or None: that of
+    :data:`WAVLM_MIN_LENGTH`, the crossovers measured here); shorter ones run transformers'
+    attention, faster there. 0 fuses every length.
     Call it after loading the weights; ``model.to(...)`` works before or after. The swap is an
     instance attribute: ``del module.forward`` gives a module its own back (an MPNet encoder's
     is ``compute_position_bias``; give it back, or a SpeechT5 positional encoding's ``forward``,
     together with its layers' ``forward``).
     """
+    if wavlm_min_length is not None and not set(wavlm_min_length) <= set(WAVLM_MIN_LENGTH):
+        raise ValueError(f"wavlm_min_length takes the keys {sorted(WAVLM_MIN_LENGTH)}; got "
+                         f"{sorted(wavlm_min_length)}")
     changed = []
     for name, module in model.named_modules():
         cls = type(module).__name__
@@ -723,6 +732,8 @@ def use_fused_attention(model: nn.Module) -> list[str]:
             if module.relative_attention:
                 module._relpos_max_distance = deberta_max_distance(
                     module.position_buckets, module.max_relative_positions)
+        if cls == "WavLMAttention":
+            module._relpos_min_length = {**WAVLM_MIN_LENGTH, **(wavlm_min_length or {})}
         if cls == "SpeechT5Attention" and module.is_decoder:
             continue  # the decoder's self- and cross-attention have no relative positions
         if cls == "VitsAttention" and not module.window_size:
