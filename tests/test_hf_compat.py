@@ -1453,3 +1453,39 @@ def test_wavlm_half_precision_no_less_accurate_than_transformers(half):
     err_theirs = (theirs - exact)[keep].abs().max().item()
     err_ours = (ours - exact)[keep].abs().max().item()
     assert 0 < err_ours <= 1.5 * err_theirs + 1e-6, (err_ours, err_theirs)
+
+
+@pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask and attn_mask")
+@pytest.mark.parametrize("head", ["WavLMForCTC", "WavLMForSequenceClassification",
+                                  "WavLMForXVector"])
+def test_wavlm_task_heads_with_gradient_checkpointing(head, monkeypatch):
+    """The fused attention inside WavLM's task heads, trained with gradient checkpointing (each
+    encoder layer re-run in the backward, the first returning the table): float64 loss and every
+    gradient equal transformers'."""
+    config = transformers.WavLMConfig(
+        hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4, num_buckets=16, max_bucket_distance=40, layerdrop=0.0,
+        vocab_size=12, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        feat_proj_dropout=0.0, final_dropout=0.0, mask_time_prob=0.0)
+    torch.manual_seed(0)
+    make = getattr(transformers, head)
+    model = make(config).double().train()
+    fused = make(config).double().train()
+    fused.load_state_dict(model.state_dict())
+    assert len(hf.use_fused_attention(fused, wavlm_min_length=FUSE_EVERY_LENGTH)) == 2
+    for m in (model, fused):
+        m.activation_checkpointing_enable()
+    audio = torch.randn(2, 2000, dtype=torch.float64)
+    labels = torch.randint(1, 12, (2, 10)) if head == "WavLMForCTC" else torch.tensor([0, 1])
+    calls = []
+    rel_attention = hf.ops.rel_attention
+    monkeypatch.setattr(hf.ops, "rel_attention",
+                        lambda *a, **kw: calls.append(1) or rel_attention(*a, **kw))
+    want = model(audio, labels=labels).loss
+    got = fused(audio, labels=labels).loss
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    want.backward()
+    got.backward()
+    assert len(calls) == 4  # two layers, each run again in the backward
+    _assert_same_grads(fused, model)
