@@ -38,6 +38,8 @@ T5's bias, 320 buckets up to 800, gated per query; transformers' only form, whic
 attention weights), on L frames of its feature encoder's output (50 per second), the last 5%
 padded; fused at every length (``use_fused_attention``'s ``wavlm_min_length`` 0; its default,
 ``hf.WAVLM_MIN_LENGTH``, below which inputs stay unfused, is set from this crossover).
+``--position wavlm_large``: the same at wavlm-large's size (24 layers, E=1024, H=16, D=64, FFN
+4096, pre-norm: ``WavLMEncoderStableLayerNorm``).
 Three forms:
 
 * ``eager`` -- transformers' eager attention (``attn_implementation="eager"``): relative_key
@@ -65,6 +67,7 @@ Usage::
     python benchmarks/bench_hf.py --position speecht5   # -> bench_hf_speecht5.json
     python benchmarks/bench_hf.py --position vits -L 100 500 1000 4000   # -> bench_hf_vits.json
     python benchmarks/bench_hf.py --position wavlm -L 250 500 800 1000 2000 4000   # -> bench_hf_wavlm.json
+    python benchmarks/bench_hf.py --position wavlm_large -L 500 1000 1500   # -> bench_hf_wavlm_large.json
     python benchmarks/bench_hf.py -L 500 1000 --out /tmp/h.json
 """
 
@@ -88,6 +91,7 @@ MODES = ("inference", "train")
 T5_EMBED, T5_HEADS = 768, 12
 PARAKEET_EMBED, PARAKEET_HEADS = 1024, 8
 MPNET_LAYERS, MPNET_FFN = 12, 3072
+WAVLM_LARGE = (1024, 16, 24, 4096)  # wavlm-large: E, H, layers, FFN
 SPEECHT5_MAX_DISTANCE = 160  # encoder_max_relative_position
 VITS_EMBED, VITS_HEADS, VITS_WINDOW = 192, 2, 4
 
@@ -106,9 +110,10 @@ def live_gib(method: str, mode: str, length: int, position: str, batch: int = 1)
         gather = length * length * (T5_EMBED // T5_HEADS) * 4
         return (2 * gather + MPNET_LAYERS * per_layer if mode == "train"
                 else gather + per_layer) / 2**30
-    if position == "wavlm":  # [B H, L, L] bias, gated bias, scores and weights per layer
-        per_layer = 4 * T5_HEADS * length * length * 4
-        return per_layer * (MPNET_LAYERS if mode == "train" else 1) / 2**30
+    if position in ("wavlm", "wavlm_large"):  # [B H, L, L] bias, gated bias, scores, weights
+        heads, layers = WAVLM_LARGE[1:3] if position == "wavlm_large" else (T5_HEADS, MPNET_LAYERS)
+        per_layer = 4 * heads * length * length * 4
+        return per_layer * (layers if mode == "train" else 1) / 2**30
     if position == "vits":  # [H, L, 2L - 1] relative logits and probabilities, [H, L, L] scores
         return 7 * VITS_HEADS * length * length * 4 * (2 if mode == "train" else 1) / 2**30
     if position == "t5":
@@ -144,8 +149,8 @@ def _layer(method: str, length: int, position: str, batch: int = 1, encoder: boo
         return _speecht5_encoder(method, length)
     if position == "vits":
         return _vits_layer(method, length)
-    if position == "wavlm":
-        return _wavlm_encoder(method, length)
+    if position in ("wavlm", "wavlm_large"):
+        return _wavlm_encoder(method, length, position == "wavlm_large")
     if position in ("parakeet", "nemotron"):
         if encoder:
             return _fastconformer_encoder(method, length, position == "nemotron")
@@ -341,24 +346,27 @@ def _speecht5_encoder(method: str, length: int):
             {"attention_mask": keep}, torch.randn(1, length, T5_EMBED))
 
 
-def _wavlm_encoder(method: str, length: int):
-    """wavlm-base-plus's WavLMEncoder (the stack after its feature encoder and projection),
-    random weights, on L frames with the last 5% padded (its ``[B, L]`` bool mask)."""
+def _wavlm_encoder(method: str, length: int, large: bool):
+    """wavlm-base-plus's WavLMEncoder (the stack after its feature encoder and projection), or
+    wavlm-large's pre-norm WavLMEncoderStableLayerNorm, random weights, on L frames with the
+    last 5% padded (its ``[B, L]`` bool mask)."""
     import transformers
     from transformers.models.wavlm import modeling_wavlm as wavlm
 
     import relpos_ext.hf
 
+    embed, heads, layers, ffn = WAVLM_LARGE if large else (T5_EMBED, T5_HEADS, MPNET_LAYERS,
+                                                           MPNET_FFN)
     config = transformers.WavLMConfig(
-        hidden_size=T5_EMBED, num_attention_heads=T5_HEADS, num_hidden_layers=MPNET_LAYERS,
-        intermediate_size=MPNET_FFN, hidden_dropout=0.0, attention_dropout=0.0,
-        activation_dropout=0.0, layerdrop=0.0)
-    model = wavlm.WavLMEncoder(config).eval()
+        hidden_size=embed, num_attention_heads=heads, num_hidden_layers=layers,
+        intermediate_size=ffn, hidden_dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, layerdrop=0.0, do_stable_layer_norm=large)
+    model = (wavlm.WavLMEncoderStableLayerNorm if large else wavlm.WavLMEncoder)(config).eval()
     if method == "fused":  # the fused form at every length, below hf.WAVLM_MIN_LENGTH too
         relpos_ext.hf.use_fused_attention(model, wavlm_min_length={"inference": 0, "training": 0})
     keep = (torch.arange(length) < length - length // 20)[None]
-    return (_LastHidden(model, "hidden_states", clone=True), torch.randn(1, length, T5_EMBED),
-            {"attention_mask": keep}, torch.randn(1, length, T5_EMBED))
+    return (_LastHidden(model, "hidden_states", clone=True), torch.randn(1, length, embed),
+            {"attention_mask": keep}, torch.randn(1, length, embed))
 
 
 def _vits_layer(method: str, length: int):
@@ -416,7 +424,8 @@ def check(length: int, position: str, batch: int = 1, encoder: bool = False) -> 
 def _methods(position: str, encoder: bool = False) -> tuple[str, ...]:
     if position == "nemotron" or encoder:
         return ("fused", "sdpa")
-    return (("fused", "eager") if position in ("deberta", "mpnet", "speecht5", "vits", "wavlm")
+    return (("fused", "eager") if position in ("deberta", "mpnet", "speecht5", "vits", "wavlm",
+                                              "wavlm_large")
             else METHODS)
 
 
@@ -432,10 +441,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sequence lengths (default 500 1000 2000 4000; --encoder: 750 3000)")
     p.add_argument("--position",
                    choices=["relative_key", "relative", "t5", "deberta", "mpnet", "parakeet",
-                            "nemotron", "speecht5", "vits", "wavlm"],
+                            "nemotron", "speecht5", "vits", "wavlm", "wavlm_large"],
                    default="relative_key",
                    help="position_embeddings_type (default relative_key), or t5, deberta, "
-                        "mpnet, parakeet, nemotron, speecht5, vits, wavlm")
+                        "mpnet, parakeet, nemotron, speecht5, vits, wavlm, wavlm_large")
     p.add_argument("--encoder", action="store_true",
                    help="parakeet, nemotron: the whole encoder at its default size, forward only")
     p.add_argument("--batch", "-B", type=int, default=1,
@@ -484,11 +493,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"transformers {transformers.__version__}; SpeechT5Encoder {MPNET_LAYERS} layers "
               f"E={embed} H={heads} D={embed // heads} FFN={MPNET_FFN}, Shaw keys clipped to "
               f"[-{SPEECHT5_MAX_DISTANCE - 1}, {SPEECHT5_MAX_DISTANCE}], float32, B=1")
-    elif args.position == "wavlm":
-        embed, heads = T5_EMBED, T5_HEADS
-        print(f"transformers {transformers.__version__}; WavLMEncoder {MPNET_LAYERS} layers "
-              f"E={embed} H={heads} D={embed // heads} FFN={MPNET_FFN}, T5 bias (320 buckets, "
-              f"max distance 800) gated per query, float32, B=1")
+    elif args.position in ("wavlm", "wavlm_large"):
+        large = args.position == "wavlm_large"
+        embed, heads, layers, ffn = WAVLM_LARGE if large else (T5_EMBED, T5_HEADS, MPNET_LAYERS,
+                                                               MPNET_FFN)
+        print(f"transformers {transformers.__version__}; WavLMEncoder"
+              f"{'StableLayerNorm' if large else ''} {layers} layers E={embed} H={heads} "
+              f"D={embed // heads} FFN={ffn}, T5 bias (320 buckets, max distance 800) gated per "
+              f"query, float32, B=1")
     elif args.position == "vits":
         embed, heads = VITS_EMBED, VITS_HEADS
         print(f"transformers {transformers.__version__}; VitsAttention E={embed} H={heads} "
