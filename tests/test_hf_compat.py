@@ -101,6 +101,15 @@ def _padding_mask(lengths, length, dtype):
     return mask.masked_fill(~keep[:, None, None, :], torch.finfo(dtype).min)
 
 
+def _assert_same_grads(fused, model, **tol):
+    """Every parameter's gradient in the fused model equals the one in transformers' (default
+    tolerance: float64's)."""
+    tol = tol or dict(atol=1e-10, rtol=1e-8)
+    for (name, p), q in zip(fused.named_parameters(), model.parameters(), strict=True):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, **tol, msg=name)
+
+
 def _grads(module, x, out, upstream):
     (out * upstream).sum().backward()
     return [x.grad.clone()] + [p.grad.clone() for p in module.parameters()]
@@ -244,9 +253,7 @@ def test_whole_model_matches_transformers(impl):
     torch.testing.assert_close(got[1, :21], exp[1, :21], atol=2e-5, rtol=2e-5)
     exp[1, :21].square().sum().backward()
     got[1, :21].square().sum().backward()
-    for (name, p), q in zip(fused.named_parameters(), model.parameters()):
-        if q.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, atol=5e-5, rtol=5e-5, msg=name)
+    _assert_same_grads(fused, model, atol=5e-5, rtol=5e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -295,9 +302,7 @@ def test_whole_transformer_xl_model_matches_transformers():
     torch.testing.assert_close(got, exp, atol=1e-10, rtol=1e-10)
     exp.square().sum().backward()
     got.square().sum().backward()
-    for (name, p), q in zip(fused.named_parameters(), model.parameters()):
-        if q.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, atol=1e-10, rtol=1e-8, msg=name)
+    _assert_same_grads(fused, model)
 
 
 def test_other_position_types_left_alone():
@@ -435,9 +440,7 @@ def test_t5_model_matches_transformers(cls_name, impl):
                                atol=1e-10, rtol=1e-10)
     exp.last_hidden_state[dec_keep].square().sum().backward()
     got.last_hidden_state[dec_keep].square().sum().backward()
-    for (name, p), q in zip(fused.named_parameters(), model.parameters()):
-        if q.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, atol=1e-9, rtol=1e-8, msg=name)
+    _assert_same_grads(fused, model, atol=1e-9, rtol=1e-8)
 
 
 def test_t5_generation_and_attention_outputs_unchanged():
@@ -522,9 +525,7 @@ def test_deberta_v2_model_matches_transformers(variant):
     torch.testing.assert_close(got[k], exp[k], atol=1e-10, rtol=1e-10)
     exp[k].square().sum().backward()
     got[k].square().sum().backward()
-    for (name, p), q in zip(fused.named_parameters(), model.parameters()):
-        if q.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, atol=1e-9, rtol=1e-8, msg=name)
+    _assert_same_grads(fused, model, atol=1e-9, rtol=1e-8)
 
 
 def test_deberta_v2_float32_and_attention_outputs():
@@ -616,12 +617,9 @@ def test_umt5_model_matches_transformers(impl):
     torch.testing.assert_close(got_dec[dec_keep], exp_dec[dec_keep], atol=1e-10, rtol=1e-10)
     exp_dec[dec_keep].square().sum().backward()
     got_dec[dec_keep].square().sum().backward()
-    biases = 0
-    for (name, p), q in zip(fused.named_parameters(), model.parameters()):
-        if q.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, atol=1e-9, rtol=1e-8, msg=name)
-            biases += name.endswith("relative_attention_bias.weight")
-    assert biases == 4
+    _assert_same_grads(fused, model, atol=1e-9, rtol=1e-8)
+    assert sum(name.endswith("relative_attention_bias.weight") and p.grad is not None
+               for name, p in model.named_parameters()) == 4
     gen = dict(input_ids=src[:, :60], attention_mask=src_keep[:, :60], max_new_tokens=8,
                do_sample=False)
     assert torch.equal(fused.generate(**gen), model.generate(**gen))
@@ -676,9 +674,7 @@ def test_mpnet_model_matches_transformers(whole):
     upstream = torch.randn_like(exp[k])  # not square().sum(): LayerNorm makes that constant
     (exp[k] * upstream).sum().backward()
     (got[k] * upstream).sum().backward()
-    for (name, p), q in zip(fused.named_parameters(), model.parameters()):
-        if q.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, atol=1e-9, rtol=1e-8, msg=name)
+    _assert_same_grads(fused, model, atol=1e-9, rtol=1e-8)
     assert model.encoder.relative_attention_bias.weight.grad.abs().sum() > 0
 
 
@@ -755,15 +751,6 @@ def test_parakeet_attention_matches_transformers(length, dtype, impl):
     _check_swap(module, x, position_embeddings=pos, attention_mask=mask)
     with pytest.raises(ValueError, match=r"position_embeddings must be \[B, 2L - 1, E\]"):
         module(x, position_embeddings=pos[:, 1:], attention_mask=mask)
-
-
-def _assert_same_grads(fused, model, **tol):
-    """Every parameter's gradient in the fused model equals the one in transformers' (default
-    tolerance: float64's)."""
-    tol = tol or dict(atol=1e-10, rtol=1e-8)
-    for (name, p), q in zip(fused.named_parameters(), model.parameters(), strict=True):
-        if q.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, **tol, msg=name)
 
 
 def _check_padded_encoder(model, fused, frames, **call_kw):
