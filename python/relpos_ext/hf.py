@@ -218,11 +218,13 @@ def transformer_xl_inputs(
     return q + u[:, None, :], rel_bias
 
 
-def _heads(self: nn.Module, hidden_states: Tensor, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The module's q, k, v projections of ``[B, L, E]`` as ``[B, H, L, head_dim]``."""
+def _heads(hidden_states: Tensor, projections: tuple[nn.Module, nn.Module, nn.Module],
+           heads: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The q, k, v ``projections`` of ``[B, L, E]`` as ``[B, H, L, head_dim]``."""
     batch, length, _ = hidden_states.shape
-    return tuple(proj(hidden_states).view(batch, length, self.num_heads, head_dim).transpose(1, 2)
-                 for proj in (self.linear_q, self.linear_k, self.linear_v))
+    q, k, v = (proj(hidden_states).view(batch, length, heads, head_dim).transpose(1, 2)
+               for proj in projections)
+    return q, k, v
 
 
 def _merge(self: nn.Module, out: Tensor, head_dim: int) -> Tensor:
@@ -265,7 +267,8 @@ def _fused_forward(
         return type(self).forward(self, hidden_states, attention_mask,
                                   relative_position_embeddings, **kwargs)
     length = hidden_states.shape[1]
-    q, k, v = _heads(self, hidden_states, self.head_size)
+    q, k, v = _heads(hidden_states, (self.linear_q, self.linear_k, self.linear_v),
+                     self.num_heads, self.head_size)
     if self.position_embeddings_type == "relative_key":
         left, right = self.left_max_position_embeddings, self.right_max_position_embeddings
         table = clipped_table(self.distance_embedding.weight, left, right).to(q.dtype)
@@ -294,7 +297,8 @@ def _fused_espnet_forward(
     if output_attentions:
         return type(self).forward(self, hidden_states, attention_mask, pos_emb, output_attentions)
     batch, length, _ = hidden_states.shape
-    q, k, v = _heads(self, hidden_states, self.head_dim)
+    q, k, v = _heads(hidden_states, (self.linear_q, self.linear_k, self.linear_v),
+                     self.num_heads, self.head_dim)
     table = _xl_table(self, pos_emb, length, q.dtype)
     scale = self.dim_key ** -0.5
     q, bias = transformer_xl_inputs(q, table, self.pos_bias_u, self.pos_bias_v, scale)
@@ -408,8 +412,7 @@ def _self_attention(hidden_states: Tensor, projections: tuple[nn.Module, nn.Modu
     (K read from their ``2K + 1`` rows; none: K = 0); ``mask``: transformers' attention
     mask."""
     batch, length, _ = hidden_states.shape
-    q, k, v = (proj(hidden_states).view(batch, length, heads, dim).transpose(1, 2)
-               for proj in projections)
+    q, k, v = _heads(hidden_states, projections, heads, dim)
     rows = (rel_bias.shape[-1] if rel_bias is not None else rel_k.shape[-2] if rel_k is not None
             else rel_v.shape[-2] if rel_v is not None else 1)
     rel_k, rel_v, rel_bias = (None if t is None else t.to(q.dtype)
@@ -486,8 +489,7 @@ def _fused_deberta_forward(
                                   query_states, relative_pos, rel_embeddings)
     batch, length, _ = hidden_states.shape
     heads, dim = self.num_attention_heads, self.attention_head_size
-    q, k, v = (proj(hidden_states).view(batch, length, heads, dim).transpose(1, 2)
-               for proj in (self.query_proj, self.key_proj, self.value_proj))
+    q, k, v = _heads(hidden_states, (self.query_proj, self.key_proj, self.value_proj), heads, dim)
     rel_k = rel_q = None
     kmax = 0
     if self.relative_attention and rel_embeddings is not None:
@@ -667,15 +669,12 @@ def _fused_wavlm_forward(
     if kwargs.get("output_attentions") or table is None or table.dim() != 2:
         if table is not None and table.dim() == 2:  # as transformers' [B H, L, L] bias
             batch, length, _ = hidden_states.shape
-            buckets = reference.shaw_buckets(length, length, table.shape[-1] // 2,
-                                             device=table.device)
-            table = table[:, buckets].repeat(batch, 1, 1)
+            table = _per_pair(table, length, 1).repeat(batch, 1, 1)
         return type(self).forward(self, hidden_states, attention_mask, table, index, **kwargs)
     batch, length, _ = hidden_states.shape
     heads, dim = self.num_heads, self.head_dim
     gate = _wavlm_gate(self, hidden_states)
-    q, k, v = (proj(hidden_states).view(batch, length, heads, dim).transpose(1, 2)
-               for proj in (self.q_proj, self.k_proj, self.v_proj))
+    q, k, v = _heads(hidden_states, (self.q_proj, self.k_proj, self.v_proj), heads, dim)
     q = torch.cat([q, (gate / self.scaling).to(q.dtype)[..., None]], dim=-1)
     k, v = (nn.functional.pad(t, (0, 1)) for t in (k, v))
     rel_k = nn.functional.pad(table.to(q.dtype)[..., None], (dim, 0))
