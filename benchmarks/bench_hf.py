@@ -91,7 +91,9 @@ MODES = ("inference", "train")
 T5_EMBED, T5_HEADS = 768, 12
 PARAKEET_EMBED, PARAKEET_HEADS = 1024, 8
 MPNET_LAYERS, MPNET_FFN = 12, 3072
-WAVLM_LARGE = (1024, 16, 24, 4096)  # wavlm-large: E, H, layers, FFN
+# E, H, layers, FFN: wavlm-base-plus's and wavlm-large's encoders
+WAVLM_SIZES = {"wavlm": (T5_EMBED, T5_HEADS, MPNET_LAYERS, MPNET_FFN),
+               "wavlm_large": (1024, 16, 24, 4096)}
 SPEECHT5_MAX_DISTANCE = 160  # encoder_max_relative_position
 VITS_EMBED, VITS_HEADS, VITS_WINDOW = 192, 2, 4
 
@@ -110,8 +112,8 @@ def live_gib(method: str, mode: str, length: int, position: str, batch: int = 1)
         gather = length * length * (T5_EMBED // T5_HEADS) * 4
         return (2 * gather + MPNET_LAYERS * per_layer if mode == "train"
                 else gather + per_layer) / 2**30
-    if position in ("wavlm", "wavlm_large"):  # [B H, L, L] bias, gated bias, scores, weights
-        heads, layers = WAVLM_LARGE[1:3] if position == "wavlm_large" else (T5_HEADS, MPNET_LAYERS)
+    if position in WAVLM_SIZES:  # [B H, L, L] bias, gated bias, scores, weights
+        _, heads, layers, _ = WAVLM_SIZES[position]
         per_layer = 4 * heads * length * length * 4
         return per_layer * (layers if mode == "train" else 1) / 2**30
     if position == "vits":  # [H, L, 2L - 1] relative logits and probabilities, [H, L, L] scores
@@ -149,8 +151,8 @@ def _layer(method: str, length: int, position: str, batch: int = 1, encoder: boo
         return _speecht5_encoder(method, length)
     if position == "vits":
         return _vits_layer(method, length)
-    if position in ("wavlm", "wavlm_large"):
-        return _wavlm_encoder(method, length, position == "wavlm_large")
+    if position in WAVLM_SIZES:
+        return _wavlm_encoder(method, length, position)
     if position in ("parakeet", "nemotron"):
         if encoder:
             return _fastconformer_encoder(method, length, position == "nemotron")
@@ -346,7 +348,7 @@ def _speecht5_encoder(method: str, length: int):
             {"attention_mask": keep}, torch.randn(1, length, T5_EMBED))
 
 
-def _wavlm_encoder(method: str, length: int, large: bool):
+def _wavlm_encoder(method: str, length: int, position: str):
     """wavlm-base-plus's WavLMEncoder (the stack after its feature encoder and projection), or
     wavlm-large's pre-norm WavLMEncoderStableLayerNorm, random weights, on L frames with the
     last 5% padded (its ``[B, L]`` bool mask)."""
@@ -355,8 +357,8 @@ def _wavlm_encoder(method: str, length: int, large: bool):
 
     import relpos_ext.hf
 
-    embed, heads, layers, ffn = WAVLM_LARGE if large else (T5_EMBED, T5_HEADS, MPNET_LAYERS,
-                                                           MPNET_FFN)
+    embed, heads, layers, ffn = WAVLM_SIZES[position]
+    large = position == "wavlm_large"
     config = transformers.WavLMConfig(
         hidden_size=embed, num_attention_heads=heads, num_hidden_layers=layers,
         intermediate_size=ffn, hidden_dropout=0.0, attention_dropout=0.0,
@@ -424,8 +426,7 @@ def check(length: int, position: str, batch: int = 1, encoder: bool = False) -> 
 def _methods(position: str, encoder: bool = False) -> tuple[str, ...]:
     if position == "nemotron" or encoder:
         return ("fused", "sdpa")
-    return (("fused", "eager") if position in ("deberta", "mpnet", "speecht5", "vits", "wavlm",
-                                              "wavlm_large")
+    return (("fused", "eager") if position in ("deberta", "mpnet", "speecht5", "vits", *WAVLM_SIZES)
             else METHODS)
 
 
@@ -441,7 +442,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sequence lengths (default 500 1000 2000 4000; --encoder: 750 3000)")
     p.add_argument("--position",
                    choices=["relative_key", "relative", "t5", "deberta", "mpnet", "parakeet",
-                            "nemotron", "speecht5", "vits", "wavlm", "wavlm_large"],
+                            "nemotron", "speecht5", "vits", *WAVLM_SIZES],
                    default="relative_key",
                    help="position_embeddings_type (default relative_key), or t5, deberta, "
                         "mpnet, parakeet, nemotron, speecht5, vits, wavlm, wavlm_large")
@@ -493,14 +494,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"transformers {transformers.__version__}; SpeechT5Encoder {MPNET_LAYERS} layers "
               f"E={embed} H={heads} D={embed // heads} FFN={MPNET_FFN}, Shaw keys clipped to "
               f"[-{SPEECHT5_MAX_DISTANCE - 1}, {SPEECHT5_MAX_DISTANCE}], float32, B=1")
-    elif args.position in ("wavlm", "wavlm_large"):
-        large = args.position == "wavlm_large"
-        embed, heads, layers, ffn = WAVLM_LARGE if large else (T5_EMBED, T5_HEADS, MPNET_LAYERS,
-                                                               MPNET_FFN)
-        print(f"transformers {transformers.__version__}; WavLMEncoder"
-              f"{'StableLayerNorm' if large else ''} {layers} layers E={embed} H={heads} "
-              f"D={embed // heads} FFN={ffn}, T5 bias (320 buckets, max distance 800) gated per "
-              f"query, float32, B=1")
+    elif args.position in WAVLM_SIZES:
+        embed, heads, layers, ffn = WAVLM_SIZES[args.position]
+        norm = "StableLayerNorm" if args.position == "wavlm_large" else ""
+        print(f"transformers {transformers.__version__}; WavLMEncoder{norm} {layers} layers "
+              f"E={embed} H={heads} D={embed // heads} FFN={ffn}, T5 bias (320 buckets, max "
+              f"distance 800) gated per query, float32, B=1")
     elif args.position == "vits":
         embed, heads = VITS_EMBED, VITS_HEADS
         print(f"transformers {transformers.__version__}; VitsAttention E={embed} H={heads} "
