@@ -1297,15 +1297,30 @@ def test_speecht5_vits_table_edges(kind, reach):
 FUSE_EVERY_LENGTH = {"inference": 0, "training": 0}  # the tests' 98 frames are below the default
 
 
+def _wavlm_config(**kw):
+    """A two-layer WavLM of width 32 (4 heads), 16 buckets up to distance 40."""
+    return transformers.WavLMConfig(
+        hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4, num_buckets=16, max_bucket_distance=40, layerdrop=0.0,
+        **kw)
+
+
+def _count_rel_attention(monkeypatch):
+    """A list that gains an entry at every call of rel_attention from hf."""
+    calls = []
+    rel_attention = hf.ops.rel_attention
+    monkeypatch.setattr(hf.ops, "rel_attention",
+                        lambda *a, **kw: calls.append(1) or rel_attention(*a, **kw))
+    return calls
+
+
 def _wavlm_pair(stable, min_length=FUSE_EVERY_LENGTH, **kw):
     """transformers' WavLMModel (two layers, float64, random gate constants) and a fused copy
     with the same weights, fused from ``min_length`` frames on. ``stable``: the pre-norm encoder
     (wavlm-large's)."""
-    config = transformers.WavLMConfig(
-        hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64,
-        conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=16,
-        num_conv_pos_embedding_groups=4, num_buckets=16, max_bucket_distance=40, layerdrop=0.0,
-        do_stable_layer_norm=stable, feat_extract_norm="layer" if stable else "group", **kw)
+    config = _wavlm_config(do_stable_layer_norm=stable,
+                           feat_extract_norm="layer" if stable else "group", **kw)
     torch.manual_seed(0)
     model = transformers.WavLMModel(config).eval().double()
     with torch.no_grad():  # ones in its constructor; vary them per head
@@ -1383,10 +1398,7 @@ def test_wavlm_short_inputs_run_transformers_attention(monkeypatch, grads):
     """Below ``wavlm_min_length`` frames (its entry for whether autograd records) a fused WavLM
     runs transformers' attention, bitwise the unfused model's, gradients included; from it on,
     rel_attention. The default is hf.WAVLM_MIN_LENGTH."""
-    calls = []
-    rel_attention = hf.ops.rel_attention
-    monkeypatch.setattr(hf.ops, "rel_attention",
-                        lambda *a, **kw: calls.append(1) or rel_attention(*a, **kw))
+    calls = _count_rel_attention(monkeypatch)
     audio = torch.randn(2, 2000, dtype=torch.float64)
     mode, other = ("training", "inference") if grads else ("inference", "training")
     for length, fused_calls in [(99, 0), (98, 2), (None, 0)]:
@@ -1449,12 +1461,9 @@ def test_wavlm_task_heads_with_gradient_checkpointing(head, monkeypatch):
     """The fused attention inside WavLM's task heads, trained with gradient checkpointing (each
     encoder layer re-run in the backward, the first returning the table): float64 loss and every
     gradient equal transformers'."""
-    config = transformers.WavLMConfig(
-        hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64,
-        conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=16,
-        num_conv_pos_embedding_groups=4, num_buckets=16, max_bucket_distance=40, layerdrop=0.0,
-        vocab_size=12, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-        feat_proj_dropout=0.0, final_dropout=0.0, mask_time_prob=0.0)
+    config = _wavlm_config(vocab_size=12, hidden_dropout=0.0, attention_dropout=0.0,
+                           activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0,
+                           mask_time_prob=0.0)
     torch.manual_seed(0)
     make = getattr(transformers, head)
     model = make(config).double().train()
@@ -1465,10 +1474,7 @@ def test_wavlm_task_heads_with_gradient_checkpointing(head, monkeypatch):
         m.activation_checkpointing_enable()
     audio = torch.randn(2, 2000, dtype=torch.float64)
     labels = torch.randint(1, 12, (2, 10)) if head == "WavLMForCTC" else torch.tensor([0, 1])
-    calls = []
-    rel_attention = hf.ops.rel_attention
-    monkeypatch.setattr(hf.ops, "rel_attention",
-                        lambda *a, **kw: calls.append(1) or rel_attention(*a, **kw))
+    calls = _count_rel_attention(monkeypatch)
     want = model(audio, labels=labels).loss
     got = fused(audio, labels=labels).loss
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
