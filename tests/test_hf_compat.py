@@ -948,22 +948,34 @@ def test_nemotron_streaming_fallback_and_training_compiles():
 
 
 # (transformers warns that generate's max_length is its default: RNNT decoding ends with the frames)
+# Nemotron 3.5 ASR (nemotron-3.5-asr-streaming) is the same encoder with a language prompt mixed
+# into its output: its own model class and config, the same attention modules
+NEMOTRON_RNNT = {
+    "NemotronAsrStreaming": (transformers.NemotronAsrStreamingConfig, {}),
+    "Nemotron3_5Asr": (transformers.Nemotron3_5AsrConfig,
+                       dict(num_prompts=8, prompt_intermediate_size=16, default_prompt_id=3)),
+}
+
+
 @pytest.mark.filterwarnings("ignore:Using the model-agnostic default `max_length`")
-def test_nemotron_streaming_rnnt_generate():
-    """NemotronAsrStreamingForRNNT.generate, the entry point: streaming from a generator of mel
-    chunks (the encoder's K/V cache between chunks) and offline; the fused model's encoder
-    outputs, chunk by chunk, and token sequences (float64, random weights) equal transformers'
-    (SDPA)."""
+@pytest.mark.parametrize("family", list(NEMOTRON_RNNT))
+def test_nemotron_streaming_rnnt_generate(family):
+    """NemotronAsrStreamingForRNNT.generate and Nemotron3_5AsrForRNNT.generate, the entry points:
+    streaming from a generator of mel chunks (the encoder's K/V cache between chunks) and
+    offline; the fused model's encoder outputs, chunk by chunk, and token sequences (float64,
+    random weights) equal transformers' (SDPA)."""
+    config_class, extra = NEMOTRON_RNNT[family]
+    model_class = getattr(transformers, f"{family}ForRNNT")
     torch.manual_seed(0)
     encoder = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
                    intermediate_size=64, conv_kernel_size=3, subsampling_conv_channels=8,
                    num_mel_bins=16, layerdrop=0.0, sliding_window=11,
                    default_num_lookahead_tokens=NEMOTRON_LOOKAHEAD, attn_implementation="sdpa")
-    config = transformers.NemotronAsrStreamingConfig(
+    config = config_class(
         encoder_config=encoder, vocab_size=12, decoder_hidden_size=16, blank_token_id=11,
-        pad_token_id=11, bos_token_id=11, decoder_start_token_id=11)
-    model = transformers.NemotronAsrStreamingForRNNT(config).eval().double()
-    fused = transformers.NemotronAsrStreamingForRNNT(config).eval().double()
+        pad_token_id=11, bos_token_id=11, decoder_start_token_id=11, **extra)
+    model = model_class(config).eval().double()
+    fused = model_class(config).eval().double()
     fused.load_state_dict(model.state_dict())
     assert len(hf.use_fused_attention(fused)) == 2
     first, rest = 1 + 8 * NEMOTRON_LOOKAHEAD, 8 * (NEMOTRON_LOOKAHEAD + 1)

@@ -85,7 +85,8 @@ is attended (its bool ``[B, 1, L, L]`` mask), and the fused form gives such a fr
 transformers averages every value (its convolution module then zeroes those frames).
 NVIDIA's cache-aware streaming FastConformer (nemotron-speech-streaming:
 ``NemotronAsrStreamingForRNNT``, ``NemotronAsrStreamingEncoder``; its
-``NemotronAsrStreamingEncoderAttention``) is that attention with a sliding-window K/V cache: a
+``NemotronAsrStreamingEncoderAttention``; Nemotron 3.5 ASR's ``Nemotron3_5AsrForRNNT`` has the
+same encoder) is that attention with a sliding-window K/V cache: a
 chunk's queries come after the cached frames (``q_offset``), the table spans cache and chunk,
 and a chunked limited-context mask (each chunk sees itself and a few chunks before) makes the
 ``attn_mask`` block-sparse, so the fused kernels skip its hidden tiles. Offline (a whole
