@@ -1002,6 +1002,102 @@ def test_nemotron_streaming_rnnt_generate(family):
         torch.testing.assert_close(g, e, atol=1e-10, rtol=1e-10)
 
 
+# ---------------------------------------------------- models built around a fused encoder
+# transformers models that build a Parakeet or w2v-BERT 2.0 encoder with AutoModel.from_config:
+# use_fused_attention reaches its attention modules inside them; these tests check that the way
+# each model calls its encoder (masks, generation, no_grad) leaves the results transformers'.
+_ASR_DECODER = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=4, head_dim=8)
+
+
+@pytest.mark.parametrize("family", ["Canary", "CohereAsr"])
+def test_asr_models_with_a_parakeet_encoder(family, monkeypatch):
+    """CanaryForConditionalGeneration and CohereAsrForConditionalGeneration (a Parakeet encoder,
+    a transformer decoder), float64, on a padded batch of log-mel features: the loss (eval mode),
+    every parameter's gradient, and greedy generate's tokens and scores equal transformers'
+    (SDPA), with the encoder's layers through rel_attention."""
+    encoder = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                   intermediate_size=64, conv_kernel_size=3, subsampling_conv_channels=8,
+                   num_mel_bins=16, layerdrop=0.0, attn_implementation="sdpa")
+    if family == "Canary":
+        config = transformers.CanaryConfig(encoder_config=encoder, decoder_config=_ASR_DECODER,
+                                           vocab_size=_ASR_DECODER["vocab_size"])
+    else:
+        config = transformers.CohereAsrConfig(encoder_config=encoder, decoder_start_token_id=7,
+                                              **_ASR_DECODER)
+    model_class = getattr(transformers, f"{family}ForConditionalGeneration")
+    torch.manual_seed(0)
+    model = model_class(config).eval().double()  # (training would draw dropout masks)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, parakeet.ParakeetEncoderAttention):
+                m.bias_u.normal_(0, 0.3)
+                m.bias_v.normal_(0, 0.3)
+    fused = model_class(config).eval().double()
+    fused.load_state_dict(model.state_dict())
+    assert hf.use_fused_attention(fused) == ["model.encoder.layers.0.self_attn",
+                                             "model.encoder.layers.1.self_attn"]
+    calls = _count_rel_attention(monkeypatch)
+    features = torch.randn(2, 400, 16, dtype=torch.float64)
+    keep = torch.ones(2, 400, dtype=torch.long)
+    keep[1, 250:] = 0
+    labels = torch.randint(5, 40, (2, 6))
+    losses = [m(input_features=features, attention_mask=keep, labels=labels).loss
+              for m in (model, fused)]
+    assert len(calls) == 2
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-10, rtol=1e-10)
+    for loss in losses:
+        loss.backward()
+    _assert_same_grads(fused, model)
+    with torch.no_grad():
+        exp, got = (m.generate(input_features=features, attention_mask=keep, max_new_tokens=12,
+                               output_scores=True, return_dict_in_generate=True)
+                    for m in (model, fused))
+    torch.testing.assert_close(got.sequences, exp.sequences, atol=0, rtol=0)
+    assert len(got.scores) == len(exp.scores) == 12
+    assert not torch.allclose(exp.scores[0][0], exp.scores[0][1])  # the audio decides them
+    for g, e in zip(got.scores, exp.scores, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("family", ["NeuCodec", "Xcodec2"])
+def test_codecs_with_a_w2v_bert_encoder(family):
+    """NeuCodecModel.encode and Xcodec2Model.encode (a w2v-BERT 2.0 semantic encoder, run under
+    no_grad, and an acoustic encoder), float64, with a padded feature mask: the semantic
+    encoder's hidden states at the kept frames and the audio codes equal transformers'."""
+    semantic = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                    intermediate_size=64, feature_projection_input_dim=16, output_hidden_size=32,
+                    conv_depthwise_kernel_size=3, left_max_position_embeddings=64,
+                    right_max_position_embeddings=8)
+    # the acoustic encoder's width, 1 * 2**5, must be hidden_size; the quantizer reads both;
+    # weights ~N(0, 0.5), so that the codes are not all one
+    config = getattr(transformers, f"{family}Config")(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=8, semantic_model_config=semantic,
+        encoder_hidden_size=1, quantization_dim=64, initializer_range=0.5)
+    model_class = getattr(transformers, f"{family}Model")
+    torch.manual_seed(0)
+    model = model_class(config).eval().double()
+    fused = model_class(config).eval().double()
+    fused.load_state_dict(model.state_dict())
+    assert hf.use_fused_attention(fused) == ["semantic_encoder.encoder.layers.0.self_attn",
+                                             "semantic_encoder.encoder.layers.1.self_attn"]
+    semantic_out = {model: [], fused: []}
+    for m in (model, fused):
+        m.semantic_encoder.register_forward_hook(
+            lambda mod, args, out, seen=semantic_out[m]: seen.append(out.last_hidden_state))
+    audio = torch.randn(2, 1, 16000, dtype=torch.float64)
+    features = torch.randn(2, 50, 16, dtype=torch.float64)
+    keep = torch.ones(2, 50, dtype=torch.long)
+    keep[1, 40:] = 0
+    exp, got = (m.encode(audio, features, input_features_mask=keep) for m in (model, fused))
+    (e,), (g,) = semantic_out[model], semantic_out[fused]
+    kept = keep.bool()
+    torch.testing.assert_close(g[kept], e[kept], atol=1e-10, rtol=1e-10)
+    assert exp.audio_codes.shape == (2, 1, 50) and len(exp.audio_codes.unique()) > 10
+    torch.testing.assert_close(got.audio_codes, exp.audio_codes, atol=0, rtol=0)
+
+
 # ---------------------------------------------------------------------- SpeechT5
 # encoder_max_relative_position M = 6: distances clipped to [-5, 6] (r = j - i) within L = 37
 def _speecht5_config(**kw):
