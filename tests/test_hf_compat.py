@@ -1060,6 +1060,44 @@ def test_asr_models_with_a_parakeet_encoder(family, monkeypatch):
         torch.testing.assert_close(g, e, atol=1e-10, rtol=1e-10)
 
 
+def test_nemotron_h_omni_audio_tower(monkeypatch):
+    """Nemotron-H Omni's audio tower (a Parakeet encoder in a vision-audio-language model),
+    float64: get_audio_features on a padded batch of clips gives transformers' audio embeddings,
+    with the tower's layers through rel_attention."""
+    from transformers.models.nemotron_h_omni import modeling_nemotron_h_omni as omni
+
+    audio = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64,
+                 conv_kernel_size=3, subsampling_conv_channels=8, num_mel_bins=16, layerdrop=0.0,
+                 attn_implementation="sdpa", projection_hidden_size=32, projection_bias=False)
+    text = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, hybrid_override_pattern="M*",
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=1)
+    vision = dict(video_temporal_patch_size=2, hidden_size=32, num_hidden_layers=1,
+                  num_attention_heads=4, intermediate_size=64)
+    model_class = omni.NemotronH_Omni_Reasoning_V3
+    config = model_class.config_class(audio_config=audio, text_config=text, vision_config=vision,
+                                      projector_hidden_size=32, vision_hidden_size=32)
+    torch.manual_seed(0)
+    model = model_class(config).eval().double()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, parakeet.ParakeetEncoderAttention):
+                m.bias_u.normal_(0, 0.3)
+                m.bias_v.normal_(0, 0.3)
+    fused = model_class(config).eval().double()
+    fused.load_state_dict(model.state_dict())
+    assert hf.use_fused_attention(fused) == ["audio_tower.layers.0.self_attn",
+                                             "audio_tower.layers.1.self_attn"]
+    calls = _count_rel_attention(monkeypatch)
+    features = torch.randn(2, 400, 16, dtype=torch.float64)
+    keep = torch.ones(2, 400, dtype=torch.long)
+    keep[1, 250:] = 0
+    with torch.no_grad():
+        exp, got = (m.get_audio_features(features, keep).pooler_output for m in (model, fused))
+    assert len(calls) == 2 and exp.shape == (82, 32)  # 50 + 32 kept frames after subsampling
+    torch.testing.assert_close(got, exp, atol=1e-10, rtol=1e-10)
+
+
 @pytest.mark.parametrize("family", ["NeuCodec", "Xcodec2"])
 def test_codecs_with_a_w2v_bert_encoder(family):
     """NeuCodecModel.encode and Xcodec2Model.encode (a w2v-BERT 2.0 semantic encoder, run under
