@@ -188,7 +188,8 @@ def _fastconformer_layer(method: str, length: int, streaming: bool):
     position embeddings and its bool mask: the last 5% of the frames padded (Parakeet: they
     neither attend nor are attended), and for the streaming model the chunked limited-context
     mask of its default lookahead (chunks of ``lookahead + 1`` frames, each seeing itself and
-    ``(sliding_window - 1) // chunk`` chunks before)."""
+    ``(sliding_window - 1) // chunk`` chunks before; the fused layer is told the farthest
+    distance that lets through, ``relpos_max_distance``, as a fused encoder tells its layers)."""
     from transformers.models.nemotron_asr_streaming import modeling_nemotron_asr_streaming as nm
     from transformers.models.parakeet import modeling_parakeet as parakeet
 
@@ -216,6 +217,8 @@ def _fastconformer_layer(method: str, length: int, streaming: bool):
         mask = keep[:, None] & keep[None, :]
         positions = parakeet.ParakeetEncoderRelPositionalEncoding(config)
     kw = {"attention_mask": mask[None, None], "position_embeddings": positions(x)}
+    if streaming and method == "fused":  # as a fused encoder passes its layers (hf.py)
+        kw["relpos_max_distance"] = ((config.sliding_window - 1) // chunk + 1) * chunk - 1
     return module, x, kw, torch.randn(1, length, PARAKEET_EMBED)
 
 

@@ -862,7 +862,7 @@ def _nemotron_pair(impl="sdpa", ref_impl="sdpa", **kw):
     fused = nemotron.NemotronAsrStreamingEncoder(transformers.NemotronAsrStreamingEncoderConfig(
         attn_implementation=impl, **config)).eval().double()
     fused.load_state_dict(model.state_dict())
-    assert hf.use_fused_attention(fused) == ["layers.0.self_attn", "layers.1.self_attn"]
+    assert hf.use_fused_attention(fused) == ["", "layers.0.self_attn", "layers.1.self_attn"]
     return model, fused
 
 
@@ -870,12 +870,26 @@ def _nemotron_pair(impl="sdpa", ref_impl="sdpa", **kw):
 # is meant for bool masks; with eager attention it gets 0 / finfo.min ones): its SDPA form is the
 # reference; the fused eager-configured model reads the float mask right
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_nemotron_streaming_encoder_matches_transformers(impl):
+def test_nemotron_streaming_encoder_matches_transformers(impl, monkeypatch):
     """A two-layer NemotronAsrStreaming encoder, float64, offline (no cache) on a padded batch,
     with its chunked limited-context mask: hidden states at the kept frames and every
-    parameter's gradient equal transformers' (SDPA)."""
+    parameter's gradient equal transformers' (SDPA). The fused layers take tables of the
+    distances the mask lets through (chunks of 3, each seeing 3 chunks back: K = 11 of the
+    50 distances of 51 frames); a lookahead of 60 frames lets every distance through. (Not
+    with the eager configuration: there transformers' encoder reads its float mask's fully
+    visible rows as fully masked, ``all(mask == 0.0)``, and its convolution zeroes those frames,
+    fused or not.)"""
     model, fused = _nemotron_pair(impl)
+    distances = []
+    rel_attention = hf.ops.rel_attention
+    monkeypatch.setattr(hf.ops, "rel_attention", lambda *a, **kw: distances.append(
+        (a[3].shape[-2], a[5])) or rel_attention(*a, **kw))
     _check_padded_encoder(model, fused, 51, num_lookahead_tokens=NEMOTRON_LOOKAHEAD)
+    assert distances == [(23, 11)] * 2
+    if impl == "sdpa":
+        distances.clear()
+        _check_padded_encoder(model, fused, 51, num_lookahead_tokens=60)
+        assert distances == [(101, 50)] * 2
 
 
 def _stream(model, features, chunks):
@@ -977,7 +991,8 @@ def test_nemotron_streaming_rnnt_generate(family):
     model = model_class(config).eval().double()
     fused = model_class(config).eval().double()
     fused.load_state_dict(model.state_dict())
-    assert len(hf.use_fused_attention(fused)) == 2
+    assert hf.use_fused_attention(fused) == ["encoder", "encoder.layers.0.self_attn",
+                                             "encoder.layers.1.self_attn"]
     first, rest = 1 + 8 * NEMOTRON_LOOKAHEAD, 8 * (NEMOTRON_LOOKAHEAD + 1)
     features = torch.randn(1, first + 9 * rest, 16, dtype=torch.float64)
 

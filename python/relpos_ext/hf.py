@@ -89,7 +89,9 @@ NVIDIA's cache-aware streaming FastConformer (nemotron-speech-streaming:
 same encoder) is that attention with a sliding-window K/V cache: a
 chunk's queries come after the cached frames (``q_offset``), the table spans cache and chunk,
 and a chunked limited-context mask (each chunk sees itself and a few chunks before) makes the
-``attn_mask`` block-sparse, so the fused kernels skip its hidden tiles. Offline (a whole
+``attn_mask`` block-sparse, so the fused kernels skip its hidden tiles. The fused encoder
+(``NemotronAsrStreamingEncoder``'s forward) passes its layers the farthest distance that mask
+lets through, and on a whole recording they project only those distances' embeddings. Offline (a whole
 recording in one call) and chunk by chunk with the cache, it matches transformers' SDPA form.
 transformers' eager form of this model applies ``logical_not`` to the float mask its encoder
 gives eager attention, so it attends the masked keys (NaN when streaming); the fused module reads
@@ -156,8 +158,10 @@ SUPPORTED_CLASSES = {
     "WavLMAttention": (None,),
     # NVIDIA's FastConformer ASR encoders (Parakeet CTC/RNNT/TDT): Transformer-XL positions
     "ParakeetEncoderAttention": (None,),
-    # its cache-aware streaming sibling (nemotron-speech-streaming): the same attention, a K/V cache
+    # its cache-aware streaming sibling (nemotron-speech-streaming): the same attention, a K/V cache;
+    # the encoder tells its layers how far apart the chunked mask lets positions see each other
     "NemotronAsrStreamingEncoderAttention": (None,),
+    "NemotronAsrStreamingEncoder": (None,),
 }
 T5_CLASSES = ("T5Attention", "MT5Attention", "SwitchTransformersAttention", "LongT5Attention",
               "Pop2PianoAttention", "UdopAttention")
@@ -335,8 +339,12 @@ def _fused_parakeet_forward(
     and for streaming models the chunked limited-context mask. A query row that sees no key gives
     zeros (transformers averages every value there, or gives NaN; the encoder's convolution
     module zeroes those frames).
+    ``relpos_max_distance`` (passed down by a fused NemotronAsrStreamingEncoder, whose chunked
+    mask hides every pair of frames further apart): without a cache, the table covers only the
+    distances up to it (K), instead of all ``2L - 1``; the mask hides the clamped pairs beyond.
     Returns ``(output, None)``. ``output_attentions``, and position dropout in training (which
     makes the sequences' positions differ), run transformers' forward."""
+    max_distance = kwargs.pop("relpos_max_distance", None)
     if kwargs.get("output_attentions") or (self.training and self.config.dropout_positions > 0):
         if past_key_values is not None:  # (Parakeet's forward has no such argument)
             kwargs["past_key_values"] = past_key_values
@@ -355,13 +363,48 @@ def _fused_parakeet_forward(
         raise ValueError(f"relpos_ext.hf: position_embeddings must be [B, 2L - 1, E] = "
                          f"[{batch}, {2 * total - 1}, E] for L = {total} keys "
                          f"({total - length} of them cached), got {got}")
-    table = _per_head_table(self.relative_k_proj, position_embeddings[0], heads, total, q.dtype)
+    pos = position_embeddings[0]
+    if max_distance is None or past_key_values is not None or max_distance >= total - 1:
+        max_distance = total - 1
+    else:  # the rows for i - j from K down to -K (the whole recording in one call)
+        pos = pos[total - 1 - max_distance:total + max_distance]
+    table = _per_head_table(self.relative_k_proj, pos, heads, max_distance + 1, q.dtype)
     q, bias = transformer_xl_inputs(q, table, self.bias_u, self.bias_v, self.scaling)
-    out = ops.rel_attention(q, k, v, table, None, total - 1, scale=self.scaling,
+    out = ops.rel_attention(q, k, v, table, None, max_distance, scale=self.scaling,
                             q_offset=total - length, attn_mask=_hidden_keys(attention_mask),
                             dropout_p=self.attention_dropout if self.training else 0.0,
                             rel_bias=bias)
     return self.o_proj(out.transpose(1, 2).reshape(batch, length, heads * dim)), None
+
+
+def _nemotron_encoder_forward(
+    self: nn.Module,
+    input_features: Tensor,
+    attention_mask: Tensor | None = None,
+    position_ids: Tensor | None = None,
+    past_key_values: object | None = None,
+    output_attention_mask: bool = True,
+    use_cache: bool | None = None,
+    padding_cache: object | None = None,
+    num_lookahead_tokens: int | None = None,
+    **kwargs: object,
+) -> object:
+    """NemotronAsrStreamingEncoder's forward, passing its layers ``relpos_max_distance``: the
+    farthest apart two frames its chunked limited-context mask lets see each other
+    (transformers' ``chunked_limited_mask_function``: chunks of ``lookahead + 1`` frames, each
+    seeing itself and the ``(sliding_window - 1) // chunk`` chunks before), read from the
+    config and ``num_lookahead_tokens`` as its ``_resolve_attn_context`` reads them. The fused
+    attention then projects the position embeddings of those distances only."""
+    lookahead = (self.config.default_num_lookahead_tokens if num_lookahead_tokens is None
+                 else num_lookahead_tokens)
+    left, chunk = self.config.sliding_window - 1, lookahead + 1
+    if left >= 0 and lookahead >= 0:  # (a negative left context: no limit)
+        kwargs["relpos_max_distance"] = (left // chunk + 1) * chunk - 1
+    return type(self).forward(self, input_features, attention_mask=attention_mask,
+                              position_ids=position_ids, past_key_values=past_key_values,
+                              output_attention_mask=output_attention_mask, use_cache=use_cache,
+                              padding_cache=padding_cache,
+                              num_lookahead_tokens=num_lookahead_tokens, **kwargs)
 
 
 def _fused_t5_forward(
@@ -711,7 +754,8 @@ def use_fused_attention(model: nn.Module,
     Call it after loading the weights; ``model.to(...)`` works before or after. The swap is an
     instance attribute: ``del module.forward`` gives a module its own back (an MPNet encoder's
     is ``compute_position_bias``; give it back, or a SpeechT5 positional encoding's ``forward``,
-    together with its layers' ``forward``).
+    together with its layers' ``forward``; a Nemotron streaming encoder's ``forward`` only tells
+    its layers a distance limit, and either can be given back alone).
     """
     if wavlm_min_length is not None and not set(wavlm_min_length) <= set(WAVLM_MIN_LENGTH):
         raise ValueError(f"wavlm_min_length takes the keys {sorted(WAVLM_MIN_LENGTH)}; got "
@@ -740,6 +784,10 @@ def use_fused_attention(model: nn.Module,
             continue  # no relative embeddings (transformers' own forward fails there)
         if cls == "SpeechT5RelativePositionalEncoding":
             module.forward = types.MethodType(_speecht5_table, module)
+            changed.append(name)
+            continue
+        if cls == "NemotronAsrStreamingEncoder":
+            module.forward = types.MethodType(_nemotron_encoder_forward, module)
             changed.append(name)
             continue
         if cls == "MPNetEncoder":
