@@ -91,8 +91,9 @@ chunk's queries come after the cached frames (``q_offset``), the table spans cac
 and a chunked limited-context mask (each chunk sees itself and a few chunks before) makes the
 ``attn_mask`` block-sparse, so the fused kernels skip its hidden tiles. The fused encoder
 (``NemotronAsrStreamingEncoder``'s forward) passes its layers the farthest distance that mask
-lets through, and on a whole recording they project only those distances' embeddings. Offline (a whole
-recording in one call) and chunk by chunk with the cache, it matches transformers' SDPA form.
+lets through, and on a whole recording they project only those distances' embeddings. Offline
+(a whole recording in one call) and chunk by chunk with the cache, it matches transformers'
+SDPA form.
 transformers' eager form of this model applies ``logical_not`` to the float mask its encoder
 gives eager attention, so it attends the masked keys (NaN when streaming); the fused module reads
 either mask form right.
@@ -158,8 +159,8 @@ SUPPORTED_CLASSES = {
     "WavLMAttention": (None,),
     # NVIDIA's FastConformer ASR encoders (Parakeet CTC/RNNT/TDT): Transformer-XL positions
     "ParakeetEncoderAttention": (None,),
-    # its cache-aware streaming sibling (nemotron-speech-streaming): the same attention, a K/V cache;
-    # the encoder tells its layers how far apart the chunked mask lets positions see each other
+    # its cache-aware streaming sibling (nemotron-speech-streaming): the same attention, a K/V
+    # cache; the encoder tells its layers how far apart its chunked mask lets frames see
     "NemotronAsrStreamingEncoderAttention": (None,),
     "NemotronAsrStreamingEncoder": (None,),
 }
