@@ -1202,7 +1202,8 @@ def test_speecht5_encoder_matches_transformers(length, dtype):
     torch.testing.assert_close(got, exp, **TOL[dtype])
     torch.testing.assert_close(got_dx, exp_dx, **TOL[dtype])
     _assert_same_grads(fused, model, **TOL[dtype])
-    assert fused.embed_positions.pe_k.weight.grad.abs().sum() > 0
+    if length > 1:  # (one frame: softmax over one key, whose logit has no gradient)
+        assert fused.embed_positions.pe_k.weight.grad.abs().sum() > 0
 
 
 def test_speecht5_fallbacks():
