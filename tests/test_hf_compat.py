@@ -753,13 +753,37 @@ def test_parakeet_attention_matches_transformers(length, dtype, impl):
         module(x, position_embeddings=pos[:, 1:], attention_mask=mask)
 
 
+def _padded_features():
+    """Two sequences of 400 log-mel frames (16 bins, float64), the second padded after 250:
+    ``(features, keep)``."""
+    features = torch.randn(2, 400, 16, dtype=torch.float64)
+    keep = torch.ones(2, 400, dtype=torch.long)
+    keep[1, 250:] = 0
+    return features, keep
+
+
+def _random_uv_pair(build, fused_names):
+    """A model from ``build()`` (float64, eval) with random Transformer-XL u and v biases in its
+    Parakeet attention (zeros in their constructor), and a second one, fused, with the same
+    weights; ``use_fused_attention`` must name ``fused_names``."""
+    torch.manual_seed(0)
+    model = build().eval().double()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, parakeet.ParakeetEncoderAttention):
+                m.bias_u.normal_(0, 0.3)
+                m.bias_v.normal_(0, 0.3)
+    fused = build().eval().double()
+    fused.load_state_dict(model.state_dict())
+    assert hf.use_fused_attention(fused) == fused_names
+    return model, fused
+
+
 def _check_padded_encoder(model, fused, frames, **call_kw):
     """Two sequences of 400 log-mel frames, the second padded after 250, through transformers'
     encoder and the fused one (float64): hidden states at the kept frames (``frames`` of them
     after subsampling) and every parameter's gradient of a loss on them must match."""
-    features = torch.randn(2, 400, 16, dtype=torch.float64)
-    keep = torch.ones(2, 400, dtype=torch.long)
-    keep[1, 250:] = 0
+    features, keep = _padded_features()
     exp = model(features, attention_mask=keep, **call_kw)
     got = fused(features, attention_mask=keep, **call_kw)
     kept = exp.attention_mask.bool()
@@ -777,16 +801,8 @@ def test_parakeet_encoder_matches_transformers():
     transformers'. (A padded frame's query sees no key; ours gives zeros there, transformers
     averages all values; the convolution module zeroes those frames, so kept frames never
     read them.)"""
-    torch.manual_seed(0)
-    model = parakeet.ParakeetEncoder(_parakeet_config("sdpa")).eval().double()
-    fused = parakeet.ParakeetEncoder(_parakeet_config("sdpa")).eval().double()
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, parakeet.ParakeetEncoderAttention):
-                m.bias_u.normal_(0, 0.3)
-                m.bias_v.normal_(0, 0.3)
-    fused.load_state_dict(model.state_dict())
-    assert hf.use_fused_attention(fused) == ["layers.0.self_attn", "layers.1.self_attn"]
+    model, fused = _random_uv_pair(lambda: parakeet.ParakeetEncoder(_parakeet_config("sdpa")),
+                                   ["layers.0.self_attn", "layers.1.self_attn"])
     _check_padded_encoder(model, fused, 50)
 
 
@@ -1041,21 +1057,12 @@ def test_asr_models_with_a_parakeet_encoder(family, monkeypatch):
         config = transformers.CohereAsrConfig(encoder_config=encoder, decoder_start_token_id=7,
                                               **_ASR_DECODER)
     model_class = getattr(transformers, f"{family}ForConditionalGeneration")
-    torch.manual_seed(0)
-    model = model_class(config).eval().double()  # (training would draw dropout masks)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, parakeet.ParakeetEncoderAttention):
-                m.bias_u.normal_(0, 0.3)
-                m.bias_v.normal_(0, 0.3)
-    fused = model_class(config).eval().double()
-    fused.load_state_dict(model.state_dict())
-    assert hf.use_fused_attention(fused) == ["model.encoder.layers.0.self_attn",
-                                             "model.encoder.layers.1.self_attn"]
+    # (in eval mode: training would draw dropout masks)
+    model, fused = _random_uv_pair(lambda: model_class(config),
+                                   ["model.encoder.layers.0.self_attn",
+                                    "model.encoder.layers.1.self_attn"])
     calls = _count_rel_attention(monkeypatch)
-    features = torch.randn(2, 400, 16, dtype=torch.float64)
-    keep = torch.ones(2, 400, dtype=torch.long)
-    keep[1, 250:] = 0
+    features, keep = _padded_features()
     labels = torch.randint(5, 40, (2, 6))
     losses = [m(input_features=features, attention_mask=keep, labels=labels).loss
               for m in (model, fused)]
@@ -1092,21 +1099,11 @@ def test_nemotron_h_omni_audio_tower(monkeypatch):
     model_class = omni.NemotronH_Omni_Reasoning_V3
     config = model_class.config_class(audio_config=audio, text_config=text, vision_config=vision,
                                       projector_hidden_size=32, vision_hidden_size=32)
-    torch.manual_seed(0)
-    model = model_class(config).eval().double()
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, parakeet.ParakeetEncoderAttention):
-                m.bias_u.normal_(0, 0.3)
-                m.bias_v.normal_(0, 0.3)
-    fused = model_class(config).eval().double()
-    fused.load_state_dict(model.state_dict())
-    assert hf.use_fused_attention(fused) == ["audio_tower.layers.0.self_attn",
-                                             "audio_tower.layers.1.self_attn"]
+    model, fused = _random_uv_pair(lambda: model_class(config),
+                                   ["audio_tower.layers.0.self_attn",
+                                    "audio_tower.layers.1.self_attn"])
     calls = _count_rel_attention(monkeypatch)
-    features = torch.randn(2, 400, 16, dtype=torch.float64)
-    keep = torch.ones(2, 400, dtype=torch.long)
-    keep[1, 250:] = 0
+    features, keep = _padded_features()
     with torch.no_grad():
         exp, got = (m.get_audio_features(features, keep).pooler_output for m in (model, fused))
     assert len(calls) == 2 and exp.shape == (82, 32)  # 50 + 32 kept frames after subsampling
