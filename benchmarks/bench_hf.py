@@ -218,7 +218,8 @@ def _fastconformer_layer(method: str, length: int, streaming: bool):
         positions = parakeet.ParakeetEncoderRelPositionalEncoding(config)
     kw = {"attention_mask": mask[None, None], "position_embeddings": positions(x)}
     if streaming and method == "fused":  # as a fused encoder passes its layers (hf.py)
-        kw["relpos_max_distance"] = ((config.sliding_window - 1) // chunk + 1) * chunk - 1
+        kw["relpos_max_distance"] = relpos_ext.hf._chunked_mask_max_distance(
+            config.sliding_window, config.default_num_lookahead_tokens)
     return module, x, kw, torch.randn(1, length, PARAKEET_EMBED)
 
 

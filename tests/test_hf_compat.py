@@ -896,16 +896,17 @@ def test_nemotron_streaming_encoder_matches_transformers(impl, monkeypatch):
     visible rows as fully masked, ``all(mask == 0.0)``, and its convolution zeroes those frames,
     fused or not.)"""
     model, fused = _nemotron_pair(impl)
-    distances = []
-    rel_attention = hf.ops.rel_attention
-    monkeypatch.setattr(hf.ops, "rel_attention", lambda *a, **kw: distances.append(
-        (a[3].shape[-2], a[5])) or rel_attention(*a, **kw))
+    calls = _count_rel_attention(monkeypatch)
+
+    def tables():  # (table rows, max_distance) of each call
+        return [(a[3].shape[-2], a[5]) for a, _ in calls]
+
     _check_padded_encoder(model, fused, 51, num_lookahead_tokens=NEMOTRON_LOOKAHEAD)
-    assert distances == [(23, 11)] * 2
+    assert tables() == [(23, 11)] * 2
     if impl == "sdpa":
-        distances.clear()
+        calls.clear()
         _check_padded_encoder(model, fused, 51, num_lookahead_tokens=60)
-        assert distances == [(101, 50)] * 2
+        assert tables() == [(101, 50)] * 2
 
 
 def _stream(model, features, chunks):
@@ -1466,11 +1467,12 @@ def _wavlm_config(**kw):
 
 
 def _count_rel_attention(monkeypatch):
-    """A list that gains an entry at every call of rel_attention from hf."""
+    """A list that gains an entry at every call of rel_attention from hf: the call's
+    ``(args, kwargs)``."""
     calls = []
     rel_attention = hf.ops.rel_attention
     monkeypatch.setattr(hf.ops, "rel_attention",
-                        lambda *a, **kw: calls.append(1) or rel_attention(*a, **kw))
+                        lambda *a, **kw: calls.append((a, kw)) or rel_attention(*a, **kw))
     return calls
 
 

@@ -378,6 +378,18 @@ def _fused_parakeet_forward(
     return self.o_proj(out.transpose(1, 2).reshape(batch, length, heads * dim)), None
 
 
+def _chunked_mask_max_distance(sliding_window: int, lookahead: int) -> int | None:
+    """The farthest apart two frames see each other under transformers'
+    ``chunked_limited_mask_function`` (NemotronAsrStreaming) with left context
+    ``sliding_window - 1`` and right context ``lookahead``: chunks of ``lookahead + 1`` frames,
+    each seeing itself and the ``(sliding_window - 1) // chunk`` chunks before. None: no limit
+    (a negative context)."""
+    left, chunk = sliding_window - 1, lookahead + 1
+    if left < 0 or lookahead < 0:
+        return None
+    return (left // chunk + 1) * chunk - 1
+
+
 def _nemotron_encoder_forward(
     self: nn.Module,
     input_features: Tensor,
@@ -392,15 +404,14 @@ def _nemotron_encoder_forward(
 ) -> object:
     """NemotronAsrStreamingEncoder's forward, passing its layers ``relpos_max_distance``: the
     farthest apart two frames its chunked limited-context mask lets see each other
-    (transformers' ``chunked_limited_mask_function``: chunks of ``lookahead + 1`` frames, each
-    seeing itself and the ``(sliding_window - 1) // chunk`` chunks before), read from the
-    config and ``num_lookahead_tokens`` as its ``_resolve_attn_context`` reads them. The fused
-    attention then projects the position embeddings of those distances only."""
+    (:func:`_chunked_mask_max_distance` of the config and ``num_lookahead_tokens``, read as its
+    ``_resolve_attn_context`` reads them). The fused attention then projects the position
+    embeddings of those distances only."""
     lookahead = (self.config.default_num_lookahead_tokens if num_lookahead_tokens is None
                  else num_lookahead_tokens)
-    left, chunk = self.config.sliding_window - 1, lookahead + 1
-    if left >= 0 and lookahead >= 0:  # (a negative left context: no limit)
-        kwargs["relpos_max_distance"] = (left // chunk + 1) * chunk - 1
+    limit = _chunked_mask_max_distance(self.config.sliding_window, lookahead)
+    if limit is not None:
+        kwargs["relpos_max_distance"] = limit
     return type(self).forward(self, input_features, attention_mask=attention_mask,
                               position_ids=position_ids, past_key_values=past_key_values,
                               output_attention_mask=output_attention_mask, use_cache=use_cache,
