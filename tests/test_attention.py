@@ -1544,11 +1544,10 @@ def test_opcheck_rel_attention(requires_grad, extra):
                 kw["key_padding_mask"], *trailing)
         torch.library.opcheck(torch.ops.relpos.rel_attention.default, args)
         out, lse = torch.ops.relpos.rel_attention.default(*args)
-        # The backward op has no derivative of its own (double backward raises), so check it
-        # on plain tensors.
-        plain = [None if x is None else x.detach() for x in tensors]
-        bargs = (torch.randn_like(out), *plain, out.detach(), lse,
-                 *(x.detach() if isinstance(x, torch.Tensor) else x for x in args[5:]))
+        # The backward op, with its own derivative (double backward) when the inputs need
+        # gradients
+        grad = torch.randn_like(out).requires_grad_(requires_grad)
+        bargs = (grad, *tensors, out.detach(), lse, *args[5:])
         torch.library.opcheck(torch.ops.relpos.rel_attention_backward.default, bargs)
 
 
@@ -1573,12 +1572,24 @@ def test_rel_attention_dropout_seed_from_the_generator():
     assert torch.equal(plain, zero)
 
 
-def test_double_backward_raises_clearly():
-    tensors, kw = make_inputs(CASES["basic"], torch.float64, requires_grad=True)
-    out = relpos_ext.rel_attention(*tensors, **kw)
-    (dq,) = torch.autograd.grad(out.sum(), tensors[0], create_graph=True)
-    with pytest.raises(NotImplementedError, match="double backward"):
-        dq.sum().backward()
+@pytest.mark.parametrize("gqa", [False, True])
+def test_module_gradient_penalty(cpu_isa, gqa):
+    """A gradient penalty (R1, WGAN-GP: the squared norm of the gradient with respect to the
+    input, create_graph=True) through the fused layer, causal with padding: its gradients for
+    every parameter are the reference module's (float64, each CPU kernel path)."""
+    m, r = _module_pair(gqa)
+    m, r = m.double(), r.double()
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    mask = torch.zeros(2, 7, dtype=torch.bool)
+    mask[1, :2] = True
+    for layer in (m, r):
+        xx = x.clone().requires_grad_()
+        y, _ = layer(xx, key_padding_mask=mask, is_causal=True)
+        (gx,) = torch.autograd.grad(y.tanh().sum(), xx, create_graph=True)
+        gx.square().sum().backward()
+    for (name, pm), pr in zip(m.named_parameters(), r.parameters()):
+        assert pm.grad is not None and pm.grad.abs().max() > 0, name
+        torch.testing.assert_close(pm.grad, pr.grad, atol=1e-10, rtol=1e-10, msg=name)
 
 
 # ------------------------------------------------------------------------------------ module

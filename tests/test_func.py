@@ -70,8 +70,9 @@ def test_func_jacrev_rel_attention(cpu_isa):
 
 
 def test_func_second_order(cpu_isa):
-    """grad of grad through rel_logits (its backward is differentiable); rel_attention says it
-    has no double backward rather than returning a wrong one."""
+    """grad of grad (torch.func.grad twice, jacrev of jacrev) and torch.func.hessian (jacfwd of
+    jacrev: the backward ops' forward mode) through rel_logits and rel_attention, against the
+    same through the reference."""
     q, t = _t(1, 2, 4, 5), _t(5, 5)
     fn = lambda q: relpos_ext.rel_logits(q, t, 2, 6).sin().sum()  # noqa: E731
     got = torch.func.grad(lambda q: torch.func.grad(fn)(q).square().sum())(q)
@@ -80,13 +81,21 @@ def test_func_second_order(cpu_isa):
     (want,) = torch.autograd.grad(g.square().sum(), qq)
     torch.testing.assert_close(got, want)
 
-    k, v = _t(1, 2, 6, 5), _t(1, 2, 6, 5)
-    att = lambda q: relpos_ext.rel_attention(q, k, v, t, t, 2).sin().sum()  # noqa: E731
-    with pytest.raises(NotImplementedError, match="does not support double backward"):
-        torch.func.grad(lambda q: torch.func.grad(att)(q).square().sum())(q)
-    # forward over reverse (torch.func.hessian) needs the backward's forward-mode derivative
-    with pytest.raises(NotImplementedError, match="rel_attention_backward has no forward-mode"):
-        torch.func.hessian(att)(q)
+    k, v, eb = _t(1, 1, 6, 5), _t(1, 1, 6, 5), _t(2, 5)
+
+    def att(impl):
+        return lambda q, t, eb: impl(q, k, v, t, t, 2, causal=True, q_offset=2,
+                                     rel_bias=eb).sin().sum()
+
+    ours, want = att(relpos_ext.rel_attention), att(ref.shaw_attention)
+    grad_grad = lambda f: torch.func.grad(  # noqa: E731
+        lambda *x: torch.func.grad(f, argnums=(0, 1, 2))(*x)[1].square().sum(), argnums=(0, 1, 2))
+    _assert_all_close(grad_grad(ours)(q, t, eb), grad_grad(want)(q, t, eb))
+    for transform in (torch.func.hessian,
+                      lambda f, argnums: torch.func.jacrev(torch.func.jacrev(f, argnums), argnums)):
+        for argnums in (0, 1, 2):
+            _assert_all_close([transform(ours, argnums=argnums)(q, t, eb)],
+                              [transform(want, argnums=argnums)(q, t, eb)])
 
 
 # --------------------------------------------------------------------------- per-sample grads
@@ -562,6 +571,78 @@ def test_hessian_rel_logits(cpu_isa):
     for argnum in (0, 1):
         _assert_all_close([torch.func.hessian(loss, argnums=argnum)(q, t)],
                           [torch.func.hessian(want, argnums=argnum)(q, t)])
+
+
+# --------------------------------------------------------------------------- second order
+@pytest.mark.parametrize("which", list(JVP_TANGENTS))
+@pytest.mark.parametrize("name", list(JVP_CASES))
+def test_double_backward_rel_attention(cpu_isa, monkeypatch, name, which):
+    """grad of grad (create_graph=True, as gradient penalties take it): the gradients of a loss
+    of the first gradients (of the inputs in `which`) with respect to every input, against the
+    same through the reference. The output gradient, cos(out), depends on the inputs too, so
+    the second derivative through it is checked as well. Blocks of 2 query rows."""
+    torch.manual_seed(0)
+    args, kw = _jvp_case(name)
+    batch, heads, _, _ = args[0].shape
+    monkeypatch.setattr(ops, "_JVP_BLOCK_ENTRIES", 2 * batch * heads * args[1].shape[2])
+    weights = [torch.randn_like(a) if keep else None for a, keep in zip(args, JVP_TANGENTS[which])]
+
+    def second(impl):
+        xs = [a.detach().requires_grad_() for a in args]
+        out, _ = _attention(impl, kw)(*xs)
+        grads = torch.autograd.grad(out.sin().sum(), xs, create_graph=True)
+        penalty = sum((g * w).sum() for g, w in zip(grads, weights) if w is not None)
+        return torch.autograd.grad(penalty, xs, allow_unused=True, materialize_grads=True)
+
+    _assert_all_close(second(relpos_ext.rel_attention), second(ref.shaw_attention))
+
+
+@pytest.mark.parametrize("name", ["per_head_causal_offsets", "masks_window_segments", "dropout"])
+def test_gradgradcheck_rel_attention(cpu_isa, name):
+    """torch.autograd.gradgradcheck: the double backward against finite differences of the
+    backward (fast mode: u^T J v for random u, v)."""
+    args, kw = _jvp_case(name, d=4)
+    args = tuple(a.requires_grad_() for a in args)
+    fn = lambda *xs: _attention(relpos_ext.rel_attention, kw)(*xs)[0]  # noqa: E731
+    assert torch.autograd.gradgradcheck(fn, args, fast_mode=True)
+
+
+def test_third_derivative_rel_attention(cpu_isa):
+    """create_graph=True through the double backward too: a third derivative, against the
+    reference's."""
+    args, kw = _jvp_case("per_head_causal_offsets", b=1, d=4)
+
+    def third(impl):
+        xs = [a.detach().requires_grad_() for a in args]
+        out, _ = _attention(impl, kw)(*xs)
+        (dq,) = torch.autograd.grad(out.sin().sum(), xs[0], create_graph=True)
+        (ddk,) = torch.autograd.grad(dq.square().sum(), xs[1], create_graph=True)
+        return torch.autograd.grad(ddk.sin().sum(), xs)
+
+    _assert_all_close(third(relpos_ext.rel_attention), third(ref.shaw_attention))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_double_backward_rel_attention_low_precision(cpu_isa, dtype):
+    """A gradient penalty's gradients for float32/bfloat16/float16 inputs (the second derivative
+    computed in float32) against the float64 reference on the same rounded inputs, each in its
+    input's dtype."""
+    args, kw = _jvp_case("per_head_causal_offsets", d=64)
+    args = tuple(a.to(dtype) for a in args)
+
+    def second(impl, xs):
+        xs = [a.detach().requires_grad_() for a in xs]
+        out, _ = _attention(impl, kw)(*xs)
+        grads = torch.autograd.grad(out.float().sin().sum(), xs, create_graph=True)
+        penalty = sum(g.float().square().sum() for g in grads)
+        return torch.autograd.grad(penalty, xs)
+
+    got = second(relpos_ext.rel_attention, args)
+    want = second(ref.shaw_attention, [a.double() for a in args])
+    tol = {torch.float32: 2e-4, torch.bfloat16: 8e-2, torch.float16: 2e-2}[dtype]
+    for g, w in zip(got, want):
+        assert g.dtype == dtype and torch.isfinite(g).all()
+        assert (g.double() - w).abs().max() <= tol * w.abs().max(), (dtype, g.shape)
 
 
 def test_dropout_keep_row_start():

@@ -8,6 +8,7 @@ and ``pos_k(j) = k_offset + j``; ``bucket = clamp(r, -K, K) + K`` with ``K = max
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Literal, overload
 
 import torch
@@ -53,13 +54,12 @@ def _forward_ad_active() -> bool:
     return getattr(_fwAD, "_current_level", -1) >= 0
 
 
-def _register_autograd(op: Any, backward: Any, setup_context: Any, jvp: Any = None) -> None:
+def _register_autograd(op: Any, backward: Any, setup_context: Any, jvp: Any) -> None:
     """``torch.library.register_autograd(op, backward, setup_context=...)``, and the same two
     functions as ``op``'s Function for torch.func and forward-mode AD (:func:`_apply`).
 
     ``jvp(inputs, outputs, tangents)`` gives the outputs' tangents (a tuple when the op returns
-    one) from the inputs' (None where an input has none); without it forward-mode AD through
-    ``op`` raises."""
+    one) from the inputs' (None where an input has none)."""
     torch.library.register_autograd(op, backward, setup_context=setup_context)
     name = op._opname
 
@@ -87,12 +87,6 @@ def _register_autograd(op: Any, backward: Any, setup_context: Any, jvp: Any = No
 
         @staticmethod
         def jvp(ctx: Any, *tangents: Any) -> Any:
-            if jvp is None:
-                raise NotImplementedError(
-                    f"relpos::{name} has no forward-mode derivative (torch.func.jvp, jacfwd, "
-                    "torch.autograd.forward_ad): it is a gradient, and second derivatives of "
-                    "rel_attention are not implemented; use relpos_ext.reference.shaw_attention"
-                )
             saved = iter(ctx.saved_tensors)
             values = tuple(next(saved) if x is _SAVED else x for x in ctx.jvp_values)
             return jvp(values[:ctx.jvp_inputs], values[ctx.jvp_inputs:], tangents)
@@ -565,7 +559,10 @@ def rel_attention(
     output's tangent in eager PyTorch by blocks of query rows (no fused kernel: 9-16x the
     forward's time at L = 512-8192, never ``[Lq, Lk, D]``); the log-sum-exp,
     non-differentiable, gets none.
-    Second derivatives (grad of grad, ``hessian``) raise ``NotImplementedError``.
+    Second derivatives (grad of grad with ``create_graph=True``, as gradient penalties take
+    it; ``torch.func.hessian``; higher orders too) are reverse mode through those blocks of the
+    tangent, in eager PyTorch (no fused kernel: a gradient penalty takes 7-10x the time of the
+    forward+backward at L = 512-4096, O(L) memory beyond the blocks' ``[rows, Lk]`` tensors).
 
     Args:
         q: ``[B, H, Lq, D]``.
@@ -753,13 +750,31 @@ _JVP_BLOCK_ENTRIES = 1 << 20
 
 
 def _rel_attention_jvp(inputs: tuple, outputs: tuple, tangents: tuple):
+    out, _ = outputs
+    if all(tangents[i] is None for i in _REL_ATTENTION_DIFF):
+        return None, None
+    blocks = [t for _, _, t in _rel_attention_tangent_blocks(inputs, tangents)]
+    if not blocks:  # no queries
+        return torch.zeros_like(out), None
+    return torch.cat(blocks, dim=2).to(out.dtype), None
+
+
+def _tangent_block_rows(q: Tensor, k: Tensor) -> int:
+    """Query rows per block of the tangent: [B, H, rows, Lk] of at most _JVP_BLOCK_ENTRIES."""
+    batch, heads, _, _ = q.shape
+    return max(1, _JVP_BLOCK_ENTRIES // max(1, batch * heads * k.shape[2]))
+
+
+def _rel_attention_tangent_blocks(inputs: tuple, tangents: tuple,
+                                  only: int | None = None) -> Iterator[tuple[int, int, Tensor]]:
+    """The output's tangent by blocks of query rows: ``(i0, n, t)`` with ``t`` the tangent of
+    rows ``[i0, i0 + n)``, ``[B, H, n, D]`` in float32 (float64 for float64 inputs); with
+    ``only``, just the block whose rows start there. Each block is differentiable (eager ops and
+    rel_logits) and reads only its own slice of the keys, which the second derivatives use."""
     (q, k, v, rel_k, rel_v, max_distance, causal, scale, q_offset, k_offset, mask, dropout_p,
      seed, attn_mask, q_seg, k_seg, window_left, window_right, rel_bias, rel_q) = inputs
-    out, lse = outputs
     tq, tk, tv, trk, trv = tangents[:5]
     trb, trq = tangents[18:20]
-    if all(t is None for t in (tq, tk, tv, trk, trv, trb, trq)):
-        return None, None
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     batch, heads, q_len, dim = q.shape
     k_len = k.shape[2]
@@ -774,15 +789,13 @@ def _rel_attention_jvp(inputs: tuple, outputs: tuple, tangents: tuple):
             return None
         return t.to(acc) if group == 1 else t.to(acc).repeat_interleave(group, dim=1)
 
-    k_, v_, tk_, tv_ = heads_of_q(k), heads_of_q(v), heads_of_q(tk), heads_of_q(tv)
     rk, rv, rb, trk_, trv_, trb_ = map(cast, (rel_k, rel_v, rel_bias, trk, trv, trb))
     rq, trq_ = cast(rel_q, flip=True), cast(trq, flip=True)
     logits, adjoint = rel_logits, rel_logits_backward  # through _apply: transforms above jvp
     masked = (causal or mask is not None or attn_mask is not None or q_seg is not None
               or window_left >= 0 or window_right >= 0)
-    rows = max(1, _JVP_BLOCK_ENTRIES // max(1, batch * heads * k_len))
-    t_out = []
-    for i0 in range(0, q_len, rows):
+    rows = _tangent_block_rows(q, k)
+    for i0 in range(0, q_len, rows) if only is None else (only,):
         n = min(rows, q_len - i0)
         q_pos = q_offset + i0
         # the keys that causal and the window leave to some row of the block: [j0, j1)
@@ -798,7 +811,7 @@ def _rel_attention_jvp(inputs: tuple, outputs: tuple, tangents: tuple):
         def keys(t: Tensor | None) -> Tensor | None:
             return None if t is None else t[:, :, j0:j1]
 
-        kb, vb, tkb, tvb = keys(k_), keys(v_), keys(tk_), keys(tv_)
+        kb, vb, tkb, tvb = (heads_of_q(keys(t)) for t in (k, v, tk, tv))
         def raw(dense: list, by_rel_k: list, by_rel_q: list,
                 bias: Tensor | None) -> Tensor | None:
             """scale * (sum a . b + sum a . ek[bucket] + sum b . eq[bucket]) + bias over the
@@ -848,7 +861,7 @@ def _rel_attention_jvp(inputs: tuple, outputs: tuple, tangents: tuple):
             pd = p
         terms = []
         if ts is not None:
-            w = pd * (ts - torch.einsum("...j,...j->...", p, ts).unsqueeze(-1))
+            w = pd * (ts - (p * ts).sum(-1, keepdim=True))
             terms.append(w @ vb)
             if rv is not None:
                 terms.append(adjoint(w, qb, rv, max_distance, q_pos, kb_pos)[0])
@@ -856,10 +869,7 @@ def _rel_attention_jvp(inputs: tuple, outputs: tuple, tangents: tuple):
             terms.append(pd @ tvb)
         if trv_ is not None:
             terms.append(adjoint(pd, qb, trv_, max_distance, q_pos, kb_pos)[0])
-        t_out.append(_add(*terms) if terms else torch.zeros_like(qb))
-    if not t_out:  # no queries
-        return torch.zeros_like(out), None
-    return torch.cat(t_out, dim=2).to(out.dtype), None
+        yield i0, n, (_add(*terms) if terms else torch.zeros_like(qb))
 
 
 _register_autograd(
@@ -868,21 +878,106 @@ _register_autograd(
 )
 
 
+# Second derivatives (grad of grad, torch.func.hessian), in eager PyTorch. The backward is
+# dx = J(x)^T g (J the forward's Jacobian, g the output's gradient, x = q, k, v and the tables).
+# By the symmetry of second derivatives, for cotangents u of dx (reverse over reverse)
+#     d<u, dx>/dg = J(x) u               (the forward's tangent along u: the jvp's blocks above)
+#     d<u, dx>/dx = grad_x <g, J(x) u>    (reverse mode through those blocks),
+# and for tangents (tg, tx) of (g, x) (forward over reverse) dx's tangent is
+#     J(x)^T tg + grad_x <g, J(x) tx>     (the backward op on tg, plus the same gradient).
+# out and lse, inputs of the backward op, are functions of x: the formulas take the whole
+# derivative through x and give out and lse none (so a backward op called with an out or lse
+# that is not its forward's would get a wrong second derivative). The blocks are
+# differentiated one at a time, each holding its [B, H, rows, Lk] tensors only meanwhile.
+def _rel_attention_second_order(inputs: tuple, grad_out: Tensor,
+                                tangents: tuple) -> tuple[Tensor, dict[int, Tensor | None]]:
+    """``(J(x) u, {slot: grad_x <grad_out, J(x) u>})`` for rel_attention's ``inputs`` and the
+    tangents ``u`` (both in rel_attention's argument order; slots of ``_REL_ATTENTION_DIFF``
+    with an input). ``J(x) u`` is ``[B, H, Lq, D]`` in grad_out's dtype; each gradient has its
+    input's dtype, None where it does not depend on it.
+
+    Each block goes through its own torch.func.vjp, which differentiates with respect to x
+    alone while autograd above it (create_graph=True: third derivatives) and torch.func
+    transforms around it still see how the result depends on x, u and grad_out."""
+    wrt = [i for i in _REL_ATTENTION_DIFF if inputs[i] is not None]
+    grads: dict[int, Tensor | None] = dict.fromkeys(wrt)
+    t_blocks = []
+    for i0 in range(0, inputs[0].shape[2], _tangent_block_rows(inputs[0], inputs[1])):
+        def block(*diff: Tensor, i0: int = i0) -> Tensor:
+            xs = list(inputs)
+            for i, x in zip(wrt, diff):
+                xs[i] = x
+            return next(_rel_attention_tangent_blocks(tuple(xs), tangents, only=i0))[2]
+
+        t, vjp = torch.func.vjp(block, *(inputs[i] for i in wrt))
+        t_blocks.append(t)
+        got = vjp(grad_out[:, :, i0:i0 + t.shape[2]].to(t.dtype))
+        for i, d in zip(wrt, got):
+            grads[i] = _add(grads[i], d)
+    t_out = torch.cat(t_blocks, dim=2) if t_blocks else torch.zeros_like(grad_out)
+    return t_out.to(grad_out.dtype), grads
+
+
+# rel_attention's differentiable inputs: q, k, v, rel_k, rel_v, rel_bias, rel_q (the order of
+# the backward op's outputs)
+_REL_ATTENTION_DIFF = (0, 1, 2, 3, 4, 18, 19)
+
+
+def _backward_inputs_split(inputs: tuple) -> tuple[Tensor, tuple]:
+    """rel_attention_backward's inputs as (grad_out, rel_attention's inputs): out and lse,
+    its 7th and 8th, dropped."""
+    return inputs[0], (*inputs[1:6], *inputs[8:])
+
+
+def _backward_slot(slot: int) -> int:
+    """Where rel_attention's input ``slot`` sits among rel_attention_backward's inputs."""
+    return slot + 1 if slot < 5 else slot + 3
+
+
 def _rel_attention_backward_setup(ctx, inputs, output) -> None:
-    pass
+    ctx.values = tuple(_SAVED if isinstance(x, Tensor) else x for x in inputs)
+    # The tensors _register_autograd's Function keeps with save_for_forward, in its order
+    # (inputs, then outputs): torch.func's generated vmap rules take both saves to be the same.
+    ctx.save_for_backward(*(x for x in (*inputs, *output) if isinstance(x, Tensor)))
 
 
-def _rel_attention_double_backward(ctx, *grads):
-    raise NotImplementedError(
-        "relpos::rel_attention does not support double backward (create_graph=True through its "
-        "gradient); use relpos_ext.reference.shaw_attention for higher-order gradients"
-    )
+def _rel_attention_double_backward(ctx, *grads: Tensor | None):
+    saved = iter(ctx.saved_tensors)
+    grad_out, inputs = _backward_inputs_split(
+        tuple(next(saved) if x is _SAVED else x for x in ctx.values))
+    tangents: list[Tensor | None] = [None] * len(inputs)
+    for slot, u in zip(_REL_ATTENTION_DIFF, grads):
+        tangents[slot] = None if inputs[slot] is None else u
+    t_out, dx = _rel_attention_second_order(inputs, grad_out, tuple(tangents))
+    result: list[Tensor | None] = [None] * len(ctx.values)
+    result[0] = t_out
+    for slot, d in dx.items():
+        result[_backward_slot(slot)] = d
+    return tuple(result)
+
+
+def _rel_attention_backward_jvp(inputs: tuple, outputs: tuple, tangents: tuple):
+    grad_out, fwd_inputs = _backward_inputs_split(inputs)
+    tx = [None] * len(fwd_inputs)
+    for slot in _REL_ATTENTION_DIFF:
+        tx[slot] = tangents[_backward_slot(slot)]
+    result: list[Tensor | None] = [None] * len(_REL_ATTENTION_DIFF)
+    if tangents[0] is not None:  # linear in grad_out: the backward op itself
+        result = list(_apply(torch.ops.relpos.rel_attention_backward.default,
+                             tangents[0].contiguous(), *inputs[1:]))
+    if any(t is not None for t in tx):
+        _, dx = _rel_attention_second_order(fwd_inputs, grad_out, tuple(tx))
+        for j, slot in enumerate(_REL_ATTENTION_DIFF):
+            if fwd_inputs[slot] is not None:
+                result[j] = _add(result[j], dx[slot])
+    return tuple(result)
 
 
 _register_autograd(
     torch.ops.relpos.rel_attention_backward.default,
     _rel_attention_double_backward,
     setup_context=_rel_attention_backward_setup,
+    jvp=_rel_attention_backward_jvp,
 )
 
 
