@@ -17,6 +17,7 @@ import ctypes.util
 import datetime as _dt
 import json
 import logging
+import multiprocessing
 import os
 import platform
 import random
@@ -75,6 +76,27 @@ def trim_heap() -> None:
         ctypes.CDLL(name).malloc_trim(0)
     except (OSError, AttributeError, TypeError):
         pass
+
+
+def call_peak_extra_mib(run: Callable[[], Any]) -> dict:
+    """Peak RSS growth of one ``run()`` in this process, in MiB (``{"peak_extra_mib": ...}``)."""
+    resettable = reset_peak_rss()
+    base = peak_rss_bytes(resettable)
+    out = run()
+    peak = peak_rss_bytes(resettable)
+    del out
+    return {"peak_extra_mib": max(peak - base, 0) / MiB}
+
+
+def in_spawned_child(fn: Callable[..., dict], *fn_args: Any) -> dict:
+    """``fn(*fn_args)`` (a module-level function) in a fresh, spawned interpreter, or an error
+    record. Spawned, not forked as :func:`in_child`: a child forked from a process whose OpenMP
+    threads are up (after timings, or inside pytest) hangs in its first parallel region."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        try:
+            return pool.apply(fn, fn_args)
+        except Exception as e:  # noqa: BLE001  (report it in the table, keep going)
+            return {"error": f"{type(e).__name__}: {e}"}
 
 
 def check_platform(script: str) -> None:
@@ -354,6 +376,23 @@ def add_common_args(
                    help="time at most this many seconds of --slow-reps after the first call "
                         f"(at least one rep; default {rep_budget_s:g})")
     p.add_argument("-v", "--verbose", action="store_true", help="print each measurement as it ends")
+
+
+def parse_rounds_args(argv: list[str] | None, doc: str, default_out: Path, lengths: list[int],
+                      rounds: int) -> tuple[argparse.Namespace, list[int], int]:
+    """The options of the scripts whose methods take turns for some rounds (time_rounds):
+    ``(args, lengths, rounds)``, with ``--quick``'s L = 128 and 256 and 2 rounds applied.
+    Sets torch's threads."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    p.add_argument("--rounds", type=int, default=rounds, help=f"timed rounds (default {rounds})")
+    p.add_argument("--lengths", type=int, nargs="+", default=lengths)
+    p.add_argument("--quick", action="store_true", help="L = 128 and 256, 2 rounds (a smoke test)")
+    p.add_argument("--out", type=Path, default=default_out)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    return args, [128, 256] if args.quick else args.lengths, 2 if args.quick else args.rounds
 
 
 def timestamp() -> str:

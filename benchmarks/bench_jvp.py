@@ -21,12 +21,9 @@ causal. Usage::
 
 from __future__ import annotations
 
-import argparse
-import multiprocessing
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -34,8 +31,8 @@ import torch
 import relpos_ext
 from relpos_ext import reference
 
-from _common import (MiB, RESULTS, check_platform, peak_rss_bytes, print_environment,
-                     reset_peak_rss, time_rounds, timestamp, write_json)
+from _common import (RESULTS, call_peak_extra_mib, check_platform, in_spawned_child,
+                     parse_rounds_args, print_environment, time_rounds, timestamp, write_json)
 
 METHODS = {"jvp": "(1) jvp", "forward": "(2) forward", "eager_jvp": "(3) eager jvp"}
 LENGTHS = [512, 1024, 2048, 4096, 8192]
@@ -66,46 +63,20 @@ def jvp_memory(length: int, threads: int) -> dict:
     """Peak RSS growth of one jvp call (after a warm-up at a small length), in this process."""
     torch.set_num_threads(threads)
     methods_for(256)["jvp"]()
-    run = methods_for(length)["jvp"]
-    resettable = reset_peak_rss()
-    base = peak_rss_bytes(resettable)
-    out = run()
-    peak = peak_rss_bytes(resettable)
-    del out
-    return {"peak_extra_mib": max(peak - base, 0) / MiB}
-
-
-def measure_memory(length: int, threads: int) -> dict:
-    """:func:`jvp_memory` in a fresh interpreter (spawned, not forked: a child forked from a
-    process whose OpenMP threads are up, as here after the timings or inside pytest, hangs in
-    its first parallel region)."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        try:
-            return pool.apply(jvp_memory, (length, threads))
-        except Exception as e:  # noqa: BLE001  (report it in the table, keep going)
-            return {"error": f"{type(e).__name__}: {e}"}
+    return call_peak_extra_mib(methods_for(length)["jvp"])
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
-    p.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
-    p.add_argument("--quick", action="store_true", help="L = 128 and 256, 2 rounds (a smoke test)")
-    p.add_argument("--out", type=Path, default=RESULTS / "bench_jvp.json")
-    args = p.parse_args(argv)
+    args, lengths, rounds = parse_rounds_args(argv, __doc__, RESULTS / "bench_jvp.json", LENGTHS,
+                                              rounds=5)
     check_platform("bench_jvp.py")
-    torch.set_num_threads(args.threads)
     info, mach = print_environment(args.threads)
-    lengths = [128, 256] if args.quick else args.lengths
-    rounds = 2 if args.quick else args.rounds
     head = f"{'L':>6}  {'method':<16}{'ms':>10}{'x fwd':>8}"
     print(head)
     print("-" * len(head))
     rows = []
     t_start = time.perf_counter()
-    memory = {length: measure_memory(length, args.threads) for length in lengths}
+    memory = {length: in_spawned_child(jvp_memory, length, args.threads) for length in lengths}
     for length in lengths:
         fns = methods_for(length)
         times = time_rounds(fns, rounds)

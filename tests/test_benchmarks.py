@@ -98,6 +98,18 @@ def test_bench_jvp_quick(tmp_path: Path) -> None:
     assert all(r["peak_extra_mib"] >= 0 for r in rows if r["method"] == "jvp")
 
 
+def test_bench_second_order_quick(tmp_path: Path) -> None:
+    """bench_second_order.py --quick times its three methods and measures the penalties'
+    memory."""
+    second = pytest.importorskip("bench_second_order")
+    out = tmp_path / "second_order.json"
+    assert second.main(["--quick", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == 2 * list(second.METHODS)
+    assert all(r["time_ms"] > 0 for r in rows)
+    assert all(r["peak_extra_mib"] >= 0 for r in rows if r["method"] != "fwd_bwd")
+
+
 def test_machine_info_records_the_instruction_set_caps(monkeypatch: pytest.MonkeyPatch) -> None:
     """machine_info keeps the kernels in use and the ISA_ENV variables that capped them (README,
     "A machine without AVX-512"): RELPOS_CPU_ISA is read at every call, so setting it here
