@@ -597,6 +597,22 @@ def test_double_backward_rel_attention(cpu_isa, monkeypatch, name, which):
     _assert_all_close(second(relpos_ext.rel_attention), second(ref.shaw_attention))
 
 
+def test_per_sample_gradient_penalty(cpu_isa):
+    """vmap over grad of grad: each sample's gradient penalty differentiated (the double
+    backward under vmap's generated rules), against the reference's."""
+    args, kw = _jvp_case("per_head_causal_offsets", b=1, d=4)
+    samples = tuple(torch.randn(3, *a.shape, dtype=F64) for a in args[:3])
+
+    def per_sample(impl):
+        loss = lambda q, k, v: _attention(impl, kw)(q, k, v, *args[3:])[0].sin().sum()  # noqa: E731
+
+        def penalty(q, k, v):
+            return sum(g.square().sum() for g in torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v))
+        return torch.func.vmap(torch.func.grad(penalty, argnums=(0, 1, 2)))(*samples)
+
+    _assert_all_close(per_sample(relpos_ext.rel_attention), per_sample(ref.shaw_attention))
+
+
 @pytest.mark.parametrize("name", ["per_head_causal_offsets", "masks_window_segments", "dropout"])
 def test_gradgradcheck_rel_attention(cpu_isa, name):
     """torch.autograd.gradgradcheck: the double backward against finite differences of the
