@@ -658,7 +658,9 @@ def rel_attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """Gradients ``(dq, dk, dv, drel_k, drel_v, drel_bias, drel_q)`` of :func:`rel_attention`
     (None for absent tables); the masks, segment ids, window, bias and ``dropout_p`` /
-    ``dropout_seed`` must be those of the forward."""
+    ``dropout_seed`` must be those of the forward. Its own derivatives (second derivatives of
+    :func:`rel_attention`) treat ``out`` and ``lse`` as the forward's outputs for these inputs:
+    they are computed through q, k, v and the tables, and ``out`` and ``lse`` get none."""
     dq, dk, dv, drk, drv, drb, drq = _apply(
         torch.ops.relpos.rel_attention_backward.default,
         grad_out, q, k, v, rel_k, rel_v, out, lse, max_distance, causal, scale, q_offset,
