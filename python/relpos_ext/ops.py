@@ -755,7 +755,7 @@ def _rel_attention_jvp(inputs: tuple, outputs: tuple, tangents: tuple):
     out, _ = outputs
     if all(tangents[i] is None for i in _REL_ATTENTION_DIFF):
         return None, None
-    blocks = [t for _, _, t in _rel_attention_tangent_blocks(inputs, tangents)]
+    blocks = list(_rel_attention_tangent_blocks(inputs, tangents))
     if not blocks:  # no queries
         return torch.zeros_like(out), None
     return torch.cat(blocks, dim=2).to(out.dtype), None
@@ -768,11 +768,11 @@ def _tangent_block_rows(q: Tensor, k: Tensor) -> int:
 
 
 def _rel_attention_tangent_blocks(inputs: tuple, tangents: tuple,
-                                  only: int | None = None) -> Iterator[tuple[int, int, Tensor]]:
-    """The output's tangent by blocks of query rows: ``(i0, n, t)`` with ``t`` the tangent of
-    rows ``[i0, i0 + n)``, ``[B, H, n, D]`` in float32 (float64 for float64 inputs); with
-    ``only``, just the block whose rows start there. Each block is differentiable (eager ops and
-    rel_logits) and reads only its own slice of the keys, which the second derivatives use."""
+                                  only: int | None = None) -> Iterator[Tensor]:
+    """The output's tangent by blocks of query rows (``_tangent_block_rows`` each, in order):
+    ``[B, H, rows, D]`` in float32 (float64 for float64 inputs); with ``only``, just the block
+    whose rows start there. Each block is differentiable (eager ops and rel_logits) and reads
+    only its own slice of the keys, which the second derivatives use."""
     (q, k, v, rel_k, rel_v, max_distance, causal, scale, q_offset, k_offset, mask, dropout_p,
      seed, attn_mask, q_seg, k_seg, window_left, window_right, rel_bias, rel_q) = inputs
     tq, tk, tv, trk, trv = tangents[:5]
@@ -871,7 +871,7 @@ def _rel_attention_tangent_blocks(inputs: tuple, tangents: tuple,
             terms.append(pd @ tvb)
         if trv_ is not None:
             terms.append(adjoint(pd, qb, trv_, max_distance, q_pos, kb_pos)[0])
-        yield i0, n, (_add(*terms) if terms else torch.zeros_like(qb))
+        yield _add(*terms) if terms else torch.zeros_like(qb)
 
 
 _register_autograd(
@@ -909,7 +909,7 @@ def _rel_attention_second_order(inputs: tuple, grad_out: Tensor,
             xs = list(inputs)
             for i, x in zip(wrt, diff):
                 xs[i] = x
-            return next(_rel_attention_tangent_blocks(tuple(xs), tangents, only=i0))[2]
+            return next(_rel_attention_tangent_blocks(tuple(xs), tangents, only=i0))
 
         t, vjp = torch.func.vjp(block, *(inputs[i] for i in wrt))
         t_blocks.append(t)
