@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -41,6 +44,21 @@ def test_bad_input_raises_clear_error(desc, fn, pattern):
 def test_cpu_cuda_mismatch():
     with pytest.raises(RuntimeError, match="must be on"):
         relpos_ext.rel_logits(torch.randn(1, 2, 4, 8, device="cuda"), torch.randn(5, 8), 2, 4)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_number_in_error_message_in_fresh_process(device):
+    """An error message with a number in it ("got -1") raises in a fresh interpreter instead of
+    crashing it. A module holding its own copy of libstdc++ beside torch's (linked from
+    libstdc++.a; CMakeLists.txt links torch's libstdc++.so to prevent it) segfaulted here, on a
+    lent GPU machine's build, CPU and CUDA alike."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    code = ("import torch, relpos_ext\n"
+            f"relpos_ext.rel_gather(torch.randn(5, 8, device='{device}'), 4, 4, -1)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, (run.returncode, run.stderr[-2000:])
+    assert "RuntimeError: max_distance must be >= 0; got -1" in run.stderr
 
 
 def test_bad_isa_override(monkeypatch):
