@@ -27,7 +27,10 @@
 # RELPOS_GPU_BENCH_ARGS: more arguments for bench_cuda.py (e.g. --forms ...); RELPOS_GPU_TEST_FILES
 # and RELPOS_GPU_TEST_K: which test files, and pytest's -k (default: the `cuda` backend's tests);
 # RELPOS_GPU_REST_K: a second -k run last, in the time left before RELPOS_GPU_DEADLINE_S (600)
-# seconds from the script's start (pytest_more.log).
+# seconds from the script's start (pytest_more.log). RELPOS_GPU_STAGES: which stages run after the
+# build (default "tests fuzz sanitizer bench profile ncu"), so that a lease too short for all of
+# them can split them over two calls (the second on the still-warm machine rebuilds in seconds);
+# RELPOS_GPU_BENCH_DIMS: head dims for bench_cuda.py, one run each (default 64).
 # Each failing test is written to $OUT/failures.txt the moment it fails
 # (scripts/pytest_failures_now.py), so a run cut short by its time limit still names them.
 set -uo pipefail
@@ -54,6 +57,8 @@ mkdir -p "$out"
 py=python3
 summary=()
 stage() { echo; echo "== $* ($(date +%T))"; }
+stages=" ${RELPOS_GPU_STAGES:-tests fuzz sanitizer bench profile ncu} "
+want() { [[ "$stages" == *" $1 "* ]]; }
 
 stage machine
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
@@ -97,7 +102,8 @@ run_tests() {
     PYTHONPATH="$root/scripts${PYTHONPATH:+:$PYTHONPATH}" \
     timeout "$3" $py -m pytest ${RELPOS_GPU_TEST_FILES:-tests/test_attention.py \
     tests/test_ops.py tests/test_positions.py tests/test_autograd_compile.py tests/test_errors.py \
-    tests/test_nn_compat.py tests/test_func.py} -q -p no:cacheprovider -p pytest_failures_now \
+    tests/test_nn_compat.py tests/test_func.py tests/test_rope.py} -q -p no:cacheprovider \
+    -p pytest_failures_now \
     -rfE -k "$1" "${xdist[@]}" > "$out/$2" 2>&1
   rc=$?
   grep -E "^(FAILED|ERROR)" "$out/$2" | head -40
@@ -105,64 +111,81 @@ run_tests() {
   summary+=("tests ($2): rc $rc, $((SECONDS - t0)) s: $(tail -n 1 "$out/$2")")
 }
 
-stage tests
 rm -f "$out/failures.txt"
-run_tests "${RELPOS_GPU_TEST_K:-cuda and not emu}" pytest.log "${RELPOS_GPU_TEST_S:-240}"
-[ -s "$out/failures.txt" ] && grep '^==== ' "$out/failures.txt" | head -40
+if want tests; then
+  stage tests
+  run_tests "${RELPOS_GPU_TEST_K:-cuda and not emu}" pytest.log "${RELPOS_GPU_TEST_S:-240}"
+  [ -s "$out/failures.txt" ] && grep '^==== ' "$out/failures.txt" | head -40
+fi
 
-stage fuzz
-t0=$SECONDS
-# Random mixes of every option against the reference (scripts/fuzz_attention.py), as many seeds
-# as fit; its lines go to stdout only (the device tool brings back 8 files at most).
-fuzz_s=${RELPOS_GPU_FUZZ_S:-60}
-timeout "$fuzz_s" $py scripts/fuzz_attention.py --seeds 0:100000 --backends cuda \
-  --dtypes float32 bfloat16 float16 --time-limit $((fuzz_s * 3 / 4)) 2>&1 | tail -n 30
-summary+=("fuzz: rc ${PIPESTATUS[0]}, $((SECONDS - t0)) s")
+if want fuzz; then
+  stage fuzz
+  t0=$SECONDS
+  # Random mixes of every option against the reference (scripts/fuzz_attention.py), as many seeds
+  # as fit; its lines go to stdout only (the device tool brings back 8 files at most).
+  fuzz_s=${RELPOS_GPU_FUZZ_S:-60}
+  timeout "$fuzz_s" $py scripts/fuzz_attention.py --seeds 0:100000 --backends cuda \
+    --dtypes float32 bfloat16 float16 --time-limit $((fuzz_s * 3 / 4)) 2>&1 | tail -n 30
+  summary+=("fuzz: rc ${PIPESTATUS[0]}, $((SECONDS - t0)) s")
+fi
 
-stage sanitizer
-t0=$SECONDS
-# Shared-memory races and out-of-bounds accesses of the tensor-core kernels (small cases), both
-# tools' reports in one file (the device tool brings back 8 files at most).
-: > "$out/sanitizer.log"
-for tool in racecheck memcheck; do
-  echo "== compute-sanitizer --tool $tool" >> "$out/sanitizer.log"
-  timeout "${RELPOS_GPU_SANITIZER_S:-60}" compute-sanitizer --tool "$tool" \
-    --kernel-name kns=rel_attention_tc --print-limit 20 $py scripts/gpu_sanitizer_cases.py \
-    >> "$out/sanitizer.log" 2>&1
-  summary+=("sanitizer $tool: rc $?, $(grep -E 'SUMMARY' "$out/sanitizer.log" | tail -n 1)")
-done
-tail -n 12 "$out/sanitizer.log"
-summary+=("sanitizer: $((SECONDS - t0)) s")
+if want sanitizer; then
+  stage sanitizer
+  t0=$SECONDS
+  # Shared-memory races and out-of-bounds accesses of the tensor-core kernels (small cases), both
+  # tools' reports in one file (the device tool brings back 8 files at most).
+  : > "$out/sanitizer.log"
+  for tool in racecheck memcheck; do
+    echo "== compute-sanitizer --tool $tool" >> "$out/sanitizer.log"
+    timeout "${RELPOS_GPU_SANITIZER_S:-60}" compute-sanitizer --tool "$tool" \
+      --kernel-name kns=rel_attention_tc --print-limit 20 $py scripts/gpu_sanitizer_cases.py \
+      >> "$out/sanitizer.log" 2>&1
+    summary+=("sanitizer $tool: rc $?, $(grep -E 'SUMMARY' "$out/sanitizer.log" | tail -n 1)")
+  done
+  tail -n 12 "$out/sanitizer.log"
+  summary+=("sanitizer: $((SECONDS - t0)) s")
+fi
 
-stage bench
-t0=$SECONDS
-# shellcheck disable=SC2086  # RELPOS_GPU_BENCH_ARGS: extra arguments, split on spaces
-timeout "${RELPOS_GPU_BENCH_S:-200}" $py benchmarks/bench_cuda.py --min-run-time 0.2 \
-  --out "$out/bench_cuda.json" ${RELPOS_GPU_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
-summary+=("bench: rc ${PIPESTATUS[0]}, $((SECONDS - t0)) s")
+if want bench; then
+  stage bench
+  t0=$SECONDS
+  : > "$out/bench.log"
+  for dim in ${RELPOS_GPU_BENCH_DIMS:-64}; do
+    json=$out/bench_cuda.json
+    [ "$dim" = 64 ] || json=$out/bench_cuda_d$dim.json
+    # shellcheck disable=SC2086  # RELPOS_GPU_BENCH_ARGS: extra arguments, split on spaces
+    timeout "${RELPOS_GPU_BENCH_S:-200}" $py benchmarks/bench_cuda.py --min-run-time 0.2 \
+      --dim "$dim" --out "$json" ${RELPOS_GPU_BENCH_ARGS:-} 2>&1 | tee -a "$out/bench.log"
+    summary+=("bench D=$dim: rc ${PIPESTATUS[0]}, $((SECONDS - t0)) s")
+  done
+fi
 
-stage profile
-t0=$SECONDS
-# shellcheck disable=SC2086  # RELPOS_GPU_PROFILE_ARGS: extra arguments, split on spaces
-timeout "${RELPOS_GPU_PROFILE_S:-60}" $py benchmarks/profile_cuda.py \
-  --out "$out/profile_cuda.json" ${RELPOS_GPU_PROFILE_ARGS:-} 2>&1
-summary+=("profile: rc $?, $((SECONDS - t0)) s")
+if want profile; then
+  stage profile
+  t0=$SECONDS
+  # shellcheck disable=SC2086  # RELPOS_GPU_PROFILE_ARGS: extra arguments, split on spaces
+  timeout "${RELPOS_GPU_PROFILE_S:-60}" $py benchmarks/profile_cuda.py \
+    --out "$out/profile_cuda.json" ${RELPOS_GPU_PROFILE_ARGS:-} 2>&1
+  summary+=("profile: rc $?, $((SECONDS - t0)) s")
+fi
 
-stage ncu
-t0=$SECONDS
-# Nsight Compute on one launch of each tensor-core kernel at a training size
-# (scripts/gpu_ncu_cases.py; RELPOS_GPU_NCU_ARGS, e.g. --dims 64 128, and RELPOS_GPU_NCU_LAUNCHES
-# to match): stall reasons, occupancy and its limits, pipe and memory use, all in ncu.txt.
-ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu \
-  2>/dev/null | head -n 1)
-# shellcheck disable=SC2086  # RELPOS_GPU_NCU_ARGS: extra arguments, split on spaces
-timeout "${RELPOS_GPU_NCU_S:-120}" "${ncu_bin:-ncu}" --kernel-name regex:rel_attention_tc \
-  --launch-count "${RELPOS_GPU_NCU_LAUNCHES:-3}" --clock-control none --set full \
-  --print-details all $py scripts/gpu_ncu_cases.py ${RELPOS_GPU_NCU_ARGS:-} > "$out/ncu.txt" 2>&1
-summary+=("ncu: rc $?, $((SECONDS - t0)) s")
-grep -E "rel_attention_tc|Duration|Achieved Occupancy|Block Limit|Warp Cycles Per Issued" \
-  "$out/ncu.txt" | head -n 60
-grep -iE "stall" "$out/ncu.txt" | grep -v "^ *-" | head -n 30
+if want ncu; then
+  stage ncu
+  t0=$SECONDS
+  # Nsight Compute on one launch of each tensor-core kernel at a training size
+  # (scripts/gpu_ncu_cases.py; RELPOS_GPU_NCU_ARGS, e.g. --dims 64 128, and RELPOS_GPU_NCU_LAUNCHES
+  # to match): stall reasons, occupancy and its limits, pipe and memory use, all in ncu.txt.
+  ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu \
+    2>/dev/null | head -n 1)
+  # shellcheck disable=SC2086  # RELPOS_GPU_NCU_ARGS: extra arguments, split on spaces
+  timeout "${RELPOS_GPU_NCU_S:-120}" "${ncu_bin:-ncu}" --kernel-name regex:rel_attention_tc \
+    --launch-count "${RELPOS_GPU_NCU_LAUNCHES:-3}" --clock-control none --set full \
+    --print-details all $py scripts/gpu_ncu_cases.py ${RELPOS_GPU_NCU_ARGS:-} > "$out/ncu.txt" 2>&1
+  summary+=("ncu: rc $?, $((SECONDS - t0)) s")
+  grep -E "rel_attention_tc|Duration|Achieved Occupancy|Block Limit|Warp Cycles Per Issued" \
+    "$out/ncu.txt" | head -n 60
+  grep -iE "stall" "$out/ncu.txt" | grep -v "^ *-" | head -n 30
+fi
 
 if [ -n "${RELPOS_GPU_REST_K:-}" ]; then
   # More tests (RELPOS_GPU_REST_K, e.g. the cuda tests the first -k left out) in the time left

@@ -13,12 +13,14 @@ import torch
 
 import relpos_ext
 
-# (head dim, length, rel_q instead of rel_v, causal)
-CASES = [(64, 200, False, False), (128, 136, False, True), (64, 150, True, False),
-         (32, 70, True, True), (96, 130, False, False)]
+# (head dim, length, tables beside rel_k: "v" rel_v, "q" rel_q, "vq" both, causal). At D = 128
+# with rel_v, and at D = 64 with rel_v and rel_q, the forward stages rel_v's band rows in rel_k's
+# buffer (TcTile::share_band in csrc/cuda/rel_attention_tc.cuh).
+CASES = [(64, 200, "v", False), (128, 136, "v", True), (64, 150, "q", False),
+         (32, 70, "q", True), (96, 130, "v", False), (64, 140, "vq", True)]
 
 
-def run_case(dim: int, length: int, rel_q: bool, causal: bool) -> None:
+def run_case(dim: int, length: int, tables: str, causal: bool) -> None:
     """One forward and backward through the tensor-core kernels."""
     g = torch.Generator(device="cuda").manual_seed(dim + length)
 
@@ -29,11 +31,11 @@ def run_case(dim: int, length: int, rel_q: bool, causal: bool) -> None:
     k_max = 40
     q, k, v = t(1, 2, length, dim), t(1, 2, length, dim), t(1, 2, length, dim)
     rk, rv, rq = t(2 * k_max + 1, dim), t(2 * k_max + 1, dim), t(2 * k_max + 1, dim)
-    out = relpos_ext.rel_attention(q, k, v, rk, None if rel_q else rv, k_max, causal=causal,
-                                   rel_q=rq if rel_q else None)
+    out = relpos_ext.rel_attention(q, k, v, rk, rv if "v" in tables else None, k_max,
+                                   causal=causal, rel_q=rq if "q" in tables else None)
     out.float().square().sum().backward()
     torch.cuda.synchronize()
-    print(f"ok: D={dim} L={length} rel_q={rel_q} causal={causal}", flush=True)
+    print(f"ok: D={dim} L={length} tables=k{tables} causal={causal}", flush=True)
 
 
 def main() -> None:

@@ -683,6 +683,19 @@ def _cuda_transform(case):
             return (lambda *xs: torch.func.grad(loss, argnums=tuple(range(n)))(*xs),
                     (*args, *tangents))
         return (lambda *xs: torch.func.jvp(fn, xs[:n], xs[n:]), (*args, *tangents))
+    if case in ("grad_of_grad", "hessian"):
+        args, kw = _jvp_case("per_head_causal_offsets", d=16)
+        n = len(args)
+        attention = _attention(relpos_ext.rel_attention, kw)
+        loss = lambda *xs: attention(*xs)[0].sin().sum()  # noqa: E731
+        if case == "hessian":  # of rel_bias: jacfwd of jacrev, the backward op's forward mode
+            return (lambda *xs: (torch.func.hessian(loss, argnums=5)(*xs),), args)
+
+        def grad_of_grad(*xs):  # a gradient penalty's gradients, as autograd takes them
+            xs = [a.detach().requires_grad_() for a in xs]
+            grads = torch.autograd.grad(loss(*xs), xs, create_graph=True)
+            return torch.autograd.grad(sum(g.square().sum() for g in grads), xs)
+        return grad_of_grad, args
     if case == "per_sample_grads":
         (q, k, v), tables, kw, _, _ = _per_sample_case("gqa_bias_rel_q")
         names = list(tables)
@@ -707,15 +720,16 @@ def _cuda_transform(case):
             tuple(_t(*s) for s in shapes + shapes))
 
 
-CUDA_TRANSFORMS = ["jvp_rel_attention", "jvp_float32", "grad_of_jvp", "per_sample_grads",
-                   "vmap_forward", *(f"jvp_{op}" for op in JVP_OPS)]
+CUDA_TRANSFORMS = ["jvp_rel_attention", "jvp_float32", "grad_of_jvp", "grad_of_grad", "hessian",
+                   "per_sample_grads", "vmap_forward", *(f"jvp_{op}" for op in JVP_OPS)]
 
 
 @pytest.mark.parametrize("case", CUDA_TRANSFORMS)
 def test_transforms_cuda(case):
-    """On a GPU (scripts/gpu_check.sh runs these): forward mode, reverse over forward, per-sample
-    gradients and vmap on CUDA tensors give what they give on the CPU, whose paths the tests
-    above check against the reference. float64, and one float32 jvp against float64."""
+    """On a GPU (scripts/gpu_check.sh runs these): forward mode, reverse over forward, grad of
+    grad, a hessian, per-sample gradients and vmap on CUDA tensors give what they give on the
+    CPU, whose paths the tests above check against the reference. float64, and one float32 jvp
+    against float64."""
     if not torch.cuda.is_available():
         pytest.skip("no GPU")
     fn, args = _cuda_transform(case)

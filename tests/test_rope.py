@@ -156,6 +156,25 @@ def test_rope_gradcheck(cpu_isa, interleaved, inverse, shapes):
                                     check_backward_ad=False, check_undefined_grad=False)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_autograd_cuda(interleaved, inverse):
+    """On a GPU (scripts/gpu_check.sh runs it): the CUDA kernel's gradients by gradcheck,
+    gradgradcheck and forward mode in float64, and opcheck on CUDA tensors."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    t = lambda *s: torch.randn(*s, dtype=torch.float64, device="cuda",  # noqa: E731
+                               requires_grad=True)
+    x, cos, sin = t(2, 3, 4, 10), t(2, 1, 4, 6), t(2, 1, 4, 6)
+    fn = lambda a, c, s: relpos_ext.rope(a, c, s, interleaved, inverse)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, cos, sin))
+    assert torch.autograd.gradgradcheck(fn, (x, cos, sin))
+    assert torch.autograd.gradcheck(fn, (x, cos, sin), check_forward_ad=True,
+                                    check_backward_ad=False, check_undefined_grad=False)
+    torch.library.opcheck(torch.ops.relpos.rope.default,
+                          (x.float(), cos.float(), sin.float(), interleaved, inverse))
+
+
 def test_rope_grads_match_reference_in_low_precision(cpu_isa):
     x = torch.randn(2, 4, 9, 32, dtype=torch.bfloat16, requires_grad=True)
     cos = torch.randn(2, 1, 9, 32, requires_grad=True)  # float32 tables, bfloat16 queries
