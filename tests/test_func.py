@@ -673,29 +673,25 @@ def test_dropout_keep_row_start():
 def _cuda_transform(case):
     """(function of CPU-or-CUDA tensors returning a tuple of tensors, its float64 inputs)."""
     torch.manual_seed(0)
-    if case in ("jvp_rel_attention", "jvp_float32", "grad_of_jvp"):
+    if case in ("jvp_rel_attention", "jvp_float32", "grad_of_jvp", "grad_of_grad", "hessian"):
         args, kw = _jvp_case("per_head_causal_offsets", d=16)
-        tangents = tuple(torch.randn_like(a) for a in args)
         n = len(args)
         fn = lambda *xs: _attention(relpos_ext.rel_attention, kw)(*xs)[0]  # noqa: E731
+        if case == "hessian":  # of rel_bias: jacfwd of jacrev, the backward op's forward mode
+            return (lambda *xs: (torch.func.hessian(lambda *ys: fn(*ys).sin().sum(),
+                                                    argnums=5)(*xs),), args)
+        if case == "grad_of_grad":
+            def grad_of_grad(*xs):  # a gradient penalty's gradients, as autograd takes them
+                xs = [a.detach().requires_grad_() for a in xs]
+                grads = torch.autograd.grad(fn(*xs).sin().sum(), xs, create_graph=True)
+                return torch.autograd.grad(sum(g.square().sum() for g in grads), xs)
+            return grad_of_grad, args
+        tangents = tuple(torch.randn_like(a) for a in args)
         if case == "grad_of_jvp":
             loss = lambda *xs: torch.func.jvp(fn, xs[:n], xs[n:])[1].sin().sum()  # noqa: E731
             return (lambda *xs: torch.func.grad(loss, argnums=tuple(range(n)))(*xs),
                     (*args, *tangents))
         return (lambda *xs: torch.func.jvp(fn, xs[:n], xs[n:]), (*args, *tangents))
-    if case in ("grad_of_grad", "hessian"):
-        args, kw = _jvp_case("per_head_causal_offsets", d=16)
-        n = len(args)
-        attention = _attention(relpos_ext.rel_attention, kw)
-        loss = lambda *xs: attention(*xs)[0].sin().sum()  # noqa: E731
-        if case == "hessian":  # of rel_bias: jacfwd of jacrev, the backward op's forward mode
-            return (lambda *xs: (torch.func.hessian(loss, argnums=5)(*xs),), args)
-
-        def grad_of_grad(*xs):  # a gradient penalty's gradients, as autograd takes them
-            xs = [a.detach().requires_grad_() for a in xs]
-            grads = torch.autograd.grad(loss(*xs), xs, create_graph=True)
-            return torch.autograd.grad(sum(g.square().sum() for g in grads), xs)
-        return grad_of_grad, args
     if case == "per_sample_grads":
         (q, k, v), tables, kw, _, _ = _per_sample_case("gqa_bias_rel_q")
         names = list(tables)

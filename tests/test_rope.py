@@ -141,36 +141,40 @@ def test_rope_under_autocast(cpu_isa):
 
 
 # ---------------------------------------------------------------------------------- autograd
-@pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("inverse", [False, True])
-@pytest.mark.parametrize("shapes", [((2, 3, 4, 10), (2, 1, 4, 6)), ((3, 5, 4), (4,))])
-def test_rope_gradcheck(cpu_isa, interleaved, inverse, shapes):
+ROPE_GRAD_SHAPES = [((2, 3, 4, 10), (2, 1, 4, 6)), ((3, 5, 4), (4,))]
+
+
+def _check_rope_autograd(device, interleaved, inverse, shapes):
+    """gradcheck, gradgradcheck and forward mode of rope in float64 on `device`; returns the
+    float64 inputs."""
     xs, cs = shapes
-    x = torch.randn(xs, dtype=torch.float64, requires_grad=True)
-    cos = torch.randn(cs, dtype=torch.float64, requires_grad=True)
-    sin = torch.randn(cs, dtype=torch.float64, requires_grad=True)
+    t = lambda s: torch.randn(s, dtype=torch.float64, device=device,  # noqa: E731
+                              requires_grad=True)
+    x, cos, sin = t(xs), t(cs), t(cs)
     fn = lambda a, c, s: relpos_ext.rope(a, c, s, interleaved, inverse)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (x, cos, sin))
     assert torch.autograd.gradgradcheck(fn, (x, cos, sin))
     assert torch.autograd.gradcheck(fn, (x, cos, sin), check_forward_ad=True,
                                     check_backward_ad=False, check_undefined_grad=False)
+    return x, cos, sin
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("inverse", [False, True])
-def test_rope_autograd_cuda(interleaved, inverse):
+@pytest.mark.parametrize("shapes", ROPE_GRAD_SHAPES)
+def test_rope_gradcheck(cpu_isa, interleaved, inverse, shapes):
+    _check_rope_autograd("cpu", interleaved, inverse, shapes)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("shapes", ROPE_GRAD_SHAPES)
+def test_rope_autograd_cuda(interleaved, inverse, shapes):
     """On a GPU (scripts/gpu_check.sh runs it): the CUDA kernel's gradients by gradcheck,
     gradgradcheck and forward mode in float64, and opcheck on CUDA tensors."""
     if not torch.cuda.is_available():
         pytest.skip("no GPU")
-    t = lambda *s: torch.randn(*s, dtype=torch.float64, device="cuda",  # noqa: E731
-                               requires_grad=True)
-    x, cos, sin = t(2, 3, 4, 10), t(2, 1, 4, 6), t(2, 1, 4, 6)
-    fn = lambda a, c, s: relpos_ext.rope(a, c, s, interleaved, inverse)  # noqa: E731
-    assert torch.autograd.gradcheck(fn, (x, cos, sin))
-    assert torch.autograd.gradgradcheck(fn, (x, cos, sin))
-    assert torch.autograd.gradcheck(fn, (x, cos, sin), check_forward_ad=True,
-                                    check_backward_ad=False, check_undefined_grad=False)
+    x, cos, sin = _check_rope_autograd("cuda", interleaved, inverse, shapes)
     torch.library.opcheck(torch.ops.relpos.rope.default,
                           (x.float(), cos.float(), sin.float(), interleaved, inverse))
 
