@@ -15,7 +15,9 @@ import relpos_ext
 
 # (head dim, length, tables beside rel_k: "v" rel_v, "q" rel_q, "vq" both, causal). At D = 128
 # with rel_v, and at D = 64 with rel_v and rel_q, the forward stages rel_v's band rows in rel_k's
-# buffer (TcTile::share_band in csrc/cuda/rel_attention_tc.cuh).
+# buffer (TcTile::share_band in csrc/cuda/rel_attention_tc.cuh); the backward shares one buffer
+# between the two tables at D = 128 (both kernels) and with rel_q at D = 64 (the dk/dv kernel;
+# TcBwdTile/TcBwdKvTile::share_tables in csrc/cuda/rel_attention_tc_bwd.cuh).
 CASES = [(64, 200, "v", False), (128, 136, "v", True), (64, 150, "q", False),
          (32, 70, "q", True), (96, 130, "v", False), (64, 140, "vq", True)]
 

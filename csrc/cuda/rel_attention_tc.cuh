@@ -156,6 +156,22 @@ RELPOS_DEVICE void tc_stage_band(T* dst, int ld, int rows, const T* table, int64
   tc_stage<T, kD, kTransposed>(
       dst, ld, rows, [&](int c) { return table + clamp_bucket(dbase + c, K) * dim; }, dim);
 }
+// The same, kRowsT rows, by cp_async16: issued, not awaited (the caller commits and waits). For a
+// staging in the middle of a pair, where tc_stage's loads in flight, held in registers beside
+// the accumulators, made ptxas spill (the backward's share_tables at kD = 128).
+template <typename T, int kD, int kRowsT>
+RELPOS_DEVICE void tc_stage_band_async(T* dst, int ld, const T* table, int64_t dbase, int64_t K,
+                                       int dim) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T)), kPerRow = kD / kVec;
+  static_assert(kRowsT * kPerRow % kTcThreads == 0, "whole rounds of 16-byte copies");
+  RELPOS_NO_UNROLL
+  for (int it = 0; it < kRowsT * kPerRow / kTcThreads; ++it) {
+    const int idx = threadIdx.x + it * kTcThreads;
+    const int r = idx / kPerRow, c = idx % kPerRow * kVec;
+    const bool ok = c < dim;
+    cp_async16(dst + r * ld + c, table + (ok ? clamp_bucket(dbase + r, K) * dim + c : 0), ok);
+  }
+}
 // The same for rel_bias, in base 2 (times log2 e, as the logits): dst[c] = bias[b(dbase + c)].
 template <typename T>
 RELPOS_DEVICE void tc_stage_band_bias(float* dst, int rows, const T* bias, int64_t dbase,

@@ -52,21 +52,34 @@ struct TcBwdTile {
   static constexpr int kLdT = kRows + 8;        // sDSt, sPt: [c][row] (T)
   static constexpr int kLdScr = kWarpBand + 4;  // a warp's float scratch [16][kLdScr]
   static constexpr size_t kTable = size_t(kBand) * kLdK * 2;  // one [kBand][kLdK] table slice
-  // sQ sG [kRows][kLdK] | sK sV [kKeys][kLdK] | sRk | sRv, the warps' scratch (both of which
-  // sDSt, sPt overlay once dP is complete) | sBias [kBand] | sMass [kRows][4] | sDots [kRows][4]
+  // sQ sG [kRows][kLdK] | sK sV [kKeys][kLdK] | sRk | sRv (unless shared), the warps' scratch
+  // (which sDSt, sPt overlay once dP is complete) | sBias [kBand] | sMass [kRows][4] | sDots
+  // [kRows][4] | rel_q's
   static constexpr size_t kScr = size_t(kWarps) * 16 * kLdScr * 4;
   static constexpr size_t kDsPt = 2 * size_t(kBand) * kLdT * 2;
-  static constexpr size_t kOverlay = kTable + kScr > kDsPt ? kTable + kScr : kDsPt;
-  static constexpr size_t dq_base() {
-    return size_t(2 * kRows + 2 * kKeys) * kLdK * 2 + kTable + kOverlay + kBand * 4 +
-           2 * kRows * 4 * 4;
+  static constexpr size_t overlay(bool share) {
+    return (share ? 0 : kTable) + kScr > kDsPt ? (share ? 0 : kTable) + kScr : kDsPt;
   }
   // kRelQ (up to kD = 64, as the forward: kKeys = 64): sRq [kBand][kLdK] | sKR [kKeys][kLdKR]
   // floats (k_j . rel_q[c], as the forward's) | sKq [kKeys] floats (k_j . rel_q[0 or 2K] beyond
   // the band)
   static constexpr int kLdKR = kBand + 4;
   static constexpr size_t kDqRelQ = kTable + size_t(kKeys) * kLdKR * 4 + kKeys * 4;
-  static constexpr size_t dq_smem(bool rel_q) { return dq_base() + (rel_q ? kDqRelQ : 0); }
+  static constexpr size_t dq_bytes(bool share, bool rel_q) {
+    return size_t(2 * kRows + 2 * kKeys) * kLdK * 2 + kTable + overlay(share) + kBand * 4 +
+           2 * kRows * 4 * 4 + (rel_q ? kDqRelQ : 0);
+  }
+  // share_tables: rel_k's and rel_v's band slices take turns in one buffer (rel_v's first, for
+  // dP; then rel_k's, for S and dq += dS' Rk: on band pairs one more staging and two more
+  // barriers) where that is what lets two blocks share a multiprocessor of sm_90
+  // (TcTile::kTwoBlocksBytes; the registers allow two at most), as the forward's share_band: at
+  // kD = 128 from 117.4 to 105.9 KiB (at kD = 96 it would take 127.5 to 116.5 KiB, still one).
+  static constexpr bool share_tables(bool rel_q) {
+    return dq_bytes(false, rel_q) > TcTile<kD>::kTwoBlocksBytes &&
+           dq_bytes(true, rel_q) <= TcTile<kD>::kTwoBlocksBytes;
+  }
+  static constexpr size_t dq_smem(bool rel_q) { return dq_bytes(share_tables(rel_q), rel_q); }
+  static constexpr size_t dq_base(bool rel_q) { return dq_smem(rel_q) - (rel_q ? kDqRelQ : 0); }
 };
 
 // The dk/dv kernel's tile pair: 64 keys (4 warps x 16) against 32 query rows, so that S^T and
@@ -85,20 +98,32 @@ struct TcBwdKvTile {
   static constexpr int kLdT = kKeys + 8;       // sDSk: [c][key] (T)
   static constexpr int kLdScr = kWarpBand + 4;  // a warp's float scratch [16][kLdScr]
   static constexpr int kRowCols = 7;  // lse2, D_i, qlo, qhi, dlo, dhi, dropout row key
-  // sQ sG [kRows][kLdK] | sK sV [kKeys][kLdK] | sRk sRv [kBand][kLdK] | sSk sSv [kBand][kLdS] |
-  // sBias [kBand] | sRow [kRowCols][kRows]
-  static constexpr size_t base() {
-    return size_t(2 * kRows + 2 * kKeys + 2 * kBand) * kLdK * 2 + size_t(2 * kBand) * kLdS * 4 +
-           kBand * 4 + kRowCols * kRows * 4;
-  }
+  static constexpr size_t kTable = size_t(kBand) * kLdK * 2;  // one [kBand][kLdK] table slice
   // kRelQ: sRq [kBand][kLdK] | sDSk [kBand][kLdT] (dS' key-major) | the warps' scratch
   // [16][kLdScr] floats | sKm [kKeys][2] floats (the keys' clamped dS masses of a head) | sKq
   // [2][kKeys] floats (k_j . rel_q[0], k_j . rel_q[2K] of a head, for the pairs beyond the band)
-  static constexpr size_t smem(bool rel_q) {
-    return base() + (rel_q ? size_t(kBand) * kLdK * 2 + size_t(kBand) * kLdT * 2 +
-                                 size_t(kWarps) * 16 * kLdScr * 4 + kKeys * 4 * 4
-                           : 0);
+  static constexpr size_t kRelQBytes =
+      kTable + size_t(kBand) * kLdT * 2 + size_t(kWarps) * 16 * kLdScr * 4 + kKeys * 4 * 4;
+  // Shared memory but sRk and sRv: sQ sG [kRows][kLdK] | sK sV [kKeys][kLdK] | sSk sSv
+  // [kBand][kLdS] | sBias [kBand] | sRow [kRowCols][kRows], and rel_q's
+  static constexpr size_t other_bytes(bool rel_q) {
+    return size_t(2 * kRows + 2 * kKeys) * kLdK * 2 + size_t(2 * kBand) * kLdS * 4 + kBand * 4 +
+           kRowCols * kRows * 4 + (rel_q ? kRelQBytes : 0);
   }
+  // share_tables: rel_v's band slice in rel_k's buffer, staged once sSk is done (on band pairs
+  // one more staging and two more barriers), where that is what lets two blocks share a
+  // multiprocessor of sm_90 (TcTile::kTwoBlocksBytes; the registers allow two at most), as the
+  // forward's share_band: at kD = 128 from 130.2 to 104.8 KiB, with rel_q at kD = 64 from 123.2 to
+  // 109.8 KiB.
+  static constexpr bool share_tables(bool rel_q) {
+    return other_bytes(rel_q) + 2 * kTable > TcTile<kD>::kTwoBlocksBytes &&
+           other_bytes(rel_q) + kTable <= TcTile<kD>::kTwoBlocksBytes;
+  }
+  // Layout: sQ | sG | sK | sV | sRk | sRv (unless shared) | sSk | sSv | sBias | sRow | rel_q's
+  static constexpr size_t base(bool rel_q) {
+    return other_bytes(false) + (share_tables(rel_q) ? 1 : 2) * kTable;
+  }
+  static constexpr size_t smem(bool rel_q) { return base(rel_q) + (rel_q ? kRelQBytes : 0); }
 };
 
 // The key-side table rel_q (s_ij += k_j . rel_q[b(i, j)], before the scale) of a band pair, as
@@ -147,15 +172,17 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
   T* sK = sG + Tl::kRows * Tl::kLdK;
   T* sV = sK + Tl::kKeys * Tl::kLdK;
   T* sRk = sV + Tl::kKeys * Tl::kLdK;
-  T* sRv = sRk + Tl::kBand * Tl::kLdK;
+  constexpr bool kShareTables = Tl::share_tables(kRelQ);
+  T* sRv = kShareTables ? sRk : sRk + Tl::kBand * Tl::kLdK;
   float* scr_all = reinterpret_cast<float*>(sRv + Tl::kBand * Tl::kLdK);
-  T* sDSt = sRv;  // overlays sRv and the scratch after dP: [kBand][kLdT]
+  // overlays sRv (unless shared) and the scratch after dP: [kBand][kLdT]
+  T* sDSt = kShareTables ? reinterpret_cast<T*>(scr_all) : sRv;
   T* sPt = sDSt + Tl::kBand * Tl::kLdT;
-  float* sBias =
-      reinterpret_cast<float*>(smem + Tl::dq_base() - Tl::kBand * 4 - 2 * Tl::kRows * 4 * 4);
+  float* sBias = reinterpret_cast<float*>(smem + Tl::dq_base(kRelQ) - Tl::kBand * 4 -
+                                          2 * Tl::kRows * 4 * 4);
   float* sMass = sBias + Tl::kBand;  // [kRows][4]: the rows' clamped dS lo / hi, P lo / hi
   float* sDots = sMass + Tl::kRows * 4;  // [kRows][4]: the rows' clamped dots (kRowQeLo ...)
-  T* sRq = reinterpret_cast<T*>(smem + Tl::dq_base());  // kRelQ only
+  T* sRq = reinterpret_cast<T*>(smem + Tl::dq_base(kRelQ));  // kRelQ only
   float* sKR = reinterpret_cast<float*>(sRq + Tl::kBand * Tl::kLdK);
   float* sKq = sKR + Tl::kKeys * Tl::kLdKR;
 
@@ -237,7 +264,11 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
     tc_stage_async<T, kD, Tl::kKeys>(sK, Tl::kLdK, k + j0 * D, nk, D);
     tc_stage_async<T, kD, Tl::kKeys>(sV, Tl::kLdK, v + j0 * D, nk, D);
     cp_async_commit();
-    if (band && ek != nullptr) tc_stage_band<T, kD>(sRk, Tl::kLdK, Tl::kBand, ek, dbase, K, D);
+    // (with kShareTables and both tables, rel_k's rows wait until dP's term is done, below)
+    const bool late_rk = kShareTables && ek != nullptr && ev != nullptr;
+    if (band && ek != nullptr && !late_rk) {
+      tc_stage_band<T, kD>(sRk, Tl::kLdK, Tl::kBand, ek, dbase, K, D);
+    }
     if (band && ev != nullptr) tc_stage_band<T, kD>(sRv, Tl::kLdK, Tl::kBand, ev, dbase, K, D);
     if (band && eb != nullptr) tc_stage_band_bias(sBias, Tl::kBand, eb, dbase, K);
     if constexpr (kRelQ) {
@@ -299,8 +330,18 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
       __syncwarp();  // read before the next product overwrites the scratch
     };
     if (band) {
-      if (ek != nullptr) add_skewed(s, false, sRk);
-      if (ev != nullptr) add_skewed(dp, true, sRv);
+      if (late_rk) {
+        add_skewed(dp, true, sRv);
+        __syncthreads();  // every warp's reads of rel_v's rows are done
+        tc_stage_band_async<T, kD, Tl::kBand>(sRk, Tl::kLdK, ek, dbase, K, D);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+        add_skewed(s, false, sRk);
+      } else {
+        if (ek != nullptr) add_skewed(s, false, sRk);
+        if (ev != nullptr) add_skewed(dp, true, sRv);
+      }
     } else {
       RELPOS_UNROLL
       for (int nt = 0; nt < kNT; ++nt) {
@@ -516,7 +557,8 @@ __global__ void __launch_bounds__(TcBwdTile<kD>::kThreads)
 // No atomics without rel_q: deterministic as it is.
 // Key tile `tile` of (b, kv head) = bkv, against query tiles of 32 rows (TcBwdKvTile): per pair,
 //   the relative terms of a band pair first, per block and before S^T is live: sSk = Rk Q^T and
-//   sSv = Rv dO^T ([c][row] floats, both tables staged), each (key, row) then reads its c;
+//   sSv = Rv dO^T ([c][row] floats; both tables staged, or rel_v's rows after sSk where they
+//   share a buffer, share_tables), each (key, row) then reads its c;
 //   S^T = K Q^T, dP^T = V dO^T, P^T, dS^T; dv += P^T dO, dk += dS^T Q.
 // kRelQ: the key-side table too (up to kD = 64):
 //   S^T += K Rq^T along the skew (per warp, through its scratch), or k_j . rel_q[0 / 2K];
@@ -539,12 +581,13 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
   T* sK = sG + Tl::kRows * Tl::kLdK;
   T* sV = sK + Tl::kKeys * Tl::kLdK;
   T* sRk = sV + Tl::kKeys * Tl::kLdK;  // the band slices of rel_k and rel_v: [kBand][kLdK]
-  T* sRv = sRk + Tl::kBand * Tl::kLdK;
+  constexpr bool kShareTables = Tl::share_tables(kRelQ);
+  T* sRv = kShareTables ? sRk : sRk + Tl::kBand * Tl::kLdK;
   float* sSk = reinterpret_cast<float*>(sRv + Tl::kBand * Tl::kLdK);  // [kBand][kLdS]
   float* sSv = sSk + Tl::kBand * Tl::kLdS;
   float* sBias = sSv + Tl::kBand * Tl::kLdS;
   float* sRow = sBias + Tl::kBand;  // [kRowCols][kRows]
-  T* sRq = reinterpret_cast<T*>(smem + Tl::base());  // kRelQ only
+  T* sRq = reinterpret_cast<T*>(smem + Tl::base(kRelQ));  // kRelQ only
   T* sDSk = sRq + Tl::kBand * Tl::kLdK;
   float* scr_all = reinterpret_cast<float*>(sDSk + Tl::kBand * Tl::kLdT);
   float* sKm = scr_all + Tl::kWarps * 16 * Tl::kLdScr;  // [kKeys][2]
@@ -626,7 +669,9 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
         std::memcpy(&sRow[kDrop * Tl::kRows + r], &key, 4);
       }
       if (band && ek != nullptr) tc_stage_band<T, kD>(sRk, Tl::kLdK, Tl::kBand, ek, dbase, K, D);
-      if (band && ev != nullptr) tc_stage_band<T, kD>(sRv, Tl::kLdK, Tl::kBand, ev, dbase, K, D);
+      if constexpr (!kShareTables) {  // (else rel_v's rows wait until sSk is done, below)
+        if (band && ev != nullptr) tc_stage_band<T, kD>(sRv, Tl::kLdK, Tl::kBand, ev, dbase, K, D);
+      }
       if (band && eb != nullptr) tc_stage_band_bias(sBias, Tl::kBand, eb, dbase, K);
       if constexpr (kRelQ) {
         if (band) tc_stage_band<T, kD>(sRq, Tl::kLdK, Tl::kBand, eq, dbase, K, D);
@@ -636,19 +681,35 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
 
       if (band) {
         // The query-side relative logits of the pair, while only dk and dv are live: the block's
-        // 2 x kMT units (table, 16 values of c) times the 32 rows, into sSk / sSv.
+        // 2 x kMT units (table, 16 values of c) times the 32 rows, into sSk / sSv; with
+        // kShareTables rel_k's units, then rel_v's in the same buffer (one copy of the loop, and
+        // one staging of rel_v: ptxas spilled at kD = 128 with two).
+        constexpr int kParts = kShareTables ? 2 : 1;
         RELPOS_NO_UNROLL
-        for (int u = warp; u < 2 * kMT; u += Tl::kWarps) {
-          const bool vside = u >= kMT;
-          if ((vside ? ev : ek) == nullptr) continue;
-          const int c0 = 16 * (u % kMT);
-          const T* table = (vside ? sRv : sRk) + c0 * Tl::kLdK;
-          float x[kNT][4];
-          zero_acc(x);
-          warp_mma_bt<T, kNT, kDK>(
-              x, [&](int kk, uint32_t (&a)[4]) { load_a_frag(a, table + kk * 16, Tl::kLdK, lane); },
-              vside ? sG : sQ, Tl::kLdK, lane);
-          store_acc((vside ? sSv : sSk) + c0 * Tl::kLdS, Tl::kLdS, x, lane);
+        for (int part = 0; part < kParts; ++part) {
+          if (part == 1) {
+            if (ev == nullptr) break;
+            __syncthreads();  // every warp's reads of rel_k's rows are done
+            tc_stage_band_async<T, kD, Tl::kBand>(sRv, Tl::kLdK, ev, dbase, K, D);
+            cp_async_commit();
+            cp_async_wait<0>();
+            __syncthreads();
+          }
+          const int u_end = kShareTables ? (part + 1) * kMT : 2 * kMT;
+          RELPOS_NO_UNROLL
+          for (int u = part * kMT + warp; u < u_end; u += Tl::kWarps) {
+            const bool vside = u >= kMT;
+            if ((vside ? ev : ek) == nullptr) continue;
+            const int c0 = 16 * (u % kMT);
+            const T* table = (vside ? sRv : sRk) + c0 * Tl::kLdK;
+            float x[kNT][4];
+            zero_acc(x);
+            warp_mma_bt<T, kNT, kDK>(
+                x,
+                [&](int kk, uint32_t (&a)[4]) { load_a_frag(a, table + kk * 16, Tl::kLdK, lane); },
+                vside ? sG : sQ, Tl::kLdK, lane);
+            store_acc((vside ? sSv : sSk) + c0 * Tl::kLdS, Tl::kLdS, x, lane);
+          }
         }
         if constexpr (kRelQ) {  // KR of the warp's 16 keys, c in [16 w, 16 w + kWarpBand)
           tc_key_side_band<T, kD, Tl::kWarpBand>(scr_all + warp * 16 * Tl::kLdScr, Tl::kLdScr, sK,
