@@ -149,7 +149,7 @@ def print_table(functions: list[Function]) -> None:
                 "-" if f.cmem0_bytes is None else str(f.cmem0_bytes),
             ]
         )
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
 
     def line(cells: list[str]) -> str:  # the name left-aligned, numbers right-aligned
         first, *rest = zip(cells, widths)

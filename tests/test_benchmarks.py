@@ -1,5 +1,7 @@
 """The benchmarks' verdict logic (benchmarks/bench_attention.py), with the timings stubbed: which
-methods the interleaved rounds time, in which order, and how the verdicts take their medians."""
+methods the interleaved rounds time, in which order, and how the verdicts take their medians;
+the quick modes of a few benchmarks; and benchmarks/ptxas_report.py's parsing and failure path,
+with nvcc stubbed."""
 
 from __future__ import annotations
 
@@ -128,3 +130,42 @@ def test_machine_info_records_the_instruction_set_caps(monkeypatch: pytest.Monke
     assert info["relpos_cpu_kernel"] == relpos_ext.build_info()["cpu_kernel_in_use"]
     assert info["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert info["isa_env"] == {"RELPOS_CPU_ISA": "scalar", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+ptxas = pytest.importorskip("ptxas_report")
+
+# What `nvcc -Xptxas -v` prints for one kernel on one architecture (the lines the parser reads).
+PTXAS_LOG = """\
+ptxas info    : Compiling entry function '_Z6kernelv' for 'sm_90'
+ptxas info    : Function properties for _Z6kernelv
+    24 bytes stack frame, 40 bytes spill stores, 64 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 712 bytes cmem[0]
+"""
+
+
+def test_ptxas_report_parses_registers_and_spills() -> None:
+    (f,) = ptxas.parse_ptxas("csrc/cuda/x.cu", PTXAS_LOG)
+    assert (f.arch, f.kind, f.registers, f.barriers, f.cmem0_bytes) == ("sm_90", "kernel", 255, 1,
+                                                                         712)
+    assert (f.stack_frame_bytes, f.spill_store_bytes, f.spill_load_bytes) == (24, 40, 64)
+
+
+def test_ptxas_report_a_failed_compile_exits_1_and_writes_nothing(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys) -> None:
+    """Every file failing leaves no function to tabulate: the table is its header (it raised on
+    an empty list once), the exit status 1, and the JSON is not written."""
+    out = tmp_path / "ptxas.json"
+
+    def fake_run(cmd, **kwargs):
+        return argparse.Namespace(stdout="Cuda compilation tools, release 13.0", returncode=0)
+
+    monkeypatch.setattr(ptxas, "find_nvcc", lambda explicit: "nvcc")
+    monkeypatch.setattr(ptxas.subprocess, "run", fake_run)
+    monkeypatch.setattr(ptxas, "compile_file",
+                        lambda nvcc, source, archs: (source, 2, "error: expected a ';'"))
+    monkeypatch.setattr(sys, "argv", ["ptxas_report.py", "--out", str(out), "csrc/cuda/skew.cu"])
+    assert ptxas.main() == 1
+    captured = capsys.readouterr()
+    assert "failed to compile" in captured.err and "expected a ';'" in captured.err
+    assert "0 kernel builds" in captured.out
+    assert not out.exists()
