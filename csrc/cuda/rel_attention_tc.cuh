@@ -132,20 +132,28 @@ RELPOS_DEVICE void tc_stage(T* dst, int ld, int rows, RowFn row, int dim) {
   }
 }
 
-// dst[r][c] (row stride ld elements) = src[r * dim + c] for r < rows, c < dim (a multiple of 8),
-// zeros for the rest of kRowsT x kD, by cp_async16: issued, not awaited (the caller commits and
-// waits). src and dst 16-byte aligned.
-template <typename T, int kD, int kRowsT>
-RELPOS_DEVICE void tc_stage_async(T* dst, int ld, const T* src, int rows, int dim) {
+// dst[r][c] (row stride ld elements) = row(r)[c] for r < kRowsT, c < dim (a multiple of 8), and
+// zero for dim <= c < kD, by cp_async16: issued, not awaited (the caller commits and waits); a
+// null row(r) is zeros. row(r) and dst 16-byte aligned; `base`, a global address, is what the
+// copies of zeros name as their source (cp.async reads nothing there).
+template <typename T, int kD, int kRowsT, typename RowFn>
+RELPOS_DEVICE void tc_stage_rows_async(T* dst, int ld, RowFn row, int dim, const T* base) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T)), kPerRow = kD / kVec;
   static_assert(kRowsT * kPerRow % kTcThreads == 0, "whole rounds of 16-byte copies");
   RELPOS_NO_UNROLL
   for (int it = 0; it < kRowsT * kPerRow / kTcThreads; ++it) {
     const int idx = threadIdx.x + it * kTcThreads;
     const int r = idx / kPerRow, c = idx % kPerRow * kVec;
-    const bool ok = r < rows && c < dim;
-    cp_async16(dst + r * ld + c, src + (ok ? r * dim + c : 0), ok);
+    const T* src = row(r);
+    const bool ok = src != nullptr && c < dim;
+    cp_async16(dst + r * ld + c, ok ? src + c : base, ok);
   }
+}
+// dst[r][c] = src[r * dim + c] for r < rows, zeros for the rest of kRowsT x kD.
+template <typename T, int kD, int kRowsT>
+RELPOS_DEVICE void tc_stage_async(T* dst, int ld, const T* src, int rows, int dim) {
+  tc_stage_rows_async<T, kD, kRowsT>(
+      dst, ld, [&](int r) { return r < rows ? src + r * dim : nullptr; }, dim, src);
 }
 
 // Rows c < rows of a band pair's table slice: dst[c] = table row b(dbase + c) (clamped to
@@ -156,21 +164,14 @@ RELPOS_DEVICE void tc_stage_band(T* dst, int ld, int rows, const T* table, int64
   tc_stage<T, kD, kTransposed>(
       dst, ld, rows, [&](int c) { return table + clamp_bucket(dbase + c, K) * dim; }, dim);
 }
-// The same, kRowsT rows, by cp_async16: issued, not awaited (the caller commits and waits). For a
-// staging in the middle of a pair, where tc_stage's loads in flight, held in registers beside
-// the accumulators, made ptxas spill (the backward's share_tables at kD = 128).
+// The same, kRowsT rows, by cp.async (tc_stage_rows_async), for a staging in the middle of a pair,
+// where tc_stage's loads in flight, held in registers beside the accumulators, made ptxas spill
+// (the backward's share_tables at kD = 128).
 template <typename T, int kD, int kRowsT>
 RELPOS_DEVICE void tc_stage_band_async(T* dst, int ld, const T* table, int64_t dbase, int64_t K,
                                        int dim) {
-  constexpr int kVec = 16 / static_cast<int>(sizeof(T)), kPerRow = kD / kVec;
-  static_assert(kRowsT * kPerRow % kTcThreads == 0, "whole rounds of 16-byte copies");
-  RELPOS_NO_UNROLL
-  for (int it = 0; it < kRowsT * kPerRow / kTcThreads; ++it) {
-    const int idx = threadIdx.x + it * kTcThreads;
-    const int r = idx / kPerRow, c = idx % kPerRow * kVec;
-    const bool ok = c < dim;
-    cp_async16(dst + r * ld + c, table + (ok ? clamp_bucket(dbase + r, K) * dim + c : 0), ok);
-  }
+  tc_stage_rows_async<T, kD, kRowsT>(
+      dst, ld, [&](int c) { return table + clamp_bucket(dbase + c, K) * dim; }, dim, table);
 }
 // The same for rel_bias, in base 2 (times log2 e, as the logits): dst[c] = bias[b(dbase + c)].
 template <typename T>
