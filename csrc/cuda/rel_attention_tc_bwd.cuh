@@ -58,7 +58,8 @@ struct TcBwdTile {
   static constexpr size_t kScr = size_t(kWarps) * 16 * kLdScr * 4;
   static constexpr size_t kDsPt = 2 * size_t(kBand) * kLdT * 2;
   static constexpr size_t overlay(bool share) {
-    return (share ? 0 : kTable) + kScr > kDsPt ? (share ? 0 : kTable) + kScr : kDsPt;
+    const size_t tables_scr = (share ? 0 : kTable) + kScr;  // sRv (unless shared), the scratch
+    return tables_scr > kDsPt ? tables_scr : kDsPt;
   }
   // kRelQ (up to kD = 64, as the forward: kKeys = 64): sRq [kBand][kLdK] | sKR [kKeys][kLdKR]
   // floats (k_j . rel_q[c], as the forward's) | sKq [kKeys] floats (k_j . rel_q[0 or 2K] beyond
@@ -250,6 +251,8 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
   float* scr = scr_all + warp * 16 * Tl::kLdScr;
   const int cw = Tl::kRows - 16 - 16 * warp;  // the warp's first c: 63 - (16 w + 15)
 
+  // With kShareTables and both tables, rel_k's rows wait until dP's term is done (below).
+  const bool late_rk = kShareTables && ek != nullptr && ev != nullptr;
   const int64_t key_end = attn_key_end(p, i0, nq);
   for (int64_t j0 = attn_key_begin(p, i0) / Tl::kKeys * Tl::kKeys; j0 < key_end; j0 += Tl::kKeys) {
     const int nk = static_cast<int>(p.k_len - j0 < Tl::kKeys ? p.k_len - j0 : Tl::kKeys);
@@ -264,8 +267,6 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
     tc_stage_async<T, kD, Tl::kKeys>(sK, Tl::kLdK, k + j0 * D, nk, D);
     tc_stage_async<T, kD, Tl::kKeys>(sV, Tl::kLdK, v + j0 * D, nk, D);
     cp_async_commit();
-    // (with kShareTables and both tables, rel_k's rows wait until dP's term is done, below)
-    const bool late_rk = kShareTables && ek != nullptr && ev != nullptr;
     if (band && ek != nullptr && !late_rk) {
       tc_stage_band<T, kD>(sRk, Tl::kLdK, Tl::kBand, ek, dbase, K, D);
     }
