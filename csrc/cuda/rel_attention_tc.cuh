@@ -235,6 +235,28 @@ RELPOS_DEVICE bool tc_pair_full(const RelAttentionParams& p, bool elem_masks, in
 // NaN-propagating maximum (a NaN logit makes its row NaN, as in the SIMT kernel).
 RELPOS_DEVICE float tc_max(float a, float b) { return b > a || b != b ? b : a; }
 
+// Bit 4 nt + e of the result: pred(nt, e), for element e of n-tile nt of a thread's mma_16816
+// accumulators (kNT n-tiles, at most 8). The key loops take per-element masks and dropout as
+// such bits, worked out before their unrolled element loops and outside them: inlined there,
+// attn_visible and the dropout hash were copied once per element and made the kernels long
+// enough that ncu on the H200 found "no instruction" (instruction-cache misses) their top stall.
+// kUnroll = false: a loop that is not unrolled, one copy of pred (attn_visible, too long to copy
+// 32 times); true: unrolled (the dropout hash, short, and taken on every pair when it is on).
+template <int kNT, bool kUnroll, typename Pred>
+RELPOS_DEVICE uint32_t tc_elem_bits(Pred pred) {
+  static_assert(kNT * 4 <= 32, "a bit per element: at most 8 n-tiles");
+  uint32_t bits = 0;
+  if constexpr (kUnroll) {
+    RELPOS_UNROLL
+    for (int x = 0; x < kNT * 4; ++x) bits |= static_cast<uint32_t>(pred(x / 4, x % 4)) << x;
+  } else {
+    RELPOS_NO_UNROLL
+    for (int x = 0; x < kNT * 4; ++x) bits |= static_cast<uint32_t>(pred(x / 4, x % 4)) << x;
+  }
+  return bits;
+}
+RELPOS_DEVICE bool tc_bit(uint32_t bits, int nt, int e) { return (bits >> (4 * nt + e)) & 1u; }
+
 // (At least 1 block a multiprocessor, which is also the default: spelt out, it keeps ptxas from
 // holding the D = 32 rel_q build to 168 registers on sm_80, where it spilled.)
 template <typename T, int kD, bool kRelQ>
@@ -429,8 +451,13 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads, 1)
       }
     }
 
-    // Scale to base 2, mask, online softmax.
-    const bool full = tc_pair_full<Tl>(p, elem_masks, i0, j0);
+    // Scale to base 2, mask, online softmax (masks and dropout as bits: tc_elem_bits).
+    const auto hides = [&](int nt, int e) {
+      const int64_t i = i0 + warp * 16 + g + (e / 2) * 8, j = j0 + nt * 8 + 2 * t4 + e % 2;
+      return !attn_visible(p, b, h, i, j);
+    };
+    const uint32_t hidden =
+        tc_pair_full<Tl>(p, elem_masks, i0, j0) ? 0u : tc_elem_bits<kNT, false>(hides);
     float mt[2] = {-INFINITY, -INFINITY};
     RELPOS_UNROLL
     for (int nt = 0; nt < kNT; ++nt) {
@@ -441,10 +468,7 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads, 1)
           const int r = g + (e / 2) * 8, jj = nt * 8 + 2 * t4 + e % 2;
           x += band ? sBias[cw + jj - r + 15] : (all_lo ? blo : bhi);
         }
-        if (!full) {
-          const int64_t i = i0 + warp * 16 + g + (e / 2) * 8, j = j0 + nt * 8 + 2 * t4 + e % 2;
-          if (!attn_visible(p, b, h, i, j)) x = -INFINITY;
-        }
+        if (tc_bit(hidden, nt, e)) x = -INFINITY;
         s[nt][e] = x;
         mt[e / 2] = tc_max(mt[e / 2], x);
       }
@@ -459,6 +483,10 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads, 1)
       m[r] = mn;
     }
     // rs: the row sums for l; rd: after dropout, for the clamped masses (s keeps the latter).
+    const uint32_t kept = !p.dropout.on ? 0u : tc_elem_bits<kNT, true>([&](int nt, int e) {
+      return dropout_kept(drop_key[e / 2], j0 + nt * 8 + 2 * t4 + e % 2, p.dropout.threshold);
+    });
+    const float keep_scale = static_cast<float>(p.dropout.keep_scale);
     float rs[2] = {0, 0}, rd[2] = {0, 0};
     RELPOS_UNROLL
     for (int nt = 0; nt < kNT; ++nt) {
@@ -467,9 +495,7 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads, 1)
         const float mn = m[e / 2];
         float pr = mn == -INFINITY ? 0.f : exp2f(s[nt][e] - mn);
         rs[e / 2] += pr;
-        if (p.dropout.on) {
-          pr *= attn_dropout<float>(p, drop_key[e / 2], j0 + nt * 8 + 2 * t4 + e % 2);
-        }
+        if (p.dropout.on) pr *= tc_bit(kept, nt, e) ? keep_scale : 0.f;
         s[nt][e] = pr;
         rd[e / 2] += pr;
       }

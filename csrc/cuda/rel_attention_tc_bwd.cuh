@@ -356,7 +356,17 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
     }
 
     // P and dS (s <- dS, dp <- P f)
-    const bool full = tc_pair_full<Tl>(p, elem_masks, i0, j0);
+    // (masks and dropout as bits: tc_elem_bits)
+    const auto hides = [&](int nt, int e) {
+      const int r = g + (e / 2) * 8, jj = nt * 8 + 2 * t4 + e % 2;
+      return !attn_visible(p, b, h, i0 + warp * 16 + r, j0 + jj);
+    };
+    const uint32_t hidden =
+        tc_pair_full<Tl>(p, elem_masks, i0, j0) ? 0u : tc_elem_bits<kNT, false>(hides);
+    const uint32_t kept = !p.dropout.on ? 0u : tc_elem_bits<kNT, true>([&](int nt, int e) {
+      return dropout_kept(drop_key[e / 2], j0 + nt * 8 + 2 * t4 + e % 2, p.dropout.threshold);
+    });
+    const float keep_scale = static_cast<float>(p.dropout.keep_scale);
     float rds[2] = {0, 0}, rp[2] = {0, 0};
     RELPOS_UNROLL
     for (int nt = 0; nt < kNT; ++nt) {
@@ -365,9 +375,9 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
         const int r = g + (e / 2) * 8, jj = nt * 8 + 2 * t4 + e % 2;
         float x = s[nt][e] * scale2;
         if (eb != nullptr) x += band ? sBias[cw + jj - r + 15] : (all_lo ? blo : bhi);
-        if (!full && !attn_visible(p, b, h, i0 + warp * 16 + r, j0 + jj)) x = -INFINITY;
+        if (tc_bit(hidden, nt, e)) x = -INFINITY;
         const float pr = exp2f(x - lse2[e / 2]);
-        const float f = p.dropout.on ? attn_dropout<float>(p, drop_key[e / 2], j0 + jj) : 1.f;
+        const float f = p.dropout.on ? (tc_bit(kept, nt, e) ? keep_scale : 0.f) : 1.f;
         const float ds = pr * (f * dp[nt][e] - di[e / 2]);
         s[nt][e] = ds;
         dp[nt][e] = pr * f;
@@ -753,7 +763,20 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
       if (ev != nullptr) add_relative(dpt, sSv, all_lo ? kDlo : kDhi);
 
       // P^T and dS^T (st <- dS^T, dpt <- P^T f)
-      const bool full = tc_pair_full<Tl>(p, elem_masks, i0, j0);
+      // (masks and dropout as bits: tc_elem_bits)
+      const auto hides = [&](int nt, int e) {
+        const int jj = warp * 16 + g + (e / 2) * 8, ii = nt * 8 + 2 * t4 + e % 2;
+        return !attn_visible(p, b, h, i0 + ii, j0 + jj);
+      };
+      const uint32_t hidden =
+          tc_pair_full<Tl>(p, elem_masks, i0, j0) ? 0u : tc_elem_bits<kNT, false>(hides);
+      const uint32_t kept = !p.dropout.on ? 0u : tc_elem_bits<kNT, true>([&](int nt, int e) {
+        const int jj = warp * 16 + g + (e / 2) * 8, ii = nt * 8 + 2 * t4 + e % 2;
+        uint32_t key;
+        std::memcpy(&key, &sRow[kDrop * Tl::kRows + ii], 4);
+        return dropout_kept(key, j0 + jj, p.dropout.threshold);
+      });
+      const float keep_scale = static_cast<float>(p.dropout.keep_scale);
       RELPOS_UNROLL
       for (int nt = 0; nt < kNT; ++nt) {
         RELPOS_UNROLL
@@ -761,14 +784,9 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
           const int jj = warp * 16 + g + (e / 2) * 8, ii = nt * 8 + 2 * t4 + e % 2;
           float x = st[nt][e] * scale2;
           if (eb != nullptr) x += band ? sBias[jj - ii + Tl::kRows - 1] : (all_lo ? blo : bhi);
-          if (!full && !attn_visible(p, b, h, i0 + ii, j0 + jj)) x = -INFINITY;
+          if (tc_bit(hidden, nt, e)) x = -INFINITY;
           const float pr = exp2f(x - sRow[kLse2 * Tl::kRows + ii]);
-          float f = 1.f;
-          if (p.dropout.on) {
-            uint32_t key;
-            std::memcpy(&key, &sRow[kDrop * Tl::kRows + ii], 4);
-            f = attn_dropout<float>(p, key, j0 + jj);
-          }
+          const float f = p.dropout.on ? (tc_bit(kept, nt, e) ? keep_scale : 0.f) : 1.f;
           st[nt][e] = pr * (f * dpt[nt][e] - sRow[kDi * Tl::kRows + ii]);
           dpt[nt][e] = pr * f;
         }
