@@ -451,29 +451,47 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads, 1)
       }
     }
 
-    // Scale to base 2, mask, online softmax (masks and dropout as bits: tc_elem_bits).
-    const auto hides = [&](int nt, int e) {
-      const int64_t i = i0 + warp * 16 + g + (e / 2) * 8, j = j0 + nt * 8 + 2 * t4 + e % 2;
-      return !attn_visible(p, b, h, i, j);
-    };
-    const uint32_t hidden =
-        tc_pair_full<Tl>(p, elem_masks, i0, j0) ? 0u : tc_elem_bits<kNT, false>(hides);
+    // Scale to base 2, mask, online softmax. Each pass over the elements runs only where it has
+    // work (the bias, the masks as bits: tc_elem_bits; dropout), so that the common pair, a whole
+    // tile with none of them, takes the scale, the maximum and the exponentials alone.
+    if (eb != nullptr) {  // + rel_bias[b] * log2 e, after the scale
+      RELPOS_UNROLL
+      for (int nt = 0; nt < kNT; ++nt) {
+        RELPOS_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const int r = g + (e / 2) * 8, jj = nt * 8 + 2 * t4 + e % 2;
+          const float bias = band ? sBias[cw + jj - r + 15] : (all_lo ? blo : bhi);
+          // the product rounded before the add (no FMA), as when this was one loop with the rest
+          s[nt][e] = __fmul_rn(s[nt][e], scale2) + bias;
+        }
+      }
+    } else {
+      RELPOS_UNROLL
+      for (int nt = 0; nt < kNT; ++nt) {
+        RELPOS_UNROLL
+        for (int e = 0; e < 4; ++e) s[nt][e] *= scale2;
+      }
+    }
+    if (!tc_pair_full<Tl>(p, elem_masks, i0, j0)) {
+      const uint32_t hidden = tc_elem_bits<kNT, false>([&](int nt, int e) {
+        const int64_t i = i0 + warp * 16 + g + (e / 2) * 8, j = j0 + nt * 8 + 2 * t4 + e % 2;
+        return !attn_visible(p, b, h, i, j);
+      });
+      RELPOS_UNROLL
+      for (int nt = 0; nt < kNT; ++nt) {
+        RELPOS_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          if (tc_bit(hidden, nt, e)) s[nt][e] = -INFINITY;
+        }
+      }
+    }
     float mt[2] = {-INFINITY, -INFINITY};
     RELPOS_UNROLL
     for (int nt = 0; nt < kNT; ++nt) {
       RELPOS_UNROLL
-      for (int e = 0; e < 4; ++e) {
-        float x = s[nt][e] * scale2;
-        if (eb != nullptr) {  // + rel_bias[b] * log2 e, after the scale
-          const int r = g + (e / 2) * 8, jj = nt * 8 + 2 * t4 + e % 2;
-          x += band ? sBias[cw + jj - r + 15] : (all_lo ? blo : bhi);
-        }
-        if (tc_bit(hidden, nt, e)) x = -INFINITY;
-        s[nt][e] = x;
-        mt[e / 2] = tc_max(mt[e / 2], x);
-      }
+      for (int e = 0; e < 4; ++e) mt[e / 2] = tc_max(mt[e / 2], s[nt][e]);
     }
-    float alpha[2];
+    float alpha[2], mz[2];
     RELPOS_UNROLL
     for (int r = 0; r < 2; ++r) {
       mt[r] = tc_max(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 1));
@@ -481,24 +499,36 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads, 1)
       const float mn = tc_max(m[r], mt[r]);
       alpha[r] = mn == -INFINITY ? 1.f : exp2f(m[r] - mn);
       m[r] = mn;
+      // A row with no visible key yet has every s at -inf: 2^(s - 0) = 0, where s - m is NaN.
+      mz[r] = mn == -INFINITY ? 0.f : mn;
     }
     // rs: the row sums for l; rd: after dropout, for the clamped masses (s keeps the latter).
-    const uint32_t kept = !p.dropout.on ? 0u : tc_elem_bits<kNT, true>([&](int nt, int e) {
-      return dropout_kept(drop_key[e / 2], j0 + nt * 8 + 2 * t4 + e % 2, p.dropout.threshold);
-    });
-    const float keep_scale = static_cast<float>(p.dropout.keep_scale);
-    float rs[2] = {0, 0}, rd[2] = {0, 0};
+    float rs[2] = {0, 0}, rd[2];
     RELPOS_UNROLL
     for (int nt = 0; nt < kNT; ++nt) {
       RELPOS_UNROLL
       for (int e = 0; e < 4; ++e) {
-        const float mn = m[e / 2];
-        float pr = mn == -INFINITY ? 0.f : exp2f(s[nt][e] - mn);
-        rs[e / 2] += pr;
-        if (p.dropout.on) pr *= tc_bit(kept, nt, e) ? keep_scale : 0.f;
-        s[nt][e] = pr;
-        rd[e / 2] += pr;
+        s[nt][e] = exp2f(s[nt][e] - mz[e / 2]);
+        rs[e / 2] += s[nt][e];
       }
+    }
+    if (p.dropout.on) {
+      const uint32_t kept = tc_elem_bits<kNT, true>([&](int nt, int e) {
+        return dropout_kept(drop_key[e / 2], j0 + nt * 8 + 2 * t4 + e % 2, p.dropout.threshold);
+      });
+      const float keep_scale = static_cast<float>(p.dropout.keep_scale);
+      rd[0] = rd[1] = 0;
+      RELPOS_UNROLL
+      for (int nt = 0; nt < kNT; ++nt) {
+        RELPOS_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          s[nt][e] *= tc_bit(kept, nt, e) ? keep_scale : 0.f;
+          rd[e / 2] += s[nt][e];
+        }
+      }
+    } else {
+      rd[0] = rs[0];
+      rd[1] = rs[1];
     }
     RELPOS_UNROLL
     for (int r = 0; r < 2; ++r) {

@@ -31,6 +31,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/mma.cuh"
 #include "cuda/rel_attention.cuh"
@@ -363,27 +364,39 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
     };
     const uint32_t hidden =
         tc_pair_full<Tl>(p, elem_masks, i0, j0) ? 0u : tc_elem_bits<kNT, false>(hides);
-    const uint32_t kept = !p.dropout.on ? 0u : tc_elem_bits<kNT, true>([&](int nt, int e) {
-      return dropout_kept(drop_key[e / 2], j0 + nt * 8 + 2 * t4 + e % 2, p.dropout.threshold);
-    });
-    const float keep_scale = static_cast<float>(p.dropout.keep_scale);
     float rds[2] = {0, 0}, rp[2] = {0, 0};
-    RELPOS_UNROLL
-    for (int nt = 0; nt < kNT; ++nt) {
-      RELPOS_UNROLL
-      for (int e = 0; e < 4; ++e) {
-        const int r = g + (e / 2) * 8, jj = nt * 8 + 2 * t4 + e % 2;
-        float x = s[nt][e] * scale2;
-        if (eb != nullptr) x += band ? sBias[cw + jj - r + 15] : (all_lo ? blo : bhi);
-        if (tc_bit(hidden, nt, e)) x = -INFINITY;
-        const float pr = exp2f(x - lse2[e / 2]);
-        const float f = p.dropout.on ? (tc_bit(kept, nt, e) ? keep_scale : 0.f) : 1.f;
-        const float ds = pr * (f * dp[nt][e] - di[e / 2]);
-        s[nt][e] = ds;
-        dp[nt][e] = pr * f;
-        rds[e / 2] += ds;
-        rp[e / 2] += pr * f;
+    // kDropOn false: the loop without dropout's factor f (1: the same values)
+    const auto probs = [&](auto drop) {
+      constexpr bool kDropOn = decltype(drop)::value;
+      uint32_t kept = 0;
+      if constexpr (kDropOn) {
+        kept = tc_elem_bits<kNT, true>([&](int nt, int e) {
+          return dropout_kept(drop_key[e / 2], j0 + nt * 8 + 2 * t4 + e % 2, p.dropout.threshold);
+        });
       }
+      const float keep_scale = static_cast<float>(p.dropout.keep_scale);
+      RELPOS_UNROLL
+      for (int nt = 0; nt < kNT; ++nt) {
+        RELPOS_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const int r = g + (e / 2) * 8, jj = nt * 8 + 2 * t4 + e % 2;
+          float x = s[nt][e] * scale2;
+          if (eb != nullptr) x += band ? sBias[cw + jj - r + 15] : (all_lo ? blo : bhi);
+          if (tc_bit(hidden, nt, e)) x = -INFINITY;
+          const float pr = exp2f(x - lse2[e / 2]);
+          const float f = kDropOn ? (tc_bit(kept, nt, e) ? keep_scale : 0.f) : 1.f;
+          const float ds = pr * (f * dp[nt][e] - di[e / 2]);
+          s[nt][e] = ds;
+          dp[nt][e] = pr * f;
+          rds[e / 2] += ds;
+          rp[e / 2] += pr * f;
+        }
+      }
+    };
+    if (p.dropout.on) {
+      probs(std::true_type{});
+    } else {
+      probs(std::false_type{});
     }
     if (!band) {
       RELPOS_UNROLL
@@ -770,26 +783,38 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
       };
       const uint32_t hidden =
           tc_pair_full<Tl>(p, elem_masks, i0, j0) ? 0u : tc_elem_bits<kNT, false>(hides);
-      const uint32_t kept = !p.dropout.on ? 0u : tc_elem_bits<kNT, true>([&](int nt, int e) {
-        const int jj = warp * 16 + g + (e / 2) * 8, ii = nt * 8 + 2 * t4 + e % 2;
-        uint32_t key;
-        std::memcpy(&key, &sRow[kDrop * Tl::kRows + ii], 4);
-        return dropout_kept(key, j0 + jj, p.dropout.threshold);
-      });
-      const float keep_scale = static_cast<float>(p.dropout.keep_scale);
-      RELPOS_UNROLL
-      for (int nt = 0; nt < kNT; ++nt) {
-        RELPOS_UNROLL
-        for (int e = 0; e < 4; ++e) {
-          const int jj = warp * 16 + g + (e / 2) * 8, ii = nt * 8 + 2 * t4 + e % 2;
-          float x = st[nt][e] * scale2;
-          if (eb != nullptr) x += band ? sBias[jj - ii + Tl::kRows - 1] : (all_lo ? blo : bhi);
-          if (tc_bit(hidden, nt, e)) x = -INFINITY;
-          const float pr = exp2f(x - sRow[kLse2 * Tl::kRows + ii]);
-          const float f = p.dropout.on ? (tc_bit(kept, nt, e) ? keep_scale : 0.f) : 1.f;
-          st[nt][e] = pr * (f * dpt[nt][e] - sRow[kDi * Tl::kRows + ii]);
-          dpt[nt][e] = pr * f;
+      // kDropOn false: the loop without dropout's factor f (1: the same values)
+      const auto probs = [&](auto drop) {
+        constexpr bool kDropOn = decltype(drop)::value;
+        uint32_t kept = 0;
+        if constexpr (kDropOn) {
+          kept = tc_elem_bits<kNT, true>([&](int nt, int e) {
+            const int jj = warp * 16 + g + (e / 2) * 8, ii = nt * 8 + 2 * t4 + e % 2;
+            uint32_t key;
+            std::memcpy(&key, &sRow[kDrop * Tl::kRows + ii], 4);
+            return dropout_kept(key, j0 + jj, p.dropout.threshold);
+          });
         }
+        const float keep_scale = static_cast<float>(p.dropout.keep_scale);
+        RELPOS_UNROLL
+        for (int nt = 0; nt < kNT; ++nt) {
+          RELPOS_UNROLL
+          for (int e = 0; e < 4; ++e) {
+            const int jj = warp * 16 + g + (e / 2) * 8, ii = nt * 8 + 2 * t4 + e % 2;
+            float x = st[nt][e] * scale2;
+            if (eb != nullptr) x += band ? sBias[jj - ii + Tl::kRows - 1] : (all_lo ? blo : bhi);
+            if (tc_bit(hidden, nt, e)) x = -INFINITY;
+            const float pr = exp2f(x - sRow[kLse2 * Tl::kRows + ii]);
+            const float f = kDropOn ? (tc_bit(kept, nt, e) ? keep_scale : 0.f) : 1.f;
+            st[nt][e] = pr * (f * dpt[nt][e] - sRow[kDi * Tl::kRows + ii]);
+            dpt[nt][e] = pr * f;
+          }
+        }
+      };
+      if (p.dropout.on) {
+        probs(std::true_type{});
+      } else {
+        probs(std::false_type{});
       }
       // dv += P^T dO, dk += dS^T Q
       warp_mma_kn<T, kDT, Tl::kRows / 16>(
