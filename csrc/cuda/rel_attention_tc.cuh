@@ -44,6 +44,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "cuda/mma.cuh"
 #include "cuda/rel_attention.cuh"
@@ -256,6 +257,29 @@ RELPOS_DEVICE uint32_t tc_elem_bits(Pred pred) {
   return bits;
 }
 RELPOS_DEVICE bool tc_bit(uint32_t bits, int nt, int e) { return (bits >> (4 * nt + e)) & 1u; }
+// Dropout's kept elements as tc_elem_bits, for a thread whose rows g and g + 8 have the row keys
+// drop_key and whose element (nt, e) has key j_lane + 8 nt + e % 2 (the forward's and dq's S).
+template <int kNT>
+RELPOS_DEVICE uint32_t tc_row_kept_bits(const RelAttentionParams& p, const uint32_t (&drop_key)[2],
+                                        int64_t j_lane) {
+  return tc_elem_bits<kNT, true>([&](int nt, int e) {
+    return dropout_kept(drop_key[e / 2], j_lane + nt * 8 + e % 2, p.dropout.threshold);
+  });
+}
+// Dropout's factor of element (nt, e) from its kept bits: attn_dropout's keep_scale, or 0.
+RELPOS_DEVICE float tc_drop_factor(const RelAttentionParams& p, uint32_t kept, int nt, int e) {
+  return tc_bit(kept, nt, e) ? static_cast<float>(p.dropout.keep_scale) : 0.f;
+}
+// f(std::true_type{}) when dropout is on, else f(std::false_type{}): an element loop compiled with
+// and without dropout's factor (1 without it: the same values, two multiplies fewer).
+template <typename F>
+RELPOS_DEVICE void tc_with_dropout(const RelAttentionParams& p, F&& f) {
+  if (p.dropout.on) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
 
 // (At least 1 block a multiprocessor, which is also the default: spelt out, it keeps ptxas from
 // holding the D = 32 rel_q build to 168 registers on sm_80, where it spilled.)
@@ -513,16 +537,13 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads, 1)
       }
     }
     if (p.dropout.on) {
-      const uint32_t kept = tc_elem_bits<kNT, true>([&](int nt, int e) {
-        return dropout_kept(drop_key[e / 2], j0 + nt * 8 + 2 * t4 + e % 2, p.dropout.threshold);
-      });
-      const float keep_scale = static_cast<float>(p.dropout.keep_scale);
+      const uint32_t kept = tc_row_kept_bits<kNT>(p, drop_key, j0 + 2 * t4);
       rd[0] = rd[1] = 0;
       RELPOS_UNROLL
       for (int nt = 0; nt < kNT; ++nt) {
         RELPOS_UNROLL
         for (int e = 0; e < 4; ++e) {
-          s[nt][e] *= tc_bit(kept, nt, e) ? keep_scale : 0.f;
+          s[nt][e] *= tc_drop_factor(p, kept, nt, e);
           rd[e / 2] += s[nt][e];
         }
       }

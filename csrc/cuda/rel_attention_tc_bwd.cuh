@@ -31,7 +31,6 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
 #include "cuda/mma.cuh"
 #include "cuda/rel_attention.cuh"
@@ -365,16 +364,9 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
     const uint32_t hidden =
         tc_pair_full<Tl>(p, elem_masks, i0, j0) ? 0u : tc_elem_bits<kNT, false>(hides);
     float rds[2] = {0, 0}, rp[2] = {0, 0};
-    // kDropOn false: the loop without dropout's factor f (1: the same values)
-    const auto probs = [&](auto drop) {
+    tc_with_dropout(p, [&](auto drop) {
       constexpr bool kDropOn = decltype(drop)::value;
-      uint32_t kept = 0;
-      if constexpr (kDropOn) {
-        kept = tc_elem_bits<kNT, true>([&](int nt, int e) {
-          return dropout_kept(drop_key[e / 2], j0 + nt * 8 + 2 * t4 + e % 2, p.dropout.threshold);
-        });
-      }
-      const float keep_scale = static_cast<float>(p.dropout.keep_scale);
+      const uint32_t kept = kDropOn ? tc_row_kept_bits<kNT>(p, drop_key, j0 + 2 * t4) : 0u;
       RELPOS_UNROLL
       for (int nt = 0; nt < kNT; ++nt) {
         RELPOS_UNROLL
@@ -384,7 +376,7 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
           if (eb != nullptr) x += band ? sBias[cw + jj - r + 15] : (all_lo ? blo : bhi);
           if (tc_bit(hidden, nt, e)) x = -INFINITY;
           const float pr = exp2f(x - lse2[e / 2]);
-          const float f = kDropOn ? (tc_bit(kept, nt, e) ? keep_scale : 0.f) : 1.f;
+          const float f = kDropOn ? tc_drop_factor(p, kept, nt, e) : 1.f;
           const float ds = pr * (f * dp[nt][e] - di[e / 2]);
           s[nt][e] = ds;
           dp[nt][e] = pr * f;
@@ -392,12 +384,7 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
           rp[e / 2] += pr * f;
         }
       }
-    };
-    if (p.dropout.on) {
-      probs(std::true_type{});
-    } else {
-      probs(std::false_type{});
-    }
+    });
     if (!band) {
       RELPOS_UNROLL
       for (int r = 0; r < 2; ++r) {
@@ -783,8 +770,7 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
       };
       const uint32_t hidden =
           tc_pair_full<Tl>(p, elem_masks, i0, j0) ? 0u : tc_elem_bits<kNT, false>(hides);
-      // kDropOn false: the loop without dropout's factor f (1: the same values)
-      const auto probs = [&](auto drop) {
+      tc_with_dropout(p, [&](auto drop) {
         constexpr bool kDropOn = decltype(drop)::value;
         uint32_t kept = 0;
         if constexpr (kDropOn) {
@@ -795,7 +781,6 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
             return dropout_kept(key, j0 + jj, p.dropout.threshold);
           });
         }
-        const float keep_scale = static_cast<float>(p.dropout.keep_scale);
         RELPOS_UNROLL
         for (int nt = 0; nt < kNT; ++nt) {
           RELPOS_UNROLL
@@ -805,17 +790,12 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
             if (eb != nullptr) x += band ? sBias[jj - ii + Tl::kRows - 1] : (all_lo ? blo : bhi);
             if (tc_bit(hidden, nt, e)) x = -INFINITY;
             const float pr = exp2f(x - sRow[kLse2 * Tl::kRows + ii]);
-            const float f = kDropOn ? (tc_bit(kept, nt, e) ? keep_scale : 0.f) : 1.f;
+            const float f = kDropOn ? tc_drop_factor(p, kept, nt, e) : 1.f;
             st[nt][e] = pr * (f * dpt[nt][e] - sRow[kDi * Tl::kRows + ii]);
             dpt[nt][e] = pr * f;
           }
         }
-      };
-      if (p.dropout.on) {
-        probs(std::true_type{});
-      } else {
-        probs(std::false_type{});
-      }
+      });
       // dv += P^T dO, dk += dS^T Q
       warp_mma_kn<T, kDT, Tl::kRows / 16>(
           dv, [&](int kk, uint32_t (&a)[4]) { acc_a_frag<T>(a, dpt, kk); }, sG, Tl::kLdK, lane);
