@@ -85,10 +85,24 @@ struct AttnTile {
 };
 
 // The softmax works in base 2, as the CPU AVX2 kernel does: logits are scaled by
-// scale * log2(e) and exponentiated with exp2 (one MUFU.EX2 in float, no range reduction in the
-// caller); the log-sum-exp the op stores stays in base e (lse = m * ln 2 + ln l). kLog2e and kLn2
-// are in common/params.h.
-RELPOS_DEVICE float exp2_acc(float x) { return exp2f(x); }
+// scale * log2(e) and exponentiated with exp2 (no range reduction in the caller); the
+// log-sum-exp the op stores stays in base e (lse = m * ln 2 + ln l). kLog2e and kLn2 are in
+// common/params.h.
+// In float, exp2 is one MUFU.EX2 (PTX ex2.approx.ftz.f32), which gives +0 for results below
+// 2^-126, the smallest normal float. CUDA's exp2f adds a compare and two multiplies around it
+// to return those as denormals: three more instructions per probability. A probability below
+// 2^-126 is that fraction of the row's largest one, whose own is 1, so it cannot move a float32
+// sum; the CPU backward flushes them too (FlushDenormals). Same result as exp2f otherwise.
+// The emulator (no inline PTX) flushes the same results to 0.
+RELPOS_DEVICE float exp2_acc(float x) {
+#if !defined(RELPOS_CUDA_EMU) && defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return x < -126.f ? 0.f : exp2f(x);
+#endif
+}
 RELPOS_DEVICE double exp2_acc(double x) { return exp2(x); }
 RELPOS_DEVICE float log_acc(float x) { return logf(x); }
 RELPOS_DEVICE double log_acc(double x) { return log(x); }

@@ -521,7 +521,7 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads, 1)
       mt[r] = tc_max(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 1));
       mt[r] = tc_max(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 2));
       const float mn = tc_max(m[r], mt[r]);
-      alpha[r] = mn == -INFINITY ? 1.f : exp2f(m[r] - mn);
+      alpha[r] = mn == -INFINITY ? 1.f : exp2_acc(m[r] - mn);
       m[r] = mn;
       // A row with no visible key yet has every s at -inf: 2^(s - 0) = 0, where s - m is NaN.
       mz[r] = mn == -INFINITY ? 0.f : mn;
@@ -532,7 +532,7 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads, 1)
     for (int nt = 0; nt < kNT; ++nt) {
       RELPOS_UNROLL
       for (int e = 0; e < 4; ++e) {
-        s[nt][e] = exp2f(s[nt][e] - mz[e / 2]);
+        s[nt][e] = exp2_acc(s[nt][e] - mz[e / 2]);
         rs[e / 2] += s[nt][e];
       }
     }

@@ -375,7 +375,7 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
           float x = s[nt][e] * scale2;
           if (eb != nullptr) x += band ? sBias[cw + jj - r + 15] : (all_lo ? blo : bhi);
           if (tc_bit(hidden, nt, e)) x = -INFINITY;
-          const float pr = exp2f(x - lse2[e / 2]);
+          const float pr = exp2_acc(x - lse2[e / 2]);
           const float f = kDropOn ? tc_drop_factor(p, kept, nt, e) : 1.f;
           const float ds = pr * (f * dp[nt][e] - di[e / 2]);
           s[nt][e] = ds;
@@ -789,7 +789,7 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
             float x = st[nt][e] * scale2;
             if (eb != nullptr) x += band ? sBias[jj - ii + Tl::kRows - 1] : (all_lo ? blo : bhi);
             if (tc_bit(hidden, nt, e)) x = -INFINITY;
-            const float pr = exp2f(x - sRow[kLse2 * Tl::kRows + ii]);
+            const float pr = exp2_acc(x - sRow[kLse2 * Tl::kRows + ii]);
             const float f = kDropOn ? tc_drop_factor(p, kept, nt, e) : 1.f;
             st[nt][e] = pr * (f * dpt[nt][e] - sRow[kDi * Tl::kRows + ii]);
             dpt[nt][e] = pr * f;
