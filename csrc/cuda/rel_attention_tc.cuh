@@ -270,6 +270,39 @@ RELPOS_DEVICE uint32_t tc_row_kept_bits(const RelAttentionParams& p, const uint3
 RELPOS_DEVICE float tc_drop_factor(const RelAttentionParams& p, uint32_t kept, int nt, int e) {
   return tc_bit(kept, nt, e) ? static_cast<float>(p.dropout.keep_scale) : 0.f;
 }
+// The element loops' first passes, each run only where it has work, so that a full tile pair
+// without a bias takes the scale alone before its exponentials.
+// s <- s * scale2 + bias(nt, e) (with_bias) or s * scale2: each product rounded before its add
+// (__fmul_rn, no FMA), the rounding of the loops that added the bias after the scale.
+template <int kNT, typename Bias>
+RELPOS_DEVICE void tc_scale_logits(float (&s)[kNT][4], float scale2, bool with_bias, Bias&& bias) {
+  if (with_bias) {
+    RELPOS_UNROLL
+    for (int nt = 0; nt < kNT; ++nt) {
+      RELPOS_UNROLL
+      for (int e = 0; e < 4; ++e) s[nt][e] = __fmul_rn(s[nt][e], scale2) + bias(nt, e);
+    }
+  } else {
+    RELPOS_UNROLL
+    for (int nt = 0; nt < kNT; ++nt) {
+      RELPOS_UNROLL
+      for (int e = 0; e < 4; ++e) s[nt][e] = __fmul_rn(s[nt][e], scale2);
+    }
+  }
+}
+// s <- -inf where hides(nt, e) (as tc_elem_bits), unless the pair is full (tc_pair_full).
+template <int kNT, typename Hides>
+RELPOS_DEVICE void tc_hide_elems(float (&s)[kNT][4], bool full, Hides&& hides) {
+  if (full) return;
+  const uint32_t hidden = tc_elem_bits<kNT, false>(hides);
+  RELPOS_UNROLL
+  for (int nt = 0; nt < kNT; ++nt) {
+    RELPOS_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      if (tc_bit(hidden, nt, e)) s[nt][e] = -INFINITY;
+    }
+  }
+}
 // f(std::true_type{}) when dropout is on, else f(std::false_type{}): an element loop compiled with
 // and without dropout's factor (1 without it: the same values, two multiplies fewer).
 template <typename F>
@@ -475,40 +508,18 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads, 1)
       }
     }
 
-    // Scale to base 2, mask, online softmax. Each pass over the elements runs only where it has
-    // work (the bias, the masks as bits: tc_elem_bits; dropout), so that the common pair, a whole
-    // tile with none of them, takes the scale, the maximum and the exponentials alone.
-    if (eb != nullptr) {  // + rel_bias[b] * log2 e, after the scale
-      RELPOS_UNROLL
-      for (int nt = 0; nt < kNT; ++nt) {
-        RELPOS_UNROLL
-        for (int e = 0; e < 4; ++e) {
-          const int r = g + (e / 2) * 8, jj = nt * 8 + 2 * t4 + e % 2;
-          const float bias = band ? sBias[cw + jj - r + 15] : (all_lo ? blo : bhi);
-          // the product rounded before the add (no FMA), as when this was one loop with the rest
-          s[nt][e] = __fmul_rn(s[nt][e], scale2) + bias;
-        }
-      }
-    } else {
-      RELPOS_UNROLL
-      for (int nt = 0; nt < kNT; ++nt) {
-        RELPOS_UNROLL
-        for (int e = 0; e < 4; ++e) s[nt][e] *= scale2;
-      }
-    }
-    if (!tc_pair_full<Tl>(p, elem_masks, i0, j0)) {
-      const uint32_t hidden = tc_elem_bits<kNT, false>([&](int nt, int e) {
-        const int64_t i = i0 + warp * 16 + g + (e / 2) * 8, j = j0 + nt * 8 + 2 * t4 + e % 2;
-        return !attn_visible(p, b, h, i, j);
-      });
-      RELPOS_UNROLL
-      for (int nt = 0; nt < kNT; ++nt) {
-        RELPOS_UNROLL
-        for (int e = 0; e < 4; ++e) {
-          if (tc_bit(hidden, nt, e)) s[nt][e] = -INFINITY;
-        }
-      }
-    }
+    // Scale to base 2 (+ rel_bias[b] * log2 e after the scale), mask, online softmax. Each pass
+    // over the elements runs only where it has work (the bias, the masks, dropout), so that the
+    // common pair, a whole tile with none of them, takes the scale, the maximum and the
+    // exponentials alone.
+    tc_scale_logits<kNT>(s, scale2, eb != nullptr, [&](int nt, int e) {
+      const int r = g + (e / 2) * 8, jj = nt * 8 + 2 * t4 + e % 2;
+      return band ? sBias[cw + jj - r + 15] : (all_lo ? blo : bhi);
+    });
+    tc_hide_elems<kNT>(s, tc_pair_full<Tl>(p, elem_masks, i0, j0), [&](int nt, int e) {
+      const int64_t i = i0 + warp * 16 + g + (e / 2) * 8, j = j0 + nt * 8 + 2 * t4 + e % 2;
+      return !attn_visible(p, b, h, i, j);
+    });
     float mt[2] = {-INFINITY, -INFINITY};
     RELPOS_UNROLL
     for (int nt = 0; nt < kNT; ++nt) {

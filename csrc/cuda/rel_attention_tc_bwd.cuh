@@ -355,14 +355,16 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
       }
     }
 
-    // P and dS (s <- dS, dp <- P f)
-    // (masks and dropout as bits: tc_elem_bits)
-    const auto hides = [&](int nt, int e) {
+    // P and dS (s <- dS, dp <- P f): the scale (and the bias) and the masks in passes that run
+    // only where they have work (tc_scale_logits, tc_hide_elems), then one loop (dropout as bits)
+    tc_scale_logits<kNT>(s, scale2, eb != nullptr, [&](int nt, int e) {
+      const int r = g + (e / 2) * 8, jj = nt * 8 + 2 * t4 + e % 2;
+      return band ? sBias[cw + jj - r + 15] : (all_lo ? blo : bhi);
+    });
+    tc_hide_elems<kNT>(s, tc_pair_full<Tl>(p, elem_masks, i0, j0), [&](int nt, int e) {
       const int r = g + (e / 2) * 8, jj = nt * 8 + 2 * t4 + e % 2;
       return !attn_visible(p, b, h, i0 + warp * 16 + r, j0 + jj);
-    };
-    const uint32_t hidden =
-        tc_pair_full<Tl>(p, elem_masks, i0, j0) ? 0u : tc_elem_bits<kNT, false>(hides);
+    });
     float rds[2] = {0, 0}, rp[2] = {0, 0};
     tc_with_dropout(p, [&](auto drop) {
       constexpr bool kDropOn = decltype(drop)::value;
@@ -371,11 +373,7 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
       for (int nt = 0; nt < kNT; ++nt) {
         RELPOS_UNROLL
         for (int e = 0; e < 4; ++e) {
-          const int r = g + (e / 2) * 8, jj = nt * 8 + 2 * t4 + e % 2;
-          float x = s[nt][e] * scale2;
-          if (eb != nullptr) x += band ? sBias[cw + jj - r + 15] : (all_lo ? blo : bhi);
-          if (tc_bit(hidden, nt, e)) x = -INFINITY;
-          const float pr = exp2_acc(x - lse2[e / 2]);
+          const float pr = exp2_acc(s[nt][e] - lse2[e / 2]);
           const float f = kDropOn ? tc_drop_factor(p, kept, nt, e) : 1.f;
           const float ds = pr * (f * dp[nt][e] - di[e / 2]);
           s[nt][e] = ds;
@@ -762,14 +760,17 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
       warp_mma_bt<T, kNT, kDK>(dpt, v_frag, sG, Tl::kLdK, lane);
       if (ev != nullptr) add_relative(dpt, sSv, all_lo ? kDlo : kDhi);
 
-      // P^T and dS^T (st <- dS^T, dpt <- P^T f)
-      // (masks and dropout as bits: tc_elem_bits)
-      const auto hides = [&](int nt, int e) {
+      // P^T and dS^T (st <- dS^T, dpt <- P^T f): the scale (and the bias) and the masks in passes
+      // that run only where they have work (tc_scale_logits, tc_hide_elems), then one loop
+      // (dropout as bits)
+      tc_scale_logits<kNT>(st, scale2, eb != nullptr, [&](int nt, int e) {
+        const int jj = warp * 16 + g + (e / 2) * 8, ii = nt * 8 + 2 * t4 + e % 2;
+        return band ? sBias[jj - ii + Tl::kRows - 1] : (all_lo ? blo : bhi);
+      });
+      tc_hide_elems<kNT>(st, tc_pair_full<Tl>(p, elem_masks, i0, j0), [&](int nt, int e) {
         const int jj = warp * 16 + g + (e / 2) * 8, ii = nt * 8 + 2 * t4 + e % 2;
         return !attn_visible(p, b, h, i0 + ii, j0 + jj);
-      };
-      const uint32_t hidden =
-          tc_pair_full<Tl>(p, elem_masks, i0, j0) ? 0u : tc_elem_bits<kNT, false>(hides);
+      });
       tc_with_dropout(p, [&](auto drop) {
         constexpr bool kDropOn = decltype(drop)::value;
         uint32_t kept = 0;
@@ -785,11 +786,8 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
         for (int nt = 0; nt < kNT; ++nt) {
           RELPOS_UNROLL
           for (int e = 0; e < 4; ++e) {
-            const int jj = warp * 16 + g + (e / 2) * 8, ii = nt * 8 + 2 * t4 + e % 2;
-            float x = st[nt][e] * scale2;
-            if (eb != nullptr) x += band ? sBias[jj - ii + Tl::kRows - 1] : (all_lo ? blo : bhi);
-            if (tc_bit(hidden, nt, e)) x = -INFINITY;
-            const float pr = exp2_acc(x - sRow[kLse2 * Tl::kRows + ii]);
+            const int ii = nt * 8 + 2 * t4 + e % 2;
+            const float pr = exp2_acc(st[nt][e] - sRow[kLse2 * Tl::kRows + ii]);
             const float f = kDropOn ? tc_drop_factor(p, kept, nt, e) : 1.f;
             st[nt][e] = pr * (f * dpt[nt][e] - sRow[kDi * Tl::kRows + ii]);
             dpt[nt][e] = pr * f;
