@@ -1,6 +1,6 @@
 """The benchmarks' verdict logic (benchmarks/bench_attention.py), with the timings stubbed: which
 methods the interleaved rounds time, in which order, and how the verdicts take their medians;
-the quick modes of a few benchmarks; and benchmarks/ptxas_report.py's parsing and failure path,
+the quick modes of a few benchmarks (and bench_overhead.py at two rounds); and benchmarks/ptxas_report.py's parsing and failure path,
 with nvcc stubbed."""
 
 from __future__ import annotations
@@ -110,6 +110,19 @@ def test_bench_second_order_quick(tmp_path: Path) -> None:
     assert [r["method"] for r in rows] == 2 * list(second.METHODS)
     assert all(r["time_ms"] > 0 for r in rows)
     assert all(r["peak_extra_mib"] >= 0 for r in rows if r["method"] != "fwd_bwd")
+
+
+def test_bench_overhead_runs_both_routes(tmp_path: Path) -> None:
+    """bench_overhead.py times every case's three kinds of call, by both routes where the op
+    has them (SDPA has only one)."""
+    overhead = pytest.importorskip("bench_overhead")
+    out = tmp_path / "overhead.json"
+    assert overhead.main(["--rounds", "2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 3 * len(overhead.cases())
+    for r in rows:
+        assert r["wrapper_us"] > 0
+        assert ("torch.ops_us" in r) == (not r["case"].startswith("SDPA"))
 
 
 def test_machine_info_records_the_instruction_set_caps(monkeypatch: pytest.MonkeyPatch) -> None:

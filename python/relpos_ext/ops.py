@@ -44,6 +44,12 @@ IntLike = int | torch.SymInt  # torch.SymInt under torch.compile with dynamic sh
 # active there, _apply breaks the graph). Both run the same two functions, so there is one
 # backward per op. The Function also carries the op's jvp, where it has one.
 _FUNC_FUNCTIONS: dict[Any, type[torch.autograd.Function]] = {}
+# The same two functions once more, in a leaner Function that _apply takes in plain eager
+# autograd (_plain_eager): torch.library's autograd kernel refills the schema's defaults on every
+# call by a loop that is quadratic in the schema's length (torch's fill_defaults reads
+# schema.arguments, a fresh list of every argument, once per argument): 75 us a rel_attention
+# forward on the CPU, where the kernel of a small call takes 7.
+_EAGER_FUNCTIONS: dict[Any, type[torch.autograd.Function]] = {}
 # private in torch (every version we admit has it); were it gone, no transform would be seen
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 _SAVED = object()  # marks, in a Function's ctx.jvp_values, an entry kept by save_for_forward
@@ -94,9 +100,54 @@ def _register_autograd(op: Any, backward: Any, setup_context: Any, jvp: Any) -> 
     _Function.__name__ = f"{name}_function"
     _FUNC_FUNCTIONS[op] = _Function
 
+    def eager_forward(ctx: Any, *args: Any) -> Any:
+        with _below_autograd():
+            output = op(*args)
+        setup_context(ctx, args, output)
+        return output
+
+    # made by type() so that its graph node is named after the op: <name>_eagerBackward
+    _EAGER_FUNCTIONS[op] = type(f"{name}_eager", (torch.autograd.Function,), {
+        "forward": staticmethod(eager_forward),
+        "backward": staticmethod(lambda ctx, *grads: backward(ctx, *grads)),
+    })
+
+
+# Tensor types _plain_eager admits: a Parameter (a learnable table) dispatches as a Tensor does;
+# other subclasses (DTensor, fake or functional tensors) keep the dispatcher's path.
+_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+# Dispatches past the autograd keys, to the kernel (torch.library's own autograd kernels use it
+# to redispatch). It and the three queries _plain_eager asks are private in torch, as
+# _transforms_active: were one of them gone, _plain_eager would always say no.
+_below_autograd = (torch._C._AutoDispatchBelowAutograd
+                   if all(hasattr(torch._C, n) for n in ("_AutoDispatchBelowAutograd",
+                                                          "_is_torch_function_mode_enabled",
+                                                          "_len_torch_dispatch_stack",
+                                                          "_get_tracing_state"))
+                   else None)
+
+
+def _plain_eager(args: tuple) -> bool:
+    """Whether an op's call on ``args`` (outside torch.compile and torch.func) may skip the
+    dispatcher's autograd kernel: every tensor argument plain, and nothing that should see the
+    call before autograd does (autocast casts the inputs first; a torch function or dispatch
+    mode may replace the call; torch.jit.trace would record the Function in the op's place).
+    :func:`_apply` then runs the op's :data:`_EAGER_FUNCTIONS` entry when a gradient is needed,
+    the kernel directly when not."""
+    if _below_autograd is None or args[0].device.type not in ("cpu", "cuda"):  # meta: fake
+        return False
+    for x in args:
+        if isinstance(x, Tensor) and type(x) not in _PLAIN_TENSORS:
+            return False
+    return (not torch.is_autocast_enabled(args[0].device.type)
+            and not torch._C._is_torch_function_mode_enabled()
+            and torch._C._len_torch_dispatch_stack() == 0
+            and torch._C._get_tracing_state() is None)  # torch.jit.trace records the op itself
+
 
 def _apply(op: Any, *args: Any) -> Any:
-    """``op(*args)``, through its Function while a torch.func transform or forward AD is active."""
+    """``op(*args)``, through its Function while a torch.func transform or forward AD is active,
+    past the dispatcher's autograd kernel in plain eager calls (:func:`_plain_eager`)."""
     if getattr(args[0], "is_nested", False):  # q, table, x or grad
         # the dispatcher would say only "NotImplementedError: relpos.<op>.default"
         if op is torch.ops.relpos.rope.default:
@@ -120,6 +171,11 @@ def _apply(op: Any, *args: Any) -> Any:
         return op(*args)
     if _transforms_active() or _forward_ad_active():
         return _FUNC_FUNCTIONS[op].apply(*args)
+    if _plain_eager(args):
+        if torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in args):
+            return _EAGER_FUNCTIONS[op].apply(*args)
+        with _below_autograd():
+            return op(*args)
     return op(*args)
 
 
