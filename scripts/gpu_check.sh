@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, as one call on a lent GPU machine (no CI machine has one; README "How
 # CUDA code is verified here"): build relpos_ext against that machine's own torch for one
-# architecture, run the test suite's `cuda` backend, time benchmarks/bench_cuda.py, and time each
-# kernel (benchmarks/profile_cuda.py).
+# architecture, run the test suite's `cuda` backend, time benchmarks/bench_cuda.py (and the eager
+# calls' overhead, benchmarks/bench_overhead.py), and time each kernel (benchmarks/profile_cuda.py).
 #
 #   bash scripts/gpu_check.sh --prebuild     # here, before the call: .gpu/objs, .gpu/whl
 #   bash scripts/gpu_check.sh                # there (the device tool: carry .gpu/objs.tgz
@@ -158,6 +158,11 @@ if want bench; then
       --dim "$dim" --out "$json" ${RELPOS_GPU_BENCH_ARGS:-} 2>&1 | tee -a "$out/bench.log"
     summary+=("bench D=$dim: rc ${PIPESTATUS[0]}, $((SECONDS - t0)) s")
   done
+  # the per-call overhead of eager calls (small shapes, each call waiting for the GPU)
+  t1=$SECONDS
+  timeout 60 $py benchmarks/bench_overhead.py --device cuda --rounds 300 \
+    --out "$out/bench_overhead_cuda.json" 2>&1 | tee -a "$out/bench.log"
+  summary+=("bench_overhead: rc ${PIPESTATUS[0]}, $((SECONDS - t1)) s")
 fi
 
 if want profile; then
