@@ -2,7 +2,8 @@
 """Per-call overhead of the ops' Python layer: small calls, where the kernel is short.
 
 For each op at a tiny shape (and ``rel_attention`` also at a small training shape, B=1, H=8,
-L=128, D=64, K=16), in eager mode on the CPU, it times three kinds of call:
+L=128, D=64, K=16), in eager mode (on the CPU, or the GPU with ``--device cuda``), it times
+three kinds of call:
 
 * ``fwd`` -- the forward under ``torch.no_grad()``;
 * ``fwd, grad`` -- the forward with inputs that require grad (records the graph);
@@ -118,11 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'case':<28} {'call':<10} {'(1) wrapper':>12} {'(2) torch.ops':>14} {'(2)/(1)':>8}   us")
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     for name, (wrapper, direct, wrt) in cases(args.device).items():
+        by_route = {"wrapper": kinds(wrapper, wrt, sync)}
+        if direct is not None:
+            by_route["torch.ops"] = kinds(direct, wrt, sync)
         for kind in ("fwd", "fwd, grad", "fwd+bwd"):
-            routes = {"wrapper": kinds(wrapper, wrt, sync)[kind]}
-            if direct is not None:
-                routes["torch.ops"] = kinds(direct, wrt, sync)[kind]
-            times = time_rounds(routes, args.rounds)
+            times = time_rounds({r: calls[kind] for r, calls in by_route.items()}, args.rounds)
             med = {r: statistics.median(t) * 1e6 for r, t in times.items()}
             row = {"case": name, "call": kind} | {f"{r}_us": v for r, v in med.items()}
             rows.append(row)

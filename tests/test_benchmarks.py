@@ -1,7 +1,7 @@
 """The benchmarks' verdict logic (benchmarks/bench_attention.py), with the timings stubbed: which
 methods the interleaved rounds time, in which order, and how the verdicts take their medians;
-the quick modes of a few benchmarks (and bench_overhead.py at two rounds); and benchmarks/ptxas_report.py's parsing and failure path,
-with nvcc stubbed."""
+the quick modes of a few benchmarks (and bench_overhead.py at two rounds); and
+benchmarks/ptxas_report.py's parsing and failure path, with nvcc stubbed."""
 
 from __future__ import annotations
 

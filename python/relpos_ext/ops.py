@@ -109,7 +109,7 @@ def _register_autograd(op: Any, backward: Any, setup_context: Any, jvp: Any) -> 
     # made by type() so that its graph node is named after the op: <name>_eagerBackward
     _EAGER_FUNCTIONS[op] = type(f"{name}_eager", (torch.autograd.Function,), {
         "forward": staticmethod(eager_forward),
-        "backward": staticmethod(lambda ctx, *grads: backward(ctx, *grads)),
+        "backward": staticmethod(backward),
     })
 
 
