@@ -1182,6 +1182,47 @@ def test_rel_attention_cpu_concurrent_calls(monkeypatch, cpu_isa, source):
     assert_concurrent_calls_match(monkeypatch, source, jobs)
 
 
+@pytest.mark.parametrize("shape", THREAD_SHAPES, ids=["tiles", "decode_split", "bwd_runs"])
+def test_rel_attention_cpu_scratch_left_by_other_calls(cpu_isa, shape):
+    """The AVX2 and AVX-512 kernels carve their buffers from a per-thread arena that outlives
+    the call (rel_attention_avx2.cpp, Buffers; up to 1 MiB: the decoding shape's forward needs
+    more and takes the rest from the heap), so a call finds what the calls before it left there.
+    After calls on NaN inputs of the same shapes, float32 and bfloat16 (every buffer they touch
+    left NaN), a call gives the bits it gave before them: no kernel reads a buffer before it
+    writes it. One torch thread: the calls' buffers are all the calling thread's."""
+    b, h, hk, lq, lk, d, qo = shape
+    g = torch.Generator().manual_seed(7)
+
+    def inputs(dtype, fill=None):
+        sizes = [(b, h, lq, d), (b, hk, lk, d), (b, hk, lk, d), (h, 13, d), (13, d), (h, 13),
+                 (h, 13, d), (b, h, lq, d)]
+        xs = [torch.randn(*size, generator=g) for size in sizes]
+        if fill is not None:
+            xs = [x.fill_(fill) for x in xs]
+        return [x.to(dtype) for x in xs]
+
+    def run(q, k, v, rk, rv, bias, rq, go):
+        args = (q, k, v, rk, rv, 6, True, None, qo, 0, None, 0.0, None, None, None, None, -1, -1,
+                bias, rq)
+        out, lse = torch.ops.relpos.rel_attention(*args)
+        grads = torch.ops.relpos.rel_attention_backward(go, *args[:5], out, lse, *args[5:])
+        return (out, lse, *grads)
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for dtype in (torch.float32, torch.bfloat16):
+            xs = inputs(dtype)
+            first = run(*xs)
+            for poison in (torch.float32, torch.bfloat16):
+                nan = run(*inputs(poison, float("nan")))
+                assert nan[0].isnan().all()  # (the poison reached the buffers)
+            for got, want in zip(run(*xs), first):
+                assert torch.equal(got, want)
+    finally:
+        torch.set_num_threads(before)
+
+
 BF16_DOT_CASES = ["tiles_causal_padding", "tiles_two_sided", "wide_tiles", "wide_tiles_causal",
                   "transformer_xl", "tiles_uniform_padding", "bwd_key_runs", "prefill_odd_D",
                   "tiles_unclipped", "decode_five_rows", "decode_split_keys",
