@@ -81,18 +81,13 @@ void store_row(DType d, const float* src, void* dst, int64_t n) {
 // A thread's arena for Buffers: one 64-byte aligned block, kept between kernel calls.
 struct Arena {
   char* base = nullptr;
-  int64_t cap = 0;  // bytes
+  int64_t cap = 0;   // bytes
+  int64_t want = 0;  // what the last call on the thread took in all, up to kArenaKeepBytes
   bool in_use = false;
   Arena() = default;
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
   ~Arena() { std::free(base); }
-  void reserve(int64_t bytes) {
-    std::free(base);
-    base = static_cast<char*>(std::aligned_alloc(64, static_cast<size_t>(bytes)));
-    if (base == nullptr) std::abort();
-    cap = bytes;
-  }
 };
 thread_local Arena t_arena;
 
@@ -102,22 +97,30 @@ constexpr int64_t kArenaKeepBytes = int64_t(1) << 20;
 
 // Float buffers for one kernel call, 64-byte aligned, carved from the calling thread's arena in
 // the order taken. What does not fit comes from the heap, one allocation per take (freed when
-// the Buffers goes), and the arena then grows to fit the whole call next time, up to
-// kArenaKeepBytes. A small call thus allocates nothing: its 25-64 takes were as many
-// aligned_alloc / free pairs, about 1.5 us of a 10 us call. A Buffers made while another is alive
-// on the thread (none is today) takes everything from the heap. No std::vector here (the ODR
-// note in vec_avx2.h). The backward has 64 takes, not all in one call.
+// the Buffers goes), and the thread's next call grows the arena to fit this one's total, up to
+// kArenaKeepBytes (at its start: a thread that ends after one call, as the std::thread source's
+// do, allocates nothing more). A small call thus allocates nothing: its 25-64 takes were as many
+// aligned_alloc / free pairs, about 1.3 us of a 10 us call. A Buffers made while another is
+// alive on the thread (none is today) takes everything from the heap. No std::vector here (the
+// ODR note in vec_avx2.h). The backward has 64 takes, not all in one call.
 class Buffers {
  public:
   Buffers() : arena_(t_arena.in_use ? nullptr : &t_arena) {
-    if (arena_ != nullptr) arena_->in_use = true;
+    if (arena_ == nullptr) return;
+    arena_->in_use = true;
+    if (arena_->want > arena_->cap) {
+      std::free(arena_->base);
+      arena_->base = static_cast<char*>(std::aligned_alloc(64, static_cast<size_t>(arena_->want)));
+      if (arena_->base == nullptr) std::abort();
+      arena_->cap = arena_->want;
+    }
   }
   Buffers(const Buffers&) = delete;
   Buffers& operator=(const Buffers&) = delete;
   ~Buffers() {
     for (int i = 0; i < heap_used_; ++i) std::free(heap_[i]);
     if (arena_ == nullptr) return;
-    if (need_ > arena_->cap && need_ <= kArenaKeepBytes) arena_->reserve(need_);
+    if (need_ <= kArenaKeepBytes && need_ > arena_->want) arena_->want = need_;
     arena_->in_use = false;
   }
   float* take(int64_t n) {
