@@ -308,7 +308,8 @@ struct AttentionImpl {
     const int64_t used = used_max_distance(c.q_len, c.k_len, max_distance, q_offset, k_offset);
     Checked cu = c;
     auto slice = [&](const at::Tensor& t, int64_t bucket_dim) {  // a table's rows, a bias's columns
-      return t.defined() ? t.narrow(bucket_dim, max_distance - used, num_buckets(used)).contiguous() : t;
+      if (!t.defined() || used == max_distance) return t;  // (the whole table: no ATen calls)
+      return t.narrow(bucket_dim, max_distance - used, num_buckets(used)).contiguous();
     };
     cu.rel_k = slice(c.rel_k, -2);
     cu.rel_v = slice(c.rel_v, -2);
