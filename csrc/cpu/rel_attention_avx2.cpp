@@ -110,8 +110,7 @@ class Buffers {
     arena_->in_use = true;
     if (arena_->want > arena_->cap) {
       std::free(arena_->base);
-      arena_->base = static_cast<char*>(std::aligned_alloc(64, static_cast<size_t>(arena_->want)));
-      if (arena_->base == nullptr) std::abort();
+      arena_->base = static_cast<char*>(alloc_aligned64(arena_->want));
       arena_->cap = arena_->want;
     }
   }
@@ -124,14 +123,12 @@ class Buffers {
     arena_->in_use = false;
   }
   float* take(int64_t n) {
-    const int64_t bytes = (((n > 0 ? n : 1) * int64_t(sizeof(float)) + 63) / 64) * 64;
+    const int64_t bytes = aligned_float_bytes(n > 0 ? n : 1);
     need_ += bytes;
     if (arena_ != nullptr && need_ <= arena_->cap) return reinterpret_cast<float*>(arena_->base + need_ - bytes);
     if (heap_used_ == kPool) std::abort();  // (a kernel took more than it was sized for)
-    void* p = std::aligned_alloc(64, static_cast<size_t>(bytes));
-    if (p == nullptr) std::abort();
-    heap_[heap_used_++] = p;
-    return static_cast<float*>(p);
+    heap_[heap_used_] = alloc_aligned64(bytes);
+    return static_cast<float*>(heap_[heap_used_++]);
   }
 
  private:

@@ -246,6 +246,17 @@ class FlushDenormals {
   unsigned saved_;
 };
 
+// n floats in whole 64-byte lines: the bytes a 64-byte aligned buffer of n floats takes.
+inline int64_t aligned_float_bytes(int64_t n) { return ((n * int64_t(sizeof(float)) + 63) / 64) * 64; }
+
+// `bytes` (a multiple of 64) from the heap, 64-byte aligned; std::free releases it. Aborts when
+// the heap is out: the kernels run inside parallel regions, where nothing may throw.
+inline void* alloc_aligned64(int64_t bytes) {
+  void* p = std::aligned_alloc(64, static_cast<size_t>(bytes));
+  if (p == nullptr) std::abort();
+  return p;
+}
+
 // A per-thread, 64-byte aligned, growable float buffer (contents are not preserved on growth).
 class Scratch {
  public:
@@ -253,9 +264,7 @@ class Scratch {
   float* get(int64_t n) {
     if (n > cap_) {
       std::free(p_);
-      const int64_t bytes = ((n * int64_t(sizeof(float)) + 63) / 64) * 64;
-      p_ = static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>(bytes)));
-      if (p_ == nullptr) std::abort();
+      p_ = static_cast<float*>(alloc_aligned64(aligned_float_bytes(n)));
       cap_ = n;
     }
     return p_;
