@@ -21,6 +21,9 @@ That is the gradient of the log-sum-exp, so the reference backpropagates
 ``-dO_i . (O_i^rounded - O_i)`` into its lse as well and the comparison sees the kernels' own
 arithmetic, not that rounding (which, where the true gradients cancel, as for a row with one
 visible key, would swamp them).
+A float32 tensor over its tolerance still passes when its error is within 4x that of the
+reference itself run in float32 on the same inputs: where a table gradient's true value cancels
+to almost nothing, float32 cannot do better than its rounding of the terms (eager_float32_errors).
 
 Prints each failing seed with its configuration and the errors over tolerance, and a summary;
 exits 1 if any seed failed. ``--time-limit`` stops early (the GPU check's time box).
@@ -215,7 +218,39 @@ def check(seed: int, backend: str, dtype: torch.dtype) -> dict:
                 errors[name] = (math.inf, 0.0)
             continue
         errors[name] = (error(got, want), 3 * tol)
-    return {n: e for n, (e, t) in errors.items() if not e <= t}
+    over = {n: e for n, (e, t) in errors.items() if not e <= t}
+    if over and dtype == torch.float32:
+        eager = eager_float32_errors(rounded, kw, grad)
+        over = {n: e for n, e in over.items() if not e <= EAGER_FACTOR * eager.get(n, 0.0)}
+    return over
+
+
+# A float32 error over the tolerance passes if it is within this factor of eager PyTorch's own
+# float32 error on the same inputs (eager_float32_errors).
+EAGER_FACTOR = 4.0
+
+
+def eager_float32_errors(rounded: dict, kw: dict, grad: torch.Tensor) -> dict:
+    """Each tensor's error (as check measures it) of relpos_ext.reference run in float32 on the
+    same float32 inputs: how well float32 arithmetic can do on this draw at all. The table
+    gradients sum every (query, key) pair of their bucket, and where their true value cancels to
+    almost nothing (K = 0: one bucket, and a dS row sums to 0), float32's rounding of the terms
+    is what is left: seed 755356 (K = 0, sharp logits) gives drel_k errors of 0.0074 (scalar
+    kernel), 0.0090 (AVX2, AVX-512) and 0.0079 (eager float32), against a tolerance of 0.0075."""
+    leaves = {n: None if x is None else x.clone().requires_grad_() for n, x in rounded.items()}
+    names = ("q", "k", "v", "rel_k", "rel_v", "rel_bias", "rel_q")
+    out, lse = ref.shaw_attention(leaves["q"], leaves["k"], leaves["v"], leaves["rel_k"],
+                                  leaves["rel_v"], return_lse=True, rel_bias=leaves["rel_bias"],
+                                  rel_q=leaves["rel_q"], **kw)
+    wrt = [leaves[n] for n in names if leaves[n] is not None]
+    got = iter(torch.autograd.grad((out * grad).sum(), wrt, allow_unused=True))
+    want_out, want_lse, want_grads = run_reference(rounded, kw, grad, out.detach())
+    errors = {"out": error(out.detach(), want_out), "lse": error(lse.detach(), want_lse)}
+    for name, leaf, want in zip(GRADS, (leaves[n] for n in names), want_grads):
+        if leaf is not None:
+            g = next(got)
+            errors[name] = error(torch.zeros_like(want) if g is None else g, want)
+    return errors
 
 
 def available(backend: str, emu_lib: Path) -> str | None:

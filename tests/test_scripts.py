@@ -91,6 +91,20 @@ def test_fuzz_attention_reports_a_wrong_result(monkeypatch, capsys, what) -> Non
     assert f"FAIL seed {seed} cpu-scalar float32" in capsys.readouterr().out
 
 
+def test_fuzz_attention_float32_cancellation(monkeypatch) -> None:
+    """Seed 755356 (K = 0: one bucket, whose drel_k sums every dS_ij q_i and cancels to almost
+    nothing; sharp logits) is over the float32 tolerance on the AVX2 kernels, and within 4x of
+    eager float32's own error on the same inputs, so it passes; without that yardstick it fails."""
+    fuzz = _fuzz_module()
+    monkeypatch.delenv("RELPOS_CPU_ISA", raising=False)
+    backend = "cpu-avx2"
+    if fuzz.available(backend, fuzz.DEFAULT_EMU):
+        pytest.skip("no AVX2 kernels in this build")
+    assert fuzz.check(755356, backend, torch.float32) == {}
+    monkeypatch.setattr(fuzz, "EAGER_FACTOR", 0.0)
+    assert set(fuzz.check(755356, backend, torch.float32)) == {"drel_k"}
+
+
 _FAKE_PYTHON = """#!/usr/bin/env bash
 # python3 for gpu_ab.sh without a GPU: pip logs the objects the launcher would copy, pytest
 # passes, bench_cuda.py writes one row whose time is the run's (new 1.0 ms, base 1.5 ms).
