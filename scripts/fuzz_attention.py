@@ -150,29 +150,46 @@ def run_backend(backend: str, tensors: dict, kw: dict, grad: torch.Tensor,
     return out.cpu(), lse.cpu(), [x.cpu() for x in grads]
 
 
-def run_reference(tensors: dict, kw: dict, grad: torch.Tensor, out_used: torch.Tensor) -> Results:
-    """float64 (out, lse, gradients) of the reference; `out_used` is the output the kernel's
-    backward was handed (see the module docstring)."""
-    leaves = {n: None if x is None else x.double().requires_grad_() for n, x in tensors.items()}
-    kw64 = {n: (x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x)
-            for n, x in kw.items()}
+NAMES = ("q", "k", "v", "rel_k", "rel_v", "rel_bias", "rel_q")  # the gradients' tensors, in order
+
+
+def reference_forward(tensors: dict, kw: dict,
+                      dtype: torch.dtype) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """relpos_ext.reference in `dtype`: (leaves, out, lse), the leaves copies of `tensors` that
+    require grad (None where a tensor is absent)."""
+    leaves = {n: None if x is None else x.detach().to(dtype, copy=True).requires_grad_()
+              for n, x in tensors.items()}
+    kwd = {n: (x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x)
+           for n, x in kw.items()}
     out, lse = ref.shaw_attention(leaves["q"], leaves["k"], leaves["v"], leaves["rel_k"],
                                   leaves["rel_v"], return_lse=True, rel_bias=leaves["rel_bias"],
-                                  rel_q=leaves["rel_q"], **kw64)
-    g = grad.double()
-    delta = (g * (out_used.double() - out.detach())).sum(-1)
-    names = ("q", "k", "v", "rel_k", "rel_v", "rel_bias", "rel_q")
-    wrt = [leaves[n] for n in names if leaves[n] is not None]
-    # (rows that see no key have lse = inf and no gradient)
-    lse_term = -(lse.masked_fill(~torch.isfinite(lse), 0.0) * delta).sum()
-    got = iter(torch.autograd.grad((out * g).sum() + lse_term, wrt, allow_unused=True))
+                                  rel_q=leaves["rel_q"], **kwd)
+    return leaves, out, lse
+
+
+def reference_grads(leaves: dict, loss: torch.Tensor) -> list:
+    """d loss / d leaf for each of NAMES: None where the leaf is absent, zeros where unused."""
+    wrt = [leaves[n] for n in NAMES if leaves[n] is not None]
+    got = iter(torch.autograd.grad(loss, wrt, allow_unused=True))
     grads = []
-    for n in names:
+    for n in NAMES:
         if leaves[n] is None:
             grads.append(None)
         else:
             x = next(got)
             grads.append(torch.zeros_like(leaves[n]) if x is None else x)
+    return grads
+
+
+def run_reference(tensors: dict, kw: dict, grad: torch.Tensor, out_used: torch.Tensor) -> Results:
+    """float64 (out, lse, gradients) of the reference; `out_used` is the output the kernel's
+    backward was handed (see the module docstring)."""
+    leaves, out, lse = reference_forward(tensors, kw, torch.float64)
+    g = grad.double()
+    delta = (g * (out_used.double() - out.detach())).sum(-1)
+    # (rows that see no key have lse = inf and no gradient)
+    lse_term = -(lse.masked_fill(~torch.isfinite(lse), 0.0) * delta).sum()
+    grads = reference_grads(leaves, (out * g).sum() + lse_term)
     return out.detach(), lse.detach(), grads
 
 
@@ -237,19 +254,13 @@ def eager_float32_errors(rounded: dict, kw: dict, grad: torch.Tensor) -> dict:
     almost nothing (K = 0: one bucket, and a dS row sums to 0), float32's rounding of the terms
     is what is left: seed 755356 (K = 0, sharp logits) gives drel_k errors of 0.0074 (scalar
     kernel), 0.0090 (AVX2, AVX-512) and 0.0079 (eager float32), against a tolerance of 0.0075."""
-    leaves = {n: None if x is None else x.clone().requires_grad_() for n, x in rounded.items()}
-    names = ("q", "k", "v", "rel_k", "rel_v", "rel_bias", "rel_q")
-    out, lse = ref.shaw_attention(leaves["q"], leaves["k"], leaves["v"], leaves["rel_k"],
-                                  leaves["rel_v"], return_lse=True, rel_bias=leaves["rel_bias"],
-                                  rel_q=leaves["rel_q"], **kw)
-    wrt = [leaves[n] for n in names if leaves[n] is not None]
-    got = iter(torch.autograd.grad((out * grad).sum(), wrt, allow_unused=True))
+    leaves, out, lse = reference_forward(rounded, kw, torch.float32)
+    grads = reference_grads(leaves, (out * grad).sum())
     want_out, want_lse, want_grads = run_reference(rounded, kw, grad, out.detach())
     errors = {"out": error(out.detach(), want_out), "lse": error(lse.detach(), want_lse)}
-    for name, leaf, want in zip(GRADS, (leaves[n] for n in names), want_grads):
-        if leaf is not None:
-            g = next(got)
-            errors[name] = error(torch.zeros_like(want) if g is None else g, want)
+    for name, got, want in zip(GRADS, grads, want_grads):
+        if got is not None:
+            errors[name] = error(got, want)
     return errors
 
 
