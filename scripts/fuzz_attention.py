@@ -11,6 +11,7 @@ time; this looks for the combinations nobody picked.
     python scripts/fuzz_attention.py --seeds 0:500                       # the CPU kernels
     python scripts/fuzz_attention.py --seeds 0:200 --backends cuda-emu   # after build_cuda_emu.sh
     python scripts/fuzz_attention.py --seeds 0:2000 --backends cuda --dtypes float32 bfloat16
+    python scripts/fuzz_attention.py --seeds 0:100 --shapes decode       # new rows, long cache
 
 Error measure: max |got - want| / max(max |want|, 1) per tensor, against a tolerance per dtype
 (float32 2e-4, float64 1e-9, float16 1.5e-3, bfloat16 1e-2; grown with log2(Lk) and with the
@@ -53,12 +54,15 @@ TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-4, torch.float16: 1.5e-3, to
 GRADS = ("dq", "dk", "dv", "drel_k", "drel_v", "drel_bias", "drel_q")
 
 
-def draw(seed: int) -> dict:
-    """One random configuration (sizes around the kernels' tile edges: 8, 32/33, 64, 128),
-    with B x H x Lq x Lk x D at most MAX_SIZE (the reference holds [B, H, Lq, Lk, D] gathers)."""
+def draw(seed: int, shapes: str = "mixed") -> dict:
+    """One random configuration with B x H x Lq x Lk x D at most MAX_SIZE (the reference holds
+    [B, H, Lq, Lk, D] gathers). ``shapes``: "mixed", sizes around the kernels' tile edges (8,
+    32/33, 64, 128); "decode", a few new rows against a cache of about 2000-4100 keys, where the
+    CPU forward splits the keys into chunks (flash-decoding) and reads k and v in place, also as
+    the first Lk rows of a larger buffer (``cache_view``)."""
     r = random.Random(seed)
     while True:
-        c = _draw(r)
+        c = SHAPES[shapes](r)
         if c["B"] * c["H"] * c["Lq"] * c["Lk"] * c["D"] <= MAX_SIZE:
             return c
 
@@ -66,7 +70,7 @@ def draw(seed: int) -> dict:
 MAX_SIZE = 16_000_000  # 128 MB of float64
 
 
-def _draw(r: random.Random) -> dict:
+def _draw_mixed(r: random.Random) -> dict:
     hkv = r.choice([1, 1, 2, 3])
     lq = r.choice([1, 2, 5, 17, 33, 64, 65, 100, 129, 200, 300])
     lk = r.choice([lq, lq, 1, 3, 31, 64, 70, 128, 129, 257, 600])
@@ -82,7 +86,32 @@ def _draw(r: random.Random) -> dict:
         attn_mask=r.choice([None, None, None, None, "2d", "4d"]), segments=r.random() < 0.2,
         window=window, dropout_p=r.choice([0.0, 0.0, 0.0, 0.0, 0.3]),
         scale=r.choice([None, None, 0.3, 1.0]), strided=r.random() < 0.3,
-        q_scale=r.choice([1.0, 1.0, 4.0]))
+        q_scale=r.choice([1.0, 1.0, 4.0]), cache_view=False)
+
+
+def _draw_decode(r: random.Random) -> dict:
+    # the CPU forward splits keys once there are 32 key tiles of 64 (Lk > 1984) and at most 32
+    # rows (cpu/register_cpu.cpp); 33 and 48 rows take the unsplit path over the same cache
+    hkv = r.choice([1, 1, 2])
+    lq = r.choice([1, 1, 2, 3, 4, 7, 8, 9, 16, 17, 31, 32, 33, 48])
+    lk = r.choice([1985, 2048, 2049, 2111, 2600, 3100, 4097])
+    window = r.choice([None, None, None, (r.randint(-1, 3000), r.randint(-1, 40))])
+    layout = r.choice(["contiguous", "strided", "cache_view", "cache_view"])
+    return dict(
+        B=r.choice([1, 1, 2]), H=hkv * r.choice([1, 2, 4, 8]), Hkv=hkv, Lq=lq, Lk=lk,
+        D=r.choice([8, 13, 32, 37, 64, 80, 128]),
+        K=r.choice([0, 3, 64, 300, 2500, 5000]),
+        causal=r.random() < 0.7, q_offset=r.choice([lk - lq, lk - lq, lk - lq, 0, lk - lq - 100]),
+        k_offset=r.choice([0, 0, 0, 5]), per_head=r.random() < 0.4,
+        rel_k=r.random() < 0.8, rel_v=r.random() < 0.8, rel_q=r.random() < 0.2,
+        rel_bias=r.random() < 0.25, padding=r.random() < 0.3,
+        attn_mask=r.choice([None, None, None, None, "2d", "4d"]), segments=r.random() < 0.2,
+        window=window, dropout_p=r.choice([0.0, 0.0, 0.0, 0.0, 0.3]),
+        scale=r.choice([None, None, 0.3, 1.0]), strided=layout == "strided",
+        q_scale=r.choice([1.0, 1.0, 4.0]), cache_view=layout == "cache_view")
+
+
+SHAPES = {"mixed": _draw_mixed, "decode": _draw_decode}
 
 
 def make(c: dict, seed: int) -> tuple[dict, dict, torch.Tensor]:
@@ -125,28 +154,40 @@ def strided(x: torch.Tensor) -> torch.Tensor:
     return y.copy_(x)
 
 
+def cache_rows(x: torch.Tensor) -> torch.Tensor:
+    """The same values as the first rows (dim 2) of a buffer with 37 more, which hold NaN: a
+    decoding cache preallocated to a capacity, read through ``buf[:, :, :T]``."""
+    buf = torch.full((*x.shape[:2], x.shape[2] + 37, *x.shape[3:]), math.nan, dtype=x.dtype,
+                     device=x.device)
+    return buf[:, :, :x.shape[2]].copy_(x)
+
+
 Results = tuple[torch.Tensor, torch.Tensor, list]  # out, lse, the seven gradients
 
 
 def run_backend(backend: str, tensors: dict, kw: dict, grad: torch.Tensor,
-                use_strided: bool) -> Results:
-    """(out, lse, seven gradients) of torch.ops.relpos(_emu) on the backend's device."""
+                use_strided: bool, cache_view: bool = False) -> Results:
+    """(out, lse, seven gradients) of torch.ops.relpos(_emu) on the backend's device; floating
+    tensors of two or more dims as strided views with ``use_strided``, k and v as views of a
+    larger cache buffer with ``cache_view``."""
     ns = torch.ops.relpos_emu if backend == "cuda-emu" else torch.ops.relpos
     dev = "cuda" if backend == "cuda" else "cpu"
 
-    def put(x: torch.Tensor | None) -> torch.Tensor | None:
+    def put(name: str, x: torch.Tensor | None) -> torch.Tensor | None:
         if x is None:
             return None
         x = x.to(dev)
+        if cache_view and name in ("k", "v"):
+            return cache_rows(x)
         return strided(x) if use_strided and x.is_floating_point() and x.dim() > 1 else x
 
     # by the schemas' argument names (csrc/schemas.h), so no argument order is restated here
-    args = {n: put(x) if isinstance(x, torch.Tensor) or x is None else x
+    args = {n: put(n, x) if isinstance(x, torch.Tensor) or x is None else x
             for n, x in {"key_padding_mask": None, **tensors, **kw}.items()}
     if "dropout_seed" in args:
         args["dropout_seed"] = torch.tensor([args["dropout_seed"]], dtype=torch.int64)
     out, lse = ns.rel_attention.default(**args)
-    grads = ns.rel_attention_backward.default(grad_out=put(grad), out=out, logsumexp=lse, **args)
+    grads = ns.rel_attention_backward.default(grad_out=put("grad_out", grad), out=out, logsumexp=lse, **args)
     return out.cpu(), lse.cpu(), [x.cpu() for x in grads]
 
 
@@ -204,9 +245,10 @@ def error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want)[finite].abs().max() / max(want[finite].abs().max().item(), 1.0)).item()
 
 
-def check(seed: int, backend: str, dtype: torch.dtype) -> dict:
-    """The errors over tolerance of one seed on one backend and dtype ({} if none)."""
-    c = draw(seed)
+def check(seed: int, backend: str, dtype: torch.dtype, shapes: str = "mixed") -> dict:
+    """The errors over tolerance of one seed (of the ``shapes`` draws) on one backend and dtype
+    ({} if none)."""
+    c = draw(seed, shapes)
     tensors, kw, grad = make(c, seed)
     rounded = {n: None if x is None else x.to(dtype) for n, x in tensors.items()}
     grad = grad.to(dtype)
@@ -214,7 +256,7 @@ def check(seed: int, backend: str, dtype: torch.dtype) -> dict:
     if backend.startswith("cpu-"):
         os.environ["RELPOS_CPU_ISA"] = backend[4:]
     try:
-        out, lse, grads = run_backend(backend, rounded, kw, grad, c["strided"])
+        out, lse, grads = run_backend(backend, rounded, kw, grad, c["strided"], c["cache_view"])
     except RuntimeError as e:
         return {"exception": str(e).splitlines()[0][:300]}
     finally:
@@ -294,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="float64 runs on cpu-scalar only (default float32)")
     ap.add_argument("--emu-lib", type=Path,
                     default=Path(os.environ.get("RELPOS_CUDA_EMU_LIB", DEFAULT_EMU)))
+    ap.add_argument("--shapes", default="mixed", choices=list(SHAPES),
+                    help="mixed: sizes around the tile edges (default); decode: a few rows"
+                    " against a long cache")
     ap.add_argument("--time-limit", type=float, default=None, help="seconds; stop after the seed"
                     " that crosses it")
     args = ap.parse_args(argv)
@@ -313,18 +358,18 @@ def main(argv: list[str] | None = None) -> int:
     failed, done = 0, 0
     for seed in range(start, start + count):
         for backend, dtype in runs:
-            bad = check(seed, backend, dtype)
+            bad = check(seed, backend, dtype, args.shapes)
             if bad:
                 failed += 1
                 print(f"FAIL seed {seed} {backend} {str(dtype)[6:]}: "
                       + ", ".join(f"{n} {e:.3g}" if isinstance(e, float) else f"{n}: {e}"
                                   for n, e in bad.items()))
-                print(f"     {draw(seed)}", flush=True)
+                print(f"     {draw(seed, args.shapes)}", flush=True)
         done += 1
         if args.time_limit is not None and time.monotonic() - t0 > args.time_limit:
             break
     runs_text = ", ".join(f"{b} {str(d)[6:]}" for b, d in runs)
-    print(f"{done} seeds x [{runs_text}]: {failed} failures ({time.monotonic() - t0:.0f} s)")
+    print(f"{done} {args.shapes} seeds x [{runs_text}]: {failed} failures ({time.monotonic() - t0:.0f} s)")
     return 1 if failed else 0
 
 

@@ -51,7 +51,7 @@ def test_fuzz_attention_passes_and_draws_every_option(monkeypatch, capsys) -> No
     isa_before = os.environ.get("RELPOS_CPU_ISA")
     assert fuzz.main(["--seeds", "0:4", "--backends", "cpu-scalar", "--dtypes", "float32",
                       "float64", "bfloat16"]) == 0
-    assert "4 seeds x [cpu-scalar float32, cpu-scalar float64, cpu-scalar bfloat16]: 0 failures" \
+    assert "4 mixed seeds x [cpu-scalar float32, cpu-scalar float64, cpu-scalar bfloat16]: 0 failures" \
         in capsys.readouterr().out
     assert os.environ.get("RELPOS_CPU_ISA") == isa_before  # the script leaves it as it was
     configs = [fuzz.draw(s) for s in range(200)]
@@ -61,6 +61,29 @@ def test_fuzz_attention_passes_and_draws_every_option(monkeypatch, capsys) -> No
         assert len({str(c[option]) for c in configs}) > 1, option
     assert any(c["H"] > c["Hkv"] for c in configs) and any(c["Lq"] != c["Lk"] for c in configs)
     assert all(c["B"] * c["H"] * c["Lq"] * c["Lk"] * c["D"] <= fuzz.MAX_SIZE for c in configs)
+
+
+def test_fuzz_attention_decode_shapes(monkeypatch, capsys) -> None:
+    """The "decode" draws put at most 32 rows (mostly) against caches past the CPU forward's
+    key-split threshold (Lk > 1984), k and v also as views of a longer NaN-padded buffer, and a
+    few seeds pass on the AVX2 kernels (or the scalar ones where a build has none)."""
+    fuzz = _fuzz_module()
+    monkeypatch.delenv("RELPOS_CPU_ISA", raising=False)
+    configs = [fuzz.draw(s, "decode") for s in range(200)]
+    assert all(c["Lk"] > 1984 for c in configs)
+    assert sum(c["Lq"] <= 32 for c in configs) > 150 and any(c["Lq"] > 32 for c in configs)
+    assert any(c["cache_view"] for c in configs) and any(c["strided"] for c in configs)
+    assert not any(c["cache_view"] and c["strided"] for c in configs)
+    assert all(c["B"] * c["H"] * c["Lq"] * c["Lk"] * c["D"] <= fuzz.MAX_SIZE for c in configs)
+    assert [fuzz.draw(s) for s in range(5)] == [fuzz.draw(s, "mixed") for s in range(5)]
+    view = fuzz.cache_rows(torch.ones(1, 2, 3, 4))
+    assert not view.is_contiguous() and torch.equal(view, torch.ones(1, 2, 3, 4))
+    assert view.untyped_storage().nbytes() == 4 * 1 * 2 * 40 * 4
+    backend = "cpu-scalar" if fuzz.available("cpu-avx2", fuzz.DEFAULT_EMU) else "cpu-avx2"
+    seeds = [s for s in range(40) if fuzz.draw(s, "decode")["cache_view"]][:3]
+    for seed in seeds:
+        assert fuzz.main(["--seeds", f"{seed}:1", "--shapes", "decode", "--backends", backend]) == 0
+    assert capsys.readouterr().out.count("1 decode seeds x") == 3
 
 
 @pytest.mark.parametrize("what", ["out", "lse", "grad", "missing_grad", "exception"])
