@@ -10,6 +10,9 @@ cache and attends to all ``T + 1`` positions (causal, ``q_offset = T``). Under
   the step writes its row, and ``rel_attention`` reads ``[:, :, :T + 1]`` views in place.
 * ``(2) cat`` -- the same layer with a cache that grows by ``torch.cat`` (the behaviour before
   the buffer): every step copies all ``T`` cached keys and values.
+* ``(3) sliding`` -- with ``--window W`` (every method's layer then has ``window=(W - 1, 0)``, a
+  sliding window of W positions): ``KVCache(sliding=True)``, which holds only the last
+  ``W - 1`` positions, so its buffer (``capacity``) stays at a few windows however large ``T``.
 
 Every timed call first puts the cache back at ``T`` positions (attribute assignments), so the
 length does not drift over the repetitions. Each measurement runs in its own forked process
@@ -17,6 +20,7 @@ length does not drift over the repetitions. Each measurement runs in its own for
 
     PYTHONPATH=build/dev-bench/stage python benchmarks/bench_kv_cache.py     # ~30 s
     python benchmarks/bench_kv_cache.py --lk 4096 --out /tmp/kv.json
+    python benchmarks/bench_kv_cache.py --window 1024 --lk 2048 8192 32768 --out /tmp/kvw.json
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from _common import (  # benchmarks/_common.py, beside this script
 )
 
 METHODS = ("buffer", "cat")
-SHORT = {"buffer": "(1) buffer", "cat": "(2) torch.cat"}
+SHORT = {"buffer": "(1) buffer", "cat": "(2) torch.cat", "sliding": "(3) sliding"}
 
 
 class CatCache(KVCache):
@@ -52,16 +56,20 @@ def measure(method: str, t: int, args: argparse.Namespace) -> dict:
     """Runs in a forked child: time (and peak extra memory) of one step after t positions."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    layer = RelativeMultiheadAttention(args.embed_dim, args.heads, args.max_distance).eval()
+    window = None if args.window is None else (args.window - 1, 0)
+    layer = RelativeMultiheadAttention(args.embed_dim, args.heads, args.max_distance,
+                                       window=window).eval()
     prompt = torch.randn(1, t, args.embed_dim)
     row = torch.randn(1, 1, args.embed_dim)
     with torch.inference_mode():
-        cache = KVCache() if method == "buffer" else CatCache()
+        cache = {"buffer": KVCache, "cat": CatCache,
+                 "sliding": lambda: KVCache(sliding=True)}[method]()
         layer(prompt, is_causal=True, cache=cache)
-        k0, v0 = cache.k, cache.v
+        state = (cache.k, cache.v, cache.offset, cache._start)
 
         def run():
-            cache.k, cache.v = k0, v0  # back to t positions (the buffer keeps its capacity)
+            # back to t positions (the buffer keeps its capacity)
+            cache.k, cache.v, cache.offset, cache._start = state
             with torch.inference_mode():
                 return layer(row, is_causal=True, cache=cache)[0]
 
@@ -79,13 +87,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--embed-dim", type=int, default=512, help="E (default 512)")
     p.add_argument("--heads", type=int, default=8, help="H (default 8)")
     p.add_argument("--max-distance", "-K", type=int, default=64, help="K (default 64)")
+    p.add_argument("--window", type=int, default=None,
+                   help="W: a sliding window of W positions (window=(W - 1, 0)) for every method,"
+                   " and the sliding cache (3) besides")
     add_common_args(p, RESULTS / "bench_kv_cache.json")
     args = p.parse_args(argv)
+    if args.window is not None and args.window < 1:
+        p.error("--window must be at least 1")
+    methods = METHODS + (("sliding",) if args.window is not None else ())
     args.min_run_time = min(args.min_run_time, 0.5)
     check_platform("bench_kv_cache.py")
     info, mach = print_environment(args.threads)
     print(f"layer: RelativeMultiheadAttention(E={args.embed_dim}, H={args.heads}, "
-          f"K={args.max_distance}), float32, B=1, one new position per step, inference_mode\n")
+          f"K={args.max_distance}"
+          + (f", window=({args.window - 1}, 0)" if args.window is not None else "")
+          + "), float32, B=1, one new position per step, inference_mode\n")
     head = f"{'T':>6}  {'method':<15}{'time us':>10}{'x buffer':>10}{'capacity':>10}"
     print(head)
     print("-" * len(head))
@@ -93,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for t in args.lk:
         base_us = None
-        for method in METHODS:
+        for method in methods:
             res = in_child(measure, method, t, args)
             row = {"lk": t, "method": method}
             if "error" in res:
@@ -115,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         "relpos_ext": relpos_ext.__name__, "build_info": info, "machine": mach,
         "config": {"batch": 1, "embed_dim": args.embed_dim, "heads": args.heads,
                    "max_distance": args.max_distance, "lk": args.lk, "dtype": "float32",
+                   "window": args.window,
                    "min_run_time": args.min_run_time},
-        "methods": SHORT, "elapsed_s": time.perf_counter() - t0, "rows": rows,
+        "methods": {m: SHORT[m] for m in methods}, "elapsed_s": time.perf_counter() - t0,
+        "rows": rows,
     }, args.out)
     return 0
 

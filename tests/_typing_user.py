@@ -35,6 +35,8 @@ def layers(x: Tensor) -> Tensor:
     with torch.no_grad():
         step, _ = layer.forward(x[:, -1:], is_causal=True, cache=cache)
     cached: int = cache.length
+    sliding = KVCache(sliding=True)
+    held: int = sliding.held + sliding.offset
     z: Tensor = ShawRelativeAttention(16, 2, 3).forward(x)
     table: Tensor = clipped_table(torch.zeros(7, 8), 4, 2)
     logits: Tensor = relpos_ext.rel_logits(x.view(1, 1, *x.shape[1:]), table, 4, x.shape[1])
@@ -45,7 +47,8 @@ def layers(x: Tensor) -> Tensor:
     info: dict[str, object] = relpos_ext.build_info()
     changed: list[str] = relpos_ext.hf.use_fused_attention(torch.nn.Linear(2, 2))
     assert weights is None and info and not changed
-    return y + step + z.sum() + logits.sum() + gathered.sum() + skewed.sum() + bias.sum() + cached
+    return (y + step + z.sum() + logits.sum() + gathered.sum() + skewed.sum() + bias.sum() + cached
+            + held)
 
 
 def misuse(x: Tensor) -> None:
@@ -54,5 +57,6 @@ def misuse(x: Tensor) -> None:
     pair: tuple[Tensor, Tensor] = relpos_ext.rel_attention(x, x, x)  # error: [assignment]
     RelativeMultiheadAttention(16, 2, max_distance=2.5)  # error: [arg-type]
     KVCache().length = 3  # error: [misc]
+    KVCache(sliding="yes")  # error: [arg-type]
     slopes: list[float] = alibi_slopes(4)  # error: [assignment]
     relpos_ext.hf.use_fused_attention("model")  # error: [arg-type]

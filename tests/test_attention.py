@@ -1812,6 +1812,108 @@ def test_module_kv_cache_compiled_decoding():
     torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
 
 
+def _window_pair(gqa, window):
+    """_module_pair's layers with a local window."""
+    kw = dict(embed_dim=32, num_heads=4, max_distance=3, num_kv_heads=2 if gqa else None,
+              per_head_tables=gqa, window=window, rel_bias=True)
+    m = relpos_ext.nn.RelativeMultiheadAttention(**kw)
+    r = ref.RelativeMultiheadAttentionReference(**kw)
+    with torch.no_grad():
+        m.rel_bias.normal_()
+    r.load_state_dict(m.state_dict())
+    return m, r
+
+
+@pytest.mark.parametrize("window", [(5, 0), (0, 0), (12, 3)])
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_module_kv_cache_sliding(gqa, grad, window):
+    """A KVCache(sliding=True) under a left window of w keeps only the last w positions (their
+    padding too), from cache.offset on, and gives the rows of one call on the whole sequence
+    (fused and reference modules, pieces longer and shorter than the window). Without
+    gradients its buffer stays at a few windows: the kept rows move to the front when full."""
+    torch.manual_seed(0)
+    left = window[0]
+    m, r = _window_pair(gqa, window)
+    x = torch.randn(2, 60, 32)
+    mask = torch.zeros(2, 60, dtype=torch.bool)
+    mask[1, 2] = mask[0, 30] = mask[1, 44] = True
+    for layer in (m, r):
+        full, _ = layer(x, key_padding_mask=mask, is_causal=True)
+        cache = relpos_ext.nn.KVCache(sliding=True)
+        pieces, start, capacities = [], 0, set()
+        with torch.set_grad_enabled(grad):
+            for n in (4, 1, 1, 5, 13, 16) + (1,) * 20:
+                out, _ = layer(x[:, start:start + n], key_padding_mask=mask[:, start:start + n],
+                               is_causal=True, cache=cache)
+                pieces.append(out)
+                start += n
+                capacities.add(cache.capacity)
+                assert cache.length == start and cache.held == min(left, start)
+                assert cache.offset == start - cache.held
+                assert cache.k.shape[2] == cache.v.shape[2] == cache.held
+                assert torch.equal(cache.key_padding_mask, mask[:, cache.offset:start])
+        assert start == 60
+        assert max(capacities) <= (max(2 * (left + 16), 16) if not grad else left)
+        assert cache.k.requires_grad == grad
+        torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=1e-5)
+        cache.reset()
+        assert cache.length == 0 and cache.offset == 0 and cache.k is None
+
+
+def test_module_kv_cache_sliding_segments_and_compiled():
+    """A sliding cache with packed segment ids (kept for the held positions only), and compiled
+    decoding steps (fullgraph, dynamic shapes) through one: the rows of one whole call."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m, _ = _window_pair(True, (6, 0))
+    m.eval()
+    x = torch.randn(2, 30, 32)
+    seg = torch.tensor([[0] * 9 + [1] * 21, [0] * 2 + [1] * 16 + [2] * 12])
+    with torch.no_grad():
+        full, _ = m(x, segment_ids=seg, is_causal=True)
+        cache = relpos_ext.nn.KVCache(sliding=True)
+        outs, start = [], 0
+        for n in (3, 1, 8, 1, 2):
+            outs.append(m(x[:, start:start + n], segment_ids=seg[:, start:start + n],
+                          is_causal=True, cache=cache)[0])
+            start += n
+        assert torch.equal(cache.segment_ids, seg[:, start - 6:start])
+        torch.testing.assert_close(torch.cat(outs, 1), full[:, :start], atol=1e-5, rtol=1e-5)
+        full, _ = m(x, is_causal=True)
+        cache = relpos_ext.nn.KVCache(sliding=True)
+        step = torch.compile(lambda t: m(t, is_causal=True, cache=cache)[0], fullgraph=True,
+                             dynamic=True)
+        outs = [step(x[:, :4])] + [step(x[:, i:i + 1]) for i in range(4, 30)]
+    assert cache.length == 30 and cache.held == 6 and cache.offset == 24
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_module_kv_cache_sliding_lets_a_long_prompt_go():
+    """Without gradients, the buffer a long prompt needed for its own call shrinks to a couple
+    of windows once the positions before the window are dropped; the next steps still match."""
+    torch.manual_seed(0)
+    m, _ = _window_pair(False, (7, 0))
+    x = torch.randn(1, 210, 32)
+    with torch.no_grad():
+        full, _ = m(x, is_causal=True)
+        cache = relpos_ext.nn.KVCache(sliding=True)
+        outs = [m(x[:, :200], is_causal=True, cache=cache)[0]]
+        assert cache.held == 7 and cache.capacity == 16
+        outs += [m(x[:, i:i + 1], is_causal=True, cache=cache)[0] for i in range(200, 210)]
+    assert cache.capacity == 16 and cache.offset == 203
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_module_kv_cache_sliding_needs_a_left_window():
+    for window in (None, (-1, 0), (-1, 4)):
+        m = relpos_ext.nn.RelativeMultiheadAttention(32, 4, 3, window=window)
+        cache = relpos_ext.nn.KVCache(sliding=True)
+        with pytest.raises(ValueError, match=r"needs window=\(left, right\) with left >= 0"):
+            m(torch.randn(1, 2, 32), is_causal=True, cache=cache)
+        assert cache.length == 0
+
+
 def test_module_kv_cache_bad_use():
     m = relpos_ext.nn.RelativeMultiheadAttention(32, 4, 3)
     x = torch.randn(2, 3, 32)

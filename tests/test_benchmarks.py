@@ -112,6 +112,19 @@ def test_bench_second_order_quick(tmp_path: Path) -> None:
     assert all(r["peak_extra_mib"] >= 0 for r in rows if r["method"] != "fwd_bwd")
 
 
+def test_bench_kv_cache_window_adds_the_sliding_cache(tmp_path: Path) -> None:
+    """bench_kv_cache.py --window times the sliding cache besides the buffer and torch.cat; its
+    buffer holds a couple of windows, not the T cached positions."""
+    kv = pytest.importorskip("bench_kv_cache")
+    out = tmp_path / "kv.json"
+    assert kv.main(["--window", "16", "--lk", "200", "--min-run-time", "0.05", "--threads", "1",
+                    "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["buffer", "cat", "sliding"]
+    assert all(r["time_us"] > 0 for r in rows)
+    assert [r["capacity"] for r in rows] == [400, 201, 30]
+
+
 def test_bench_overhead_runs_both_routes(tmp_path: Path) -> None:
     """bench_overhead.py times every case's three kinds of call, by both routes where the op
     has them (SDPA has only one)."""

@@ -179,28 +179,47 @@ class KVCache:
     batched decoding of prompts of different lengths, padded on the left) and segment ids
     (:attr:`segment_ids`, packed sequences) once a call gives them, so each later call passes
     only its new rows' (or nothing: new rows are not padding). Both ``[B, T]``, or None.
+
+    Args:
+        sliding: for a layer with a left window (``window=(left, right)``, ``left >= 0``): after
+            each call the layer drops the positions that the window hides from every later
+            query, keeping the last ``left``, so the cache holds O(window) positions however
+            long the sequence grows (the buffer as well: when full, the kept rows move to the
+            front instead of the buffer doubling). The results are those of a cache that keeps
+            everything. :attr:`k`, :attr:`v`, :attr:`key_padding_mask` and :attr:`segment_ids`
+            then hold the positions from :attr:`offset` on.
     """
 
-    def __init__(self) -> None:
-        self.k: Tensor | None = None  # the cached positions, [B, Hkv, T, D]
+    def __init__(self, sliding: bool = False) -> None:
+        self.sliding = bool(sliding)
+        self.k: Tensor | None = None  # the held positions, [B, Hkv, T - offset, D]
         self.v: Tensor | None = None
         self._k_buf: Tensor | None = None  # k and v are views of these when not None
         self._v_buf: Tensor | None = None
-        self.key_padding_mask: Tensor | None = None  # [B, T] bool, True = ignore
-        self.segment_ids: Tensor | None = None  # [B, T] integers
+        self._start = 0  # k = _k_buf[:, :, _start:_start + held]
+        self.offset = 0  # position of the first held key (positions dropped by a sliding cache)
+        self.key_padding_mask: Tensor | None = None  # [B, T - offset] bool, True = ignore
+        self.segment_ids: Tensor | None = None  # [B, T - offset] integers
 
     @property
     def length(self) -> int:
-        """Number of cached positions ``T``."""
+        """Number of positions seen ``T``: the next row's position (:attr:`offset` + the held
+        ones; without ``sliding``, every one is held)."""
+        return self.offset + self.held
+
+    @property
+    def held(self) -> int:
+        """Number of positions whose keys the cache holds, ``k.shape[2]``."""
         return 0 if self.k is None else self.k.shape[2]
 
     @property
     def capacity(self) -> int:
-        """Positions the buffer holds before it grows (``length`` when there is no buffer)."""
-        return self._k_buf.shape[2] if self._k_buf is not None else self.length
+        """Positions the buffer holds before it grows (``held`` when there is no buffer)."""
+        return self._k_buf.shape[2] if self._k_buf is not None else self.held
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Add ``[B, Hkv, n, D]`` keys and values; returns all of them, ``[B, Hkv, T + n, D]``."""
+        """Add ``[B, Hkv, n, D]`` keys and values; returns all the held ones,
+        ``[B, Hkv, held + n, D]``."""
         if self.k is not None and self.v is not None and (
             k.shape[:2] != self.k.shape[:2] or k.shape[3] != self.k.shape[3]
         ):
@@ -209,11 +228,11 @@ class KVCache:
         tracked = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
         if tracked or torch.compiler.is_compiling():
             return self._append_by_cat(k, v)
-        t, n = self.length, k.shape[2]
+        t, n, s = self.held, k.shape[2], self._start
         # a buffer made under inference_mode cannot be written outside it: start a new one
         stale = self._k_buf is not None and self._k_buf.is_inference() and not (
             torch.is_inference_mode_enabled())
-        if self._k_buf is None or self._v_buf is None or stale or t + n > self._k_buf.shape[2]:
+        if self._k_buf is None or self._v_buf is None or stale or s + t + n > self._k_buf.shape[2]:
             capacity = max(2 * (t + n), 16)
             bufs = []
             for old, new in ((self.k, k), (self.v, v)):
@@ -222,14 +241,16 @@ class KVCache:
                     buf[:, :, :t] = old
                 bufs.append(buf)
             self._k_buf, self._v_buf = bufs
-        self._k_buf[:, :, t:t + n] = k
-        self._v_buf[:, :, t:t + n] = v
-        self.k, self.v = self._k_buf[:, :, :t + n], self._v_buf[:, :, :t + n]
+            s = self._start = 0
+        self._k_buf[:, :, s + t:s + t + n] = k
+        self._v_buf[:, :, s + t:s + t + n] = v
+        self.k, self.v = self._k_buf[:, :, s:s + t + n], self._v_buf[:, :, s:s + t + n]
         return self.k, self.v
 
     def _append_by_cat(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """append into new tensors (no buffer): what autograd and torch.compile's tracing need."""
         self._k_buf = self._v_buf = None
+        self._start = 0
         if self.k is None or self.v is None:
             self.k, self.v = k, v
         else:
@@ -237,22 +258,48 @@ class KVCache:
             self.v = torch.cat([self.v, v], dim=2)
         return self.k, self.v
 
+    def drop_before(self, position: int) -> None:
+        """Forget the positions before ``position`` (keys, values, padding, segment ids); the
+        later ones keep their positions. What a ``sliding`` cache's layer calls after each
+        step."""
+        drop = min(max(position - self.offset, 0), self.held)
+        if drop == 0 or self.k is None or self.v is None:
+            return
+        self.k, self.v = self.k[:, :, drop:], self.v[:, :, drop:]
+        if self._k_buf is not None and self._v_buf is not None:
+            self._start += drop
+            if self._k_buf.shape[2] > 4 * max(self.held, 16):  # after a long prompt: let it go
+                b, h, _, d = self.k.shape
+                capacity = max(2 * self.held, 16)
+                self._k_buf = self.k.new_empty(b, h, capacity, d)
+                self._v_buf = self.v.new_empty(b, h, capacity, d)
+                self._k_buf[:, :, :self.held] = self.k
+                self._v_buf[:, :, :self.held] = self.v
+                self._start = 0
+                self.k, self.v = self._k_buf[:, :, :self.held], self._v_buf[:, :, :self.held]
+        if self.key_padding_mask is not None:
+            self.key_padding_mask = self.key_padding_mask[:, drop:]
+        if self.segment_ids is not None:
+            self.segment_ids = self.segment_ids[:, drop:]
+        self.offset += drop
+
     def padding_after(self, mask: Tensor | None, n: int) -> Tensor | None:
-        """The key padding ``[B, T + n]`` of every position once ``n`` rows are appended
+        """The key padding ``[B, held + n]`` of every held position once ``n`` rows are appended
         (the cache is not changed: the layer stores the result after the append).
 
-        ``mask``: bool, True = ignore; ``[B, n]`` (the new rows), ``[B, T + n]`` (every
+        ``mask``: bool, True = ignore; ``[B, n]`` (the new rows), ``[B, held + n]`` (every held
         position, replacing what the cache held) or None (the new rows are not padding). None
         while no call has given a mask.
         """
-        t = self.length + n
+        t = self.held + n
         if mask is None:
             if self.key_padding_mask is None:
                 return None
             mask = self.key_padding_mask.new_zeros(self.key_padding_mask.shape[0], n)
         if mask.dim() != 2 or mask.shape[1] not in (n, t):
             raise ValueError(f"with cache=, key_padding_mask must be [B, {n}] (the new rows) or "
-                             f"[B, {t}] (every position after the append), got {tuple(mask.shape)}")
+                             f"[B, {t}] (every held position after the append), got "
+                             f"{tuple(mask.shape)}")
         if mask.shape[1] == t:
             return mask
         old = self.key_padding_mask
@@ -261,9 +308,9 @@ class KVCache:
         return torch.cat([old, mask], dim=1)
 
     def segment_ids_after(self, ids: Tensor, n: int) -> Tensor:
-        """The segment ids ``[B, T + n]`` of every position once ``n`` rows with ids ``ids``
-        ``[B, n]`` are appended (the cache is not changed); the cache must have had ids since
-        its first row."""
+        """The segment ids ``[B, held + n]`` of every held position once ``n`` rows with ids
+        ``ids`` ``[B, n]`` are appended (the cache is not changed); the cache must have had ids
+        since its first row."""
         if ids.dim() != 2 or ids.shape[1] != n:
             raise ValueError(f"with cache=, one segment_ids tensor holds the new rows' ids, "
                              f"[B, {n}]; got {tuple(ids.shape)}")
@@ -271,7 +318,7 @@ class KVCache:
             if self.length > 0:
                 raise ValueError(f"this cache holds {self.length} positions without segment ids: "
                                  f"give segment_ids from the first call on, or pass "
-                                 f"(q_segment_ids, k_segment_ids [B, {self.length + n}])")
+                                 f"(q_segment_ids, k_segment_ids [B, {self.held + n}])")
             return ids
         return torch.cat([self.segment_ids, ids], dim=1)
 
@@ -279,6 +326,7 @@ class KVCache:
         """Forget every cached position (a new sequence)."""
         self.k = self.v = self._k_buf = self._v_buf = None
         self.key_padding_mask = self.segment_ids = None
+        self._start = self.offset = 0
 
 
 class RelativeMultiheadAttention(nn.Module):
@@ -548,12 +596,14 @@ class RelativeMultiheadAttention(nn.Module):
         the cache and the rows attend to all of it. With ``is_causal=True``, feeding a sequence
         in pieces gives the rows of one call on the whole sequence. The cache keeps the padding
         and segment ids it is given: ``key_padding_mask`` is then ``[B, Lq]`` for the new rows
-        (or ``[B, cache.length]`` after the append, for every position; or None once given:
+        (or ``[B, cache.held]`` after the append, for every held position; or None once given:
         the new rows are not padding), and one ``segment_ids`` tensor is ``[B, Lq]``, the new
-        rows' ids.
+        rows' ids. The keys are the held ones (``Lk = cache.held`` after the append, for
+        ``attn_mask`` and the weights), from position ``cache.offset`` on; a
+        ``KVCache(sliding=True)`` keeps only those the layer's left window lets later rows see.
         segment_ids: integer ``[B, L]`` for self-attention on packed documents (query i sees key
         j only when their ids are equal), or ``(q_segment_ids [B, Lq], k_segment_ids [B, Lk])``
-        (cross-attention; with ``cache``, ``Lk`` is the cache length after the append). O(L),
+        (cross-attention; with ``cache``, ``Lk`` is ``cache.held`` after the append). O(L),
         where the same pattern as ``attn_mask`` is ``[L, L]``.
         """
         if query.dim() == 2:
@@ -572,6 +622,9 @@ class RelativeMultiheadAttention(nn.Module):
             if q_offset != 0 or k_offset != 0:
                 raise ValueError("with cache=, positions come from the cache: q_offset and "
                                  "k_offset must be 0")
+            if cache.sliding and self.window[0] < 0:
+                raise ValueError("a sliding KVCache drops the positions the layer's window hides: "
+                                 "it needs window=(left, right) with left >= 0")
         key = query if key is None else key
         value = key if value is None else value
         key_padding_mask = _bool_mask(key_padding_mask, "key_padding_mask")
@@ -587,6 +640,7 @@ class RelativeMultiheadAttention(nn.Module):
             elif segment_ids is None and cache.segment_ids is not None:
                 raise ValueError("this cache holds segment ids: pass the new rows' segment_ids")
             q_offset = cache.length  # the new rows follow the cached positions
+            k_offset = cache.offset  # the first held one (a sliding cache drops the older)
             k, v = cache.append(k, v)
             cache.key_padding_mask = key_padding_mask
             if segment_ids is not None:  # (q ids, ids of every position)
@@ -614,6 +668,8 @@ class RelativeMultiheadAttention(nn.Module):
                                              dropout_p, seed, attn_mask, segment_ids)
             if average_attn_weights:
                 weights = weights.mean(dim=1)
+        if cache is not None and cache.sliding:  # no later query sees a key before length - left
+            cache.drop_before(cache.length - self.window[0])
         batch, q_len = query.shape[0], query.shape[1]
         return self.out_proj(z.transpose(1, 2).reshape(batch, q_len, self.embed_dim)), weights
 
