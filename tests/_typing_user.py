@@ -35,7 +35,9 @@ def layers(x: Tensor) -> Tensor:
     with torch.no_grad():
         step, _ = layer.forward(x[:, -1:], is_causal=True, cache=cache)
     cached: int = cache.length
-    sliding = KVCache(sliding=True)
+    sliding = KVCache(sliding=True, spare=2)
+    sliding.reorder(torch.tensor([0]))
+    sliding.crop(0)
     held: int = sliding.held + sliding.offset
     z: Tensor = ShawRelativeAttention(16, 2, 3).forward(x)
     table: Tensor = clipped_table(torch.zeros(7, 8), 4, 2)

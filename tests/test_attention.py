@@ -1914,6 +1914,72 @@ def test_module_kv_cache_sliding_needs_a_left_window():
         assert cache.length == 0
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_module_kv_cache_reorder_for_beam_search(grad):
+    """cache.reorder(indices) makes batch row b the cached row indices[b] (batch size may
+    change), padding included: the next steps equal one call on the reordered histories."""
+    torch.manual_seed(0)
+    m, r = _module_pair(True)
+    x = torch.randn(2, 6, 32)
+    y = torch.randn(3, 3, 32)
+    pad = torch.tensor([[True, False, False, False, False, False], [False] * 6])
+    idx = torch.tensor([1, 0, 0])
+    for layer in (m, r):
+        whole = torch.cat([x[idx], y], 1)
+        full, _ = layer(whole, key_padding_mask=torch.cat([pad[idx], torch.zeros(3, 3,
+                        dtype=torch.bool)], 1), is_causal=True)
+        cache = relpos_ext.nn.KVCache()
+        with torch.set_grad_enabled(grad):
+            layer(x[:, :4], key_padding_mask=pad[:, :4], is_causal=True, cache=cache)
+            layer(x[:, 4:], is_causal=True, cache=cache)
+            capacity = cache.capacity
+            cache.reorder(idx)
+            assert cache.k.shape[0] == 3 and cache.capacity == capacity
+            assert torch.equal(cache.key_padding_mask, pad[idx])
+            outs = [layer(y[:, i:i + 1], is_causal=True, cache=cache)[0] for i in range(3)]
+        torch.testing.assert_close(torch.cat(outs, 1), full[:, 6:], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"integer indices \[B'\]"):
+        cache.reorder(torch.tensor([0.0, 1.0]))
+
+
+@pytest.mark.parametrize("sliding", [None, 0, 2])
+def test_module_kv_cache_crop_for_speculative_decoding(sliding):
+    """cache.crop(n) forgets the positions from n on (rejected draft rows, their segment ids
+    too): the next rows take position n and equal one call on the accepted sequence. A sliding
+    cache (window 4) goes back only as far as its spare positions allow."""
+    torch.manual_seed(0)
+    m, _ = _window_pair(False, (4, 0))
+    x = torch.randn(2, 14, 32)
+    draft = torch.randn(2, 3, 32)
+    seg = torch.zeros(2, 14, dtype=torch.int64)
+    seg[1, 9:] = 1
+    with torch.no_grad():
+        full, _ = m(x, segment_ids=seg, is_causal=True)
+        cache = (relpos_ext.nn.KVCache() if sliding is None
+                 else relpos_ext.nn.KVCache(sliding=True, spare=sliding))
+        outs = [m(x[:, :8], segment_ids=seg[:, :8], is_causal=True, cache=cache)[0]]
+        # a draft of 3 rows, of which the first (x[:, 8]) is accepted: back to 9 of 11
+        m(torch.cat([x[:, 8:9], draft[:, 1:]], 1), segment_ids=seg[:, 8:11], is_causal=True,
+          cache=cache)
+        assert cache.length == 11 and cache.offset == (0 if sliding is None else 7 - sliding)
+        if sliding == 0:
+            with pytest.raises(ValueError, match=r"crop\(9\): this cache crops to lengths 11 to "
+                                                 r"11 \(it keeps spare=0 positions beyond its "
+                                                 r"window of 4\)"):
+                cache.crop(9)
+            return
+        cache.crop(9)
+        assert cache.length == 9 and torch.equal(cache.segment_ids, seg[:, cache.offset:9])
+        outs.append(full[:, 8:9])
+        outs += [m(x[:, 9:11], segment_ids=seg[:, 9:11], is_causal=True, cache=cache)[0],
+                 m(x[:, 11:], segment_ids=seg[:, 11:], is_causal=True, cache=cache)[0]]
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"crop\(15\)"):
+        cache.crop(15)
+    with pytest.raises(ValueError, match="only with sliding=True"):
+        relpos_ext.nn.KVCache(spare=2)
+
+
 def test_module_kv_cache_bad_use():
     m = relpos_ext.nn.RelativeMultiheadAttention(32, 4, 3)
     x = torch.randn(2, 3, 32)

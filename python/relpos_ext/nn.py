@@ -183,15 +183,22 @@ class KVCache:
     Args:
         sliding: for a layer with a left window (``window=(left, right)``, ``left >= 0``): after
             each call the layer drops the positions that the window hides from every later
-            query, keeping the last ``left``, so the cache holds O(window) positions however
-            long the sequence grows (the buffer as well: when full, the kept rows move to the
-            front instead of the buffer doubling). The results are those of a cache that keeps
-            everything. :attr:`k`, :attr:`v`, :attr:`key_padding_mask` and :attr:`segment_ids`
-            then hold the positions from :attr:`offset` on.
+            query, keeping the last ``left`` (plus ``spare``), so the cache holds O(window)
+            positions however long the sequence grows (the buffer as well: when full, the kept
+            rows move to the front instead of the buffer doubling). The results are those of a
+            cache that keeps everything. :attr:`k`, :attr:`v`, :attr:`key_padding_mask` and
+            :attr:`segment_ids` then hold the positions from :attr:`offset` on.
+        spare: with ``sliding``, positions kept beyond the window, so that :meth:`crop` can take
+            back up to ``spare`` of the latest (speculative decoding's rejected draft rows).
     """
 
-    def __init__(self, sliding: bool = False) -> None:
+    def __init__(self, sliding: bool = False, spare: int = 0) -> None:
+        if spare < 0 or (spare and not sliding):
+            raise ValueError(f"spare={spare}: positions kept beyond a sliding cache's window, "
+                             f">= 0 and only with sliding=True")
         self.sliding = bool(sliding)
+        self.spare = int(spare)
+        self._left: int | None = None  # the window a sliding cache last slid by
         self.k: Tensor | None = None  # the held positions, [B, Hkv, T - offset, D]
         self.v: Tensor | None = None
         self._k_buf: Tensor | None = None  # k and v are views of these when not None
@@ -258,11 +265,12 @@ class KVCache:
             self.v = torch.cat([self.v, v], dim=2)
         return self.k, self.v
 
-    def drop_before(self, position: int) -> None:
-        """Forget the positions before ``position`` (keys, values, padding, segment ids); the
-        later ones keep their positions. What a ``sliding`` cache's layer calls after each
-        step."""
-        drop = min(max(position - self.offset, 0), self.held)
+    def slide(self, left: int) -> None:
+        """What the layer of a ``sliding`` cache calls after each call, with its window's
+        ``left``: forget the positions before ``length - left - spare`` (keys, values, padding,
+        segment ids), which no later row can see; the rest keep their positions."""
+        self._left = left
+        drop = min(max(self.length - left - self.spare - self.offset, 0), self.held)
         if drop == 0 or self.k is None or self.v is None:
             return
         self.k, self.v = self.k[:, :, drop:], self.v[:, :, drop:]
@@ -282,6 +290,47 @@ class KVCache:
         if self.segment_ids is not None:
             self.segment_ids = self.segment_ids[:, drop:]
         self.offset += drop
+
+    def crop(self, length: int) -> None:
+        """Forget the positions from ``length`` on, so that the next row takes position
+        ``length``: speculative decoding's rejected draft rows. A sliding cache goes back at
+        most ``spare`` positions past what it has dropped: the rows after ``length`` need the
+        ``left`` positions before it."""
+        first = self.offset if self.offset == 0 or self._left is None else self.offset + self._left
+        if not first <= length <= self.length:
+            raise ValueError(f"crop({length}): this cache crops to lengths {first} to "
+                             f"{self.length}" + (f" (it keeps spare={self.spare} positions beyond "
+                                                 f"its window of {self._left})" if first else ""))
+        keep = length - self.offset
+        if self.k is None or self.v is None or keep == self.held:
+            return
+        self.k, self.v = self.k[:, :, :keep], self.v[:, :, :keep]
+        if self.key_padding_mask is not None:
+            self.key_padding_mask = self.key_padding_mask[:, :keep]
+        if self.segment_ids is not None:
+            self.segment_ids = self.segment_ids[:, :keep]
+
+    def reorder(self, indices: Tensor) -> None:
+        """Make batch row ``b`` the cached row ``indices[b]`` (integer ``[B']``, any ``B'``):
+        beam search's reordering of its hypotheses. Keys, values, padding and segment ids alike;
+        the buffer keeps its capacity."""
+        if indices.dim() != 1 or indices.dtype.is_floating_point or indices.dtype == torch.bool:
+            raise ValueError(f"reorder takes integer indices [B'], got {indices.dtype} of shape "
+                             f"{tuple(indices.shape)}")
+        if self.k is None or self.v is None:
+            return
+        idx = indices.to(self.k.device)
+        if self._k_buf is not None and self._v_buf is not None:
+            end = self._start + self.held
+            self._k_buf = self._k_buf.index_select(0, idx)
+            self._v_buf = self._v_buf.index_select(0, idx)
+            self.k, self.v = self._k_buf[:, :, self._start:end], self._v_buf[:, :, self._start:end]
+        else:
+            self.k, self.v = self.k.index_select(0, idx), self.v.index_select(0, idx)
+        if self.key_padding_mask is not None:
+            self.key_padding_mask = self.key_padding_mask.index_select(0, idx)
+        if self.segment_ids is not None:
+            self.segment_ids = self.segment_ids.index_select(0, idx)
 
     def padding_after(self, mask: Tensor | None, n: int) -> Tensor | None:
         """The key padding ``[B, held + n]`` of every held position once ``n`` rows are appended
@@ -327,6 +376,7 @@ class KVCache:
         self.k = self.v = self._k_buf = self._v_buf = None
         self.key_padding_mask = self.segment_ids = None
         self._start = self.offset = 0
+        self._left = None
 
 
 class RelativeMultiheadAttention(nn.Module):
@@ -669,7 +719,7 @@ class RelativeMultiheadAttention(nn.Module):
             if average_attn_weights:
                 weights = weights.mean(dim=1)
         if cache is not None and cache.sliding:  # no later query sees a key before length - left
-            cache.drop_before(cache.length - self.window[0])
+            cache.slide(self.window[0])
         batch, q_len = query.shape[0], query.shape[1]
         return self.out_proj(z.transpose(1, 2).reshape(batch, q_len, self.embed_dim)), weights
 
