@@ -178,7 +178,8 @@ class KVCache:
     The cache also keeps the cached positions' key padding (:attr:`key_padding_mask`, for
     batched decoding of prompts of different lengths, padded on the left) and segment ids
     (:attr:`segment_ids`, packed sequences) once a call gives them, so each later call passes
-    only its new rows' (or nothing: new rows are not padding). Both ``[B, T]``, or None.
+    only its new rows' (or nothing: new rows are not padding). Both ``[B, held]``, or None.
+    :meth:`reorder` follows beam search, :meth:`crop` takes back rejected draft rows.
 
     Args:
         sliding: for a layer with a left window (``window=(left, right)``, ``left >= 0``): after
