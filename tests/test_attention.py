@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import random
 
+import hypothesis
 import pytest
 import torch
+from hypothesis import strategies as st
 
 import relpos_ext
 from relpos_ext import reference as ref
@@ -1978,6 +1980,52 @@ def test_module_kv_cache_crop_for_speculative_decoding(sliding):
         cache.crop(15)
     with pytest.raises(ValueError, match="only with sliding=True"):
         relpos_ext.nn.KVCache(spare=2)
+
+
+@hypothesis.settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@hypothesis.given(data=st.data())
+def test_module_kv_cache_random_decoding(data):
+    """Random decoding through a KVCache: pieces of 1-7 rows, a left window or none, a sliding
+    cache with spare positions, crops (rejected drafts) and beam reorders between the calls,
+    a padded prompt, gradients on or off. Every row kept equals the row of one causal call on
+    the sequence the cache ended up holding."""
+    left = data.draw(st.sampled_from([None, 0, 1, 3, 8]), label="left")
+    sliding = left is not None and data.draw(st.booleans(), label="sliding")
+    spare = data.draw(st.integers(0, 4), label="spare") if sliding else 0
+    grad = data.draw(st.booleans(), label="grad")
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    torch.manual_seed(0)
+    m = relpos_ext.nn.RelativeMultiheadAttention(
+        16, 4, 2, num_kv_heads=2, rel_bias=True, window=None if left is None else (left, 0))
+    cache = relpos_ext.nn.KVCache(sliding=sliding, spare=spare)
+    seq = torch.empty(2, 0, 16)  # the rows of the positions the cache holds, in order
+    outs = torch.empty(2, 0, 16)  # the layer's output rows at those positions
+    mask = torch.empty(2, 0, dtype=torch.bool)  # their key padding
+    pad = torch.rand(2, 6, generator=gen) < 0.3
+    pad[:, -1] = False
+    with torch.set_grad_enabled(grad):
+        for step in range(data.draw(st.integers(1, 8), label="calls")):
+            n = 6 if step == 0 else data.draw(st.integers(1, 7), label="rows")
+            x = torch.randn(2, n, 16, generator=gen)
+            kw = {"key_padding_mask": pad} if step == 0 else {}
+            y, _ = m(x, is_causal=True, cache=cache, **kw)
+            seq, outs = torch.cat([seq, x], 1), torch.cat([outs, y], 1)
+            mask = torch.cat([mask, pad if step == 0 else torch.zeros(2, n, dtype=torch.bool)], 1)
+            back = data.draw(st.integers(0, min(n, spare) if sliding else n), label="crop")
+            if back:
+                cache.crop(cache.length - back)
+                seq, outs, mask = seq[:, :-back], outs[:, :-back], mask[:, :-back]
+            if data.draw(st.booleans(), label="reorder"):
+                idx = torch.tensor(data.draw(st.lists(st.integers(0, 1), min_size=2, max_size=2),
+                                             label="indices"))
+                cache.reorder(idx)
+                seq, outs, mask = seq[idx], outs[idx], mask[idx]
+    assert cache.length == seq.shape[1]
+    if sliding:
+        assert cache.held <= left + spare
+    with torch.no_grad():
+        full, _ = m(seq, key_padding_mask=mask, is_causal=True)
+    torch.testing.assert_close(outs.detach(), full, atol=1e-5, rtol=1e-5)
 
 
 def test_module_kv_cache_bad_use():
