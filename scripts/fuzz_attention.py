@@ -187,7 +187,8 @@ def run_backend(backend: str, tensors: dict, kw: dict, grad: torch.Tensor,
     if "dropout_seed" in args:
         args["dropout_seed"] = torch.tensor([args["dropout_seed"]], dtype=torch.int64)
     out, lse = ns.rel_attention.default(**args)
-    grads = ns.rel_attention_backward.default(grad_out=put("grad_out", grad), out=out, logsumexp=lse, **args)
+    grads = ns.rel_attention_backward.default(grad_out=put("grad_out", grad), out=out,
+                                              logsumexp=lse, **args)
     return out.cpu(), lse.cpu(), [x.cpu() for x in grads]
 
 
@@ -369,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.time_limit is not None and time.monotonic() - t0 > args.time_limit:
             break
     runs_text = ", ".join(f"{b} {str(d)[6:]}" for b, d in runs)
-    print(f"{done} {args.shapes} seeds x [{runs_text}]: {failed} failures ({time.monotonic() - t0:.0f} s)")
+    print(f"{done} {args.shapes} seeds x [{runs_text}]: {failed} failures "
+          f"({time.monotonic() - t0:.0f} s)")
     return 1 if failed else 0
 
 
