@@ -1636,11 +1636,11 @@ def test_module_gradient_penalty(cpu_isa, gqa):
 
 
 # ------------------------------------------------------------------------------------ module
-def _module_pair(gqa):
-    """The fused module (E=32, H=4, K=3; GQA with per-head tables or not) and the reference
-    module holding the same state."""
+def _module_pair(gqa, **extra):
+    """The fused module (E=32, H=4, K=3; GQA with per-head tables or not; `extra` constructor
+    arguments) and the reference module holding the same state."""
     kw = dict(embed_dim=32, num_heads=4, max_distance=3, num_kv_heads=2 if gqa else None,
-              per_head_tables=gqa)
+              per_head_tables=gqa, **extra)
     m = relpos_ext.nn.RelativeMultiheadAttention(**kw)
     r = ref.RelativeMultiheadAttentionReference(**kw)
     r.load_state_dict(m.state_dict())
@@ -1815,11 +1815,8 @@ def test_module_kv_cache_compiled_decoding():
 
 
 def _window_pair(gqa, window):
-    """_module_pair's layers with a local window."""
-    kw = dict(embed_dim=32, num_heads=4, max_distance=3, num_kv_heads=2 if gqa else None,
-              per_head_tables=gqa, window=window, rel_bias=True)
-    m = relpos_ext.nn.RelativeMultiheadAttention(**kw)
-    r = ref.RelativeMultiheadAttentionReference(**kw)
+    """_module_pair's layers with a local window and a learned bias (drawn, not zero)."""
+    m, r = _module_pair(gqa, window=window, rel_bias=True)
     with torch.no_grad():
         m.rel_bias.normal_()
     r.load_state_dict(m.state_dict())

@@ -240,20 +240,26 @@ class KVCache:
         # a buffer made under inference_mode cannot be written outside it: start a new one
         stale = self._k_buf is not None and self._k_buf.is_inference() and not (
             torch.is_inference_mode_enabled())
-        if self._k_buf is None or self._v_buf is None or stale or s + t + n > self._k_buf.shape[2]:
-            capacity = max(2 * (t + n), 16)
-            bufs = []
-            for old, new in ((self.k, k), (self.v, v)):
-                buf = new.new_empty(new.shape[0], new.shape[1], capacity, new.shape[3])
-                if old is not None:
-                    buf[:, :, :t] = old
-                bufs.append(buf)
-            self._k_buf, self._v_buf = bufs
-            s = self._start = 0
-        self._k_buf[:, :, s + t:s + t + n] = k
-        self._v_buf[:, :, s + t:s + t + n] = v
-        self.k, self.v = self._k_buf[:, :, s:s + t + n], self._v_buf[:, :, s:s + t + n]
+        kb, vb = self._k_buf, self._v_buf
+        if kb is None or vb is None or stale or s + t + n > kb.shape[2]:
+            kb, vb = self._rebuffer(max(2 * (t + n), 16), k, v)
+            s = 0
+        kb[:, :, s + t:s + t + n] = k
+        vb[:, :, s + t:s + t + n] = v
+        self.k, self.v = kb[:, :, s:s + t + n], vb[:, :, s:s + t + n]
         return self.k, self.v
+
+    def _rebuffer(self, capacity: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """New ``[B, Hkv, capacity, D]`` buffers (like ``k``, ``v``) that hold the held positions
+        at their front, ``k`` and ``v`` their views; returns the buffers."""
+        t, (b, h, _, d) = self.held, k.shape
+        kb, vb = k.new_empty(b, h, capacity, d), v.new_empty(b, h, capacity, d)
+        if self.k is not None and self.v is not None:
+            kb[:, :, :t] = self.k
+            vb[:, :, :t] = self.v
+        self._k_buf, self._v_buf, self._start = kb, vb, 0
+        self.k, self.v = kb[:, :, :t], vb[:, :, :t]
+        return kb, vb
 
     def _append_by_cat(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """append into new tensors (no buffer): what autograd and torch.compile's tracing need."""
@@ -278,14 +284,7 @@ class KVCache:
         if self._k_buf is not None and self._v_buf is not None:
             self._start += drop
             if self._k_buf.shape[2] > 4 * max(self.held, 16):  # after a long prompt: let it go
-                b, h, _, d = self.k.shape
-                capacity = max(2 * self.held, 16)
-                self._k_buf = self.k.new_empty(b, h, capacity, d)
-                self._v_buf = self.v.new_empty(b, h, capacity, d)
-                self._k_buf[:, :, :self.held] = self.k
-                self._v_buf[:, :, :self.held] = self.v
-                self._start = 0
-                self.k, self.v = self._k_buf[:, :, :self.held], self._v_buf[:, :, :self.held]
+                self._rebuffer(max(2 * self.held, 16), self.k, self.v)
         if self.key_padding_mask is not None:
             self.key_padding_mask = self.key_padding_mask[:, drop:]
         if self.segment_ids is not None:
