@@ -391,11 +391,11 @@ def test_fused_module_compiles():
 
 # ------------------------------------------------------------------------------------------ T5
 def _t5_config(impl, **kw):
-    return transformers.T5Config(
-        vocab_size=97, d_model=32, d_kv=8, num_heads=4, d_ff=64, num_layers=2,
-        num_decoder_layers=2, relative_attention_num_buckets=32,
-        relative_attention_max_distance=128, dropout_rate=0.0, attn_implementation=impl,
-        decoder_start_token_id=0, pad_token_id=0, **kw)
+    base = dict(vocab_size=97, d_model=32, d_kv=8, num_heads=4, d_ff=64, num_layers=2,
+                num_decoder_layers=2, relative_attention_num_buckets=32,
+                relative_attention_max_distance=128, dropout_rate=0.0,
+                attn_implementation=impl, decoder_start_token_id=0, pad_token_id=0)
+    return transformers.T5Config(**(base | kw))
 
 
 def _t5_pair(cls, config):
@@ -443,17 +443,40 @@ def test_t5_model_matches_transformers(cls_name, impl):
     _assert_same_grads(fused, model, atol=1e-9, rtol=1e-8)
 
 
-def test_t5_generation_and_attention_outputs_unchanged():
-    """generate() runs the fused encoder (no cache) and transformers' decoder steps (with their
-    KV cache): the same tokens as the unfused model; output_attentions falls back to
+def _count_fused_calls(monkeypatch):
+    """A list that gets, for each rel_attention call relpos_ext.hf makes, ``(Lq, Lk,
+    q_offset)``."""
+    calls = []
+    real = relpos_ext.ops.rel_attention
+
+    def counted(q, k, *args, **kw):
+        calls.append((q.shape[2], k.shape[2], kw.get("q_offset", 0)))
+        return real(q, k, *args, **kw)
+    monkeypatch.setattr(relpos_ext.ops, "rel_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_t5_generation_and_attention_outputs_unchanged(cache, monkeypatch):
+    """generate() gives the unfused model's tokens. With the default (dynamic) cache every
+    decoder step is fused: one new row per layer at q_offset = the cached length against all
+    cached keys. A static cache's first step is fused (its length is an int 0 there); its later
+    steps (the length a tensor) run transformers' forward. output_attentions falls back to
     transformers' forward and returns its weights."""
     model, fused = _t5_pair(transformers.T5ForConditionalGeneration, _t5_config("eager"))
     hf.use_fused_attention(fused)
     src = torch.randint(1, 97, (2, 150))
     keep = torch.ones(2, 150, dtype=torch.long)
     keep[0, 130:] = 0
-    kw = dict(input_ids=src, attention_mask=keep, max_new_tokens=12, do_sample=False)
+    kw = dict(input_ids=src, attention_mask=keep, max_new_tokens=12, do_sample=False,
+              cache_implementation=cache)
+    calls = _count_fused_calls(monkeypatch)
     assert torch.equal(fused.generate(**kw), model.generate(**kw))
+    assert calls[:2] == [(150, 150, 0)] * 2  # the encoder
+    if cache == "dynamic":
+        assert calls[2:] == [(1, n + 1, n) for n in range(12) for _ in range(2)]
+    else:
+        assert calls[2:] == [(1, 12, 0)] * 2
     out = fused(input_ids=src, attention_mask=keep, decoder_input_ids=src[:, :5],
                 output_attentions=True)
     want = model(input_ids=src, attention_mask=keep, decoder_input_ids=src[:, :5],
@@ -461,6 +484,100 @@ def test_t5_generation_and_attention_outputs_unchanged():
     for got, exp in zip(out.encoder_attentions + out.decoder_attentions,
                         want.encoder_attentions + want.decoder_attentions, strict=True):
         torch.testing.assert_close(got, exp, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_t5_decoder_with_a_cache_matches_transformers(impl, monkeypatch):
+    """A forward without labels makes a KV cache by default (use_cache): the decoder runs fused
+    with it, and the logits and a training step's gradients equal transformers' on the kept
+    positions. Then, with an explicit cache, chunks of 7, 1, 22 and 1 target positions (rows
+    past T5's max distance of 128 in the last ones) give transformers' logits step by step."""
+    model, fused = _t5_pair(transformers.T5ForConditionalGeneration, _t5_config(impl))
+    hf.use_fused_attention(fused)
+    src, src_keep, tgt, tgt_keep = _seq2seq_batch()
+    calls = _count_fused_calls(monkeypatch)
+    kw = dict(input_ids=src, attention_mask=src_keep, decoder_input_ids=tgt,
+              decoder_attention_mask=tgt_keep)
+    exp, got = model(**kw), fused(**kw)
+    assert got.past_key_values.get_seq_length() == 140
+    assert calls == [(300, 300, 0)] * 2 + [(140, 140, 0)] * 2
+    keep = tgt_keep.bool()
+    torch.testing.assert_close(got.logits[keep], exp.logits[keep], atol=1e-10, rtol=1e-10)
+    exp.logits[keep].square().sum().backward()
+    got.logits[keep].square().sum().backward()
+    _assert_same_grads(fused, model, atol=1e-9, rtol=1e-8)
+
+    enc = model.get_encoder()(input_ids=src, attention_mask=src_keep)
+    caches = [transformers.EncoderDecoderCache(transformers.DynamicCache(),
+                                               transformers.DynamicCache()) for _ in range(2)]
+    calls.clear()
+    with torch.no_grad():
+        for start, stop in [(0, 7), (7, 8), (8, 130), (130, 131)]:
+            step = dict(encoder_outputs=enc, attention_mask=src_keep, use_cache=True,
+                        decoder_input_ids=tgt[:, start:stop])
+            want = model(**step, past_key_values=caches[0]).logits
+            have = fused(**step, past_key_values=caches[1]).logits
+            torch.testing.assert_close(have, want, atol=1e-10, rtol=1e-10)
+    assert calls == [(stop - start, stop, start) for start, stop in
+                     [(0, 7), (7, 8), (8, 130), (130, 131)] for _ in range(2)]
+
+
+T5_FAMILY = {  # model class: (config class, extra config, extra inputs, modules fused, encoder's)
+    "LongT5ForConditionalGeneration": ("LongT5Config", {}, {}, 2, 0),  # encoder: local attention
+    "SwitchTransformersForConditionalGeneration": (
+        "SwitchTransformersConfig", dict(num_experts=2, num_sparse_encoder_layers=1,
+                                         num_sparse_decoder_layers=1, expert_capacity=64), {}, 4, 2),
+    "Pop2PianoForConditionalGeneration": ("Pop2PianoConfig", {}, {}, 4, 2),
+    # UDOP's encoder bias is [B, H, L, L] (with a 2-D layout term): transformers' forward runs
+    "UdopForConditionalGeneration": ("UdopConfig", {}, dict(bbox=torch.rand(2, 40, 4)), 4, 0),
+}
+
+
+@pytest.mark.parametrize("cls_name", sorted(T5_FAMILY))
+def test_t5_family_decoders_with_a_cache(cls_name, monkeypatch):
+    """The other models with T5Attention copies, float64: a forward that makes a KV cache
+    (use_cache, the default) and then chunks of 5, 1 and 14 target positions with an explicit
+    cache give transformers' logits, with every decoder self-attention fused at the cached
+    length; so is every step of generate(), which gives the same tokens (Pop2Piano's generate
+    takes audio features, and Switch Transformers' encoder refuses an explicit use_cache, so
+    those two skip a part)."""
+    config_name, extra, inputs, n_fused, n_encoder = T5_FAMILY[cls_name]
+    config = getattr(transformers, config_name)(
+        vocab_size=97, d_model=32, d_kv=8, num_heads=4, d_ff=64, num_layers=2,
+        num_decoder_layers=2, relative_attention_num_buckets=32,
+        relative_attention_max_distance=128, dropout_rate=0.0, decoder_start_token_id=0,
+        pad_token_id=0, eos_token_id=1, **extra)
+    model, fused = _t5_pair(getattr(transformers, cls_name), config)
+    assert len(hf.use_fused_attention(fused)) == n_fused
+    inputs = {k: v.double() for k, v in inputs.items()}
+    src = torch.randint(2, 97, (2, 40))
+    keep = torch.ones(2, 40, dtype=torch.long)
+    keep[0, 30:] = 0
+    tgt = torch.randint(2, 97, (2, 20))
+    calls = _count_fused_calls(monkeypatch)
+    with torch.no_grad():
+        kw = dict(input_ids=src, attention_mask=keep, decoder_input_ids=tgt, **inputs)
+        torch.testing.assert_close(fused(**kw).logits, model(**kw).logits, atol=1e-10, rtol=1e-10)
+        assert calls == [(40, 40, 0)] * n_encoder + [(20, 20, 0)] * 2
+        steps = [] if cls_name.startswith("Switch") else [(0, 5), (5, 6), (6, 20)]
+        caches = [transformers.EncoderDecoderCache(transformers.DynamicCache(),
+                                                   transformers.DynamicCache()) for _ in range(2)]
+        calls.clear()
+        for start, stop in steps:
+            step = dict(input_ids=src, attention_mask=keep, decoder_input_ids=tgt[:, start:stop],
+                        use_cache=True, **inputs)
+            want = model(**step, past_key_values=caches[0]).logits
+            have = fused(**step, past_key_values=caches[1]).logits
+            torch.testing.assert_close(have, want, atol=1e-10, rtol=1e-10)
+        assert calls == [call for start, stop in steps for call in
+                         [(40, 40, 0)] * n_encoder + [(stop - start, stop, start)] * 2]
+    if not cls_name.startswith("Pop2Piano"):
+        calls.clear()
+        gen = dict(input_ids=src, attention_mask=keep, max_new_tokens=6, min_new_tokens=6,
+                   do_sample=False, **inputs)
+        assert torch.equal(fused.generate(**gen), model.generate(**gen))
+        assert calls == [(40, 40, 0)] * n_encoder + [(1, n + 1, n) for n in range(6)
+                                                      for _ in range(2)]
 
 
 def test_t5_encoder_training_compiles():
@@ -590,11 +707,12 @@ def test_deberta_v1_and_sew_d_left_alone():
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
-def test_umt5_model_matches_transformers(impl):
+def test_umt5_model_matches_transformers(impl, monkeypatch):
     """UMT5 (a T5 bias in every self-attention layer): a two-layer encoder-decoder in float64,
     300 source and 140 target positions with padding; hidden states and every gradient (each
     layer's bias embedding included) equal transformers' on the kept positions. generate()
-    gives the same tokens and output_attentions transformers' weights."""
+    gives the same tokens, every decoder step fused, and output_attentions transformers'
+    weights."""
     config = transformers.UMT5Config(
         vocab_size=97, d_model=32, d_kv=8, num_heads=4, d_ff=64, num_layers=2,
         num_decoder_layers=2, relative_attention_num_buckets=32,
@@ -622,7 +740,9 @@ def test_umt5_model_matches_transformers(impl):
                for name, p in model.named_parameters()) == 4
     gen = dict(input_ids=src[:, :60], attention_mask=src_keep[:, :60], max_new_tokens=8,
                do_sample=False)
+    calls = _count_fused_calls(monkeypatch)
     assert torch.equal(fused.generate(**gen), model.generate(**gen))
+    assert calls == [(60, 60, 0)] * 2 + [(1, n + 1, n) for n in range(8) for _ in range(2)]
     att_kw = dict(input_ids=src[:, :50], decoder_input_ids=tgt[:, :5], output_attentions=True)
     out, want = fused(**att_kw), model(**att_kw)
     for g, e in zip(out.encoder_attentions + out.decoder_attentions,

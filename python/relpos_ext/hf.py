@@ -19,14 +19,18 @@ parameters (nothing is copied; checkpoints load and save as before):
   ``q + u``, plus the scalar ``(v - u) . R[r]`` per head and distance as ``rel_bias``
   (:func:`transformer_xl_inputs`).
 
-T5's bucketed scalar bias (T5, mT5, Switch Transformers, LongT5's decoder, Pop2Piano, UDOP:
-their ``T5Attention`` copies) is ``rel_bias``: :func:`relpos_ext.t5_bias_table` expands the
-``[num_buckets, H]`` embedding to one entry per distance up to ``relative_attention_max_distance``
-(beyond it T5's last bucket holds), and the fused first layer hands that ``[H, 2K+1]`` table to
-the others in place of the ``[1, H, L, L]`` ``position_bias`` transformers passes down the stack.
-Self-attention without a cache is fused (encoders, and decoders in training or scoring); a call
-with a KV cache (generation), cross-attention and ``output_attentions`` run transformers' own
-forward. UMT5 (``UMT5Attention``) has such a bias in every self-attention layer; each of its
+T5's bucketed scalar bias (T5, mT5, Switch Transformers, LongT5's decoder, Pop2Piano, UDOP's
+decoder: their ``T5Attention`` copies) is ``rel_bias``: :func:`relpos_ext.t5_bias_table` expands
+the ``[num_buckets, H]`` embedding to one entry per distance up to
+``relative_attention_max_distance`` (beyond it T5's last bucket holds), and the fused first layer
+hands that ``[H, 2K+1]`` table to the others in place of the ``[1, H, L, L]`` ``position_bias``
+transformers passes down the stack. Self-attention is fused: encoders, and decoders in training,
+in scoring and in generation, where a step's new rows follow the cached ones (``q_offset``) and
+read the keys transformers' KV cache returns (a ``DynamicCache``, in generation the self-attention
+half of an ``EncoderDecoderCache``). Cross-attention, ``output_attentions``, a sliding-window cache,
+a cache whose length is a tensor (a ``StaticCache`` once written to) and a ``[B, H, L, L]``
+position_bias made by transformers (UDOP's encoder, which adds a 2-D layout bias) run transformers'
+own forward. UMT5 (``UMT5Attention``) has such a bias in every self-attention layer; each of its
 layers makes its own table.
 
 DeBERTa's disentangled attention (DeBERTa-v2, DeBERTa-v3, mDeBERTa: transformers'
@@ -428,19 +432,42 @@ def _fused_t5_forward(
     past_key_values: object | None = None,
     **kwargs: object,
 ) -> tuple[Tensor, Tensor | None, None]:
-    """T5Attention's forward for self-attention without a cache, the core done by rel_attention
-    with T5's bias as ``rel_bias``. Returns ``(output, position_bias, None)`` where
-    position_bias is the ``[H, 2K+1]`` table (made by the layer that owns the bias embedding,
-    passed down the stack to the others). Cross-attention, a KV cache, ``output_attentions``
-    or a ``[1, H, Lq, Lk]`` position_bias made by transformers run transformers' forward."""
-    if (key_value_states is not None or past_key_values is not None
+    """T5Attention's forward for self-attention, the core done by rel_attention with T5's bias
+    as ``rel_bias``, appending to ``past_key_values`` where one is given (see
+    :func:`_position_cache`). Returns ``(output, position_bias, None)`` where position_bias is
+    the ``[H, 2K+1]`` table (made by the layer that owns the bias embedding, passed down the
+    stack to the others). Cross-attention, a cache whose keys are not positions ``0, 1, ...``,
+    ``output_attentions`` or a ``[1, H, Lq, Lk]`` position_bias made by transformers run
+    transformers' forward."""
+    cache = None if past_key_values is None else _position_cache(past_key_values, self.layer_idx)
+    if (key_value_states is not None or (past_key_values is not None and cache is None)
             or kwargs.get("output_attentions")
             or (position_bias is not None and position_bias.dim() != 2)):
         return type(self).forward(self, hidden_states, mask, key_value_states, position_bias,
                                   past_key_values, **kwargs)
     if position_bias is None and self.has_relative_attention_bias:
         position_bias = _t5_table(self)
-    return _t5_self_attention(self, hidden_states, mask, position_bias), position_bias, None
+    out = _t5_self_attention(self, hidden_states, mask, position_bias, cache)
+    return out, position_bias, None
+
+
+def _position_cache(past_key_values: object, layer_idx: int) -> object | None:
+    """The cache a decoder's self-attention layer ``layer_idx`` appends to (an
+    ``EncoderDecoderCache``'s self-attention half, or the cache itself), where the keys its
+    ``update`` returns are positions ``0, 1, ...`` in order, so that a step's queries follow at
+    ``q_offset`` = the cached length: a full (not sliding) cache layer whose length is an int,
+    dynamic, or static before its first write (it returns its whole buffer; transformers' mask
+    and causality hide the slots not yet written). None otherwise (a sliding window, a length
+    held in a tensor, a cache of another kind), and transformers' forward runs."""
+    cache = getattr(past_key_values, "self_attention_cache", past_key_values)
+    layers = getattr(cache, "layers", None)
+    if layers is None or not callable(getattr(cache, "update", None)):
+        return None
+    layer = (layers[layer_idx] if layer_idx < len(layers)
+             else getattr(cache, "layer_class_to_replicate", None))
+    if layer is None or getattr(layer, "is_sliding", True) is not False:
+        return None
+    return cache if isinstance(cache.get_seq_length(layer_idx), int) else None
 
 
 def _t5_table(self: nn.Module) -> Tensor:
@@ -450,33 +477,42 @@ def _t5_table(self: nn.Module) -> Tensor:
 
 
 def _t5_self_attention(self: nn.Module, hidden_states: Tensor, mask: Tensor | None,
-                       table: Tensor | None) -> Tensor:
+                       table: Tensor | None, cache: object | None = None) -> Tensor:
     """T5's (and UMT5's) self-attention through rel_attention: causal in a decoder, no scaling
-    (T5 does not scale its logits), its dropout (a float there) in training."""
+    (T5 does not scale its logits), its dropout (a float there) in training; ``cache``: from
+    :func:`_position_cache`, the decoder's KV cache to append to."""
     return _self_attention(hidden_states, (self.q, self.k, self.v), self.o, self.n_heads,
                            self.key_value_proj_dim, mask, rel_bias=table, causal=self.is_decoder,
-                           scale=1.0, dropout_p=self.dropout if self.training else 0.0)
+                           scale=1.0, dropout_p=self.dropout if self.training else 0.0,
+                           cache=cache, layer_idx=self.layer_idx)
 
 
 def _self_attention(hidden_states: Tensor, projections: tuple[nn.Module, nn.Module, nn.Module],
                     output: nn.Module, heads: int, dim: int, mask: Tensor | None, *,
                     rel_k: Tensor | None = None, rel_v: Tensor | None = None,
                     rel_bias: Tensor | None = None, causal: bool = False,
-                    scale: float | None = None, dropout_p: float = 0.0) -> Tensor:
+                    scale: float | None = None, dropout_p: float = 0.0,
+                    cache: object | None = None, layer_idx: int = 0) -> Tensor:
     """Self-attention of a module's q, k, v ``projections`` and ``output`` projection (T5, UMT5,
     MPNet, SpeechT5, VITS) through rel_attention, its tables cast to the activations' dtype
     (K read from their ``2K + 1`` rows; none: K = 0); ``mask``: transformers' attention
-    mask."""
+    mask. ``cache``: a KV cache whose layer ``layer_idx`` holds positions ``0, 1, ...``
+    (:func:`_position_cache`): the new keys and values are appended to it, and the queries
+    follow the cached positions."""
     batch, length, _ = hidden_states.shape
     q, k, v = _heads(hidden_states, projections, heads, dim)
+    cached = 0
+    if cache is not None:
+        cached = cache.get_seq_length(layer_idx)
+        k, v = cache.update(k, v, layer_idx)
     rows = (rel_bias.shape[-1] if rel_bias is not None else rel_k.shape[-2] if rel_k is not None
             else rel_v.shape[-2] if rel_v is not None else 1)
     rel_k, rel_v, rel_bias = (None if t is None else t.to(q.dtype)
                               for t in (rel_k, rel_v, rel_bias))
     padding, attn_mask = _padding_or_mask(mask, batch)
     out = ops.rel_attention(q, k, v, rel_k, rel_v, rows // 2, causal=causal, scale=scale,
-                            key_padding_mask=padding, attn_mask=attn_mask, dropout_p=dropout_p,
-                            rel_bias=rel_bias)
+                            q_offset=cached, key_padding_mask=padding, attn_mask=attn_mask,
+                            dropout_p=dropout_p, rel_bias=rel_bias)
     return output(out.transpose(1, 2).reshape(batch, length, heads * dim))
 
 
@@ -496,15 +532,17 @@ def _fused_umt5_forward(
     attention_mask: Tensor | None = None,
     **kwargs: object,
 ) -> tuple[Tensor, None]:
-    """UMT5Attention's forward for self-attention without a cache, the core done by
-    rel_attention with the layer's own T5 bias as ``rel_bias``. Returns ``(output, None)``.
-    Cross-attention, a KV cache and ``output_attentions`` run transformers' forward."""
-    if (encoder_hidden_states is not None or past_key_values is not None
+    """UMT5Attention's forward for self-attention, the core done by rel_attention with the
+    layer's own T5 bias as ``rel_bias``, appending to ``past_key_values`` where one is given
+    (:func:`_position_cache`). Returns ``(output, None)``. Cross-attention, a cache whose keys
+    are not positions ``0, 1, ...`` and ``output_attentions`` run transformers' forward."""
+    cache = None if past_key_values is None else _position_cache(past_key_values, self.layer_idx)
+    if (encoder_hidden_states is not None or (past_key_values is not None and cache is None)
             or kwargs.get("output_attentions")):
         return type(self).forward(self, hidden_states, encoder_hidden_states, past_key_values,
                                   attention_mask, **kwargs)
     table = _t5_table(self) if self.has_relative_attention_bias else None
-    return _t5_self_attention(self, hidden_states, attention_mask, table), None
+    return _t5_self_attention(self, hidden_states, attention_mask, table, cache), None
 
 
 def _padding_or_mask(mask: Tensor | None, batch: int) -> tuple[Tensor | None, Tensor | None]:
