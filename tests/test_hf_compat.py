@@ -580,6 +580,38 @@ def test_t5_family_decoders_with_a_cache(cls_name, monkeypatch):
                                                       for _ in range(2)]
 
 
+def test_t5_max_distance_within_the_exact_buckets_is_left_alone():
+    """relative_attention_max_distance at or below T5's exact distances (6 < 32 // 4): its
+    buckets beyond are not a table's (transformers' own formula gives buckets below the exact
+    ones there), so use_fused_attention leaves the attention to transformers, whose outputs the
+    model keeps."""
+    config = _t5_config("eager", relative_attention_max_distance=6)
+    model, fused = _t5_pair(transformers.T5EncoderModel, config)
+    assert hf.use_fused_attention(fused) == []
+    ids = torch.randint(1, 97, (1, 10))
+    torch.testing.assert_close(fused(input_ids=ids).last_hidden_state,
+                               model(input_ids=ids).last_hidden_state, atol=0, rtol=0)
+
+
+def test_fused_model_saves_and_loads(tmp_path, monkeypatch):
+    """torch.save of a whole fused model (pickle, not a state dict) loads back, still fused and
+    with the same outputs: the swapped-in forwards pickle (functools.partial of relpos_ext.hf's
+    functions)."""
+    model, fused = _t5_pair(transformers.T5ForConditionalGeneration, _t5_config("eager"))
+    hf.use_fused_attention(fused)
+    torch.save(fused, tmp_path / "t5.pt")
+    loaded = torch.load(tmp_path / "t5.pt", weights_only=False)
+    src, src_keep, tgt, tgt_keep = _seq2seq_batch()
+    kw = dict(input_ids=src, attention_mask=src_keep, decoder_input_ids=tgt,
+              decoder_attention_mask=tgt_keep)
+    calls = _count_fused_calls(monkeypatch)
+    with torch.no_grad():
+        got, want = loaded(**kw).logits, model(**kw).logits
+    assert len(calls) == 4
+    keep = tgt_keep.bool()
+    torch.testing.assert_close(got[keep], want[keep], atol=1e-10, rtol=1e-10)
+
+
 def test_t5_encoder_training_compiles():
     """A T5 encoder with the fused attention, compiled (fullgraph) in training mode with
     attention dropout: no graph break, finite gradients reaching the bias embedding."""

@@ -122,6 +122,11 @@ def test_bad_arguments():
         positions.alibi_bias_table(torch.ones(2), -1)
     with pytest.raises(ValueError, match=r"weight must be \[num_buckets, H\]"):
         positions.t5_bias_table(torch.ones(32), True, 128)
+    # max_distance at or below T5's exact distances (32 // 4 = 8; a decoder's 32 // 2 = 16)
+    for bidirectional, max_distance in ((True, 8), (True, 6), (False, 16)):
+        with pytest.raises(ValueError, match="T5's buckets need max_distance > num_buckets"):
+            positions.t5_bias_table(torch.ones(32, 2), bidirectional, max_distance)
+    assert positions.t5_bias_table(torch.ones(32, 2), False, 17).shape == (2, 35)
 
 
 @needs_transformers

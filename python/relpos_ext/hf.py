@@ -108,8 +108,9 @@ attributes, so the package does not depend on it.
 
 from __future__ import annotations
 
+import functools
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -470,6 +471,14 @@ def _position_cache(past_key_values: object, layer_idx: int) -> object | None:
     return cache if isinstance(cache.get_seq_length(layer_idx), int) else None
 
 
+def _t5_buckets_defined(module: nn.Module) -> bool:
+    """Whether a T5 attention module's ``relative_attention_max_distance`` exceeds its exact
+    distances, as :func:`relpos_ext.t5_bias_table` needs (below, transformers' own buckets
+    go wrong on long inputs); such a module is left to transformers."""
+    exact = module.relative_attention_num_buckets // (2 if module.is_decoder else 4)
+    return 0 < exact < module.relative_attention_max_distance
+
+
 def _t5_table(self: nn.Module) -> Tensor:
     """A T5 / UMT5 attention module's bias embedding as the ``[H, 2K+1]`` rel_bias table."""
     return t5_bias_table(self.relative_attention_bias.weight, not self.is_decoder,
@@ -780,6 +789,13 @@ def _fused_wavlm_forward(
     return self.out_proj(out), None, table
 
 
+def _bind(fn: Callable[..., object], module: nn.Module) -> Callable[..., object]:
+    """``fn`` with ``module`` as its first argument, to set as the module's method. A partial
+    of a module-level function pickles (``torch.save`` of a whole model); a bound method of a
+    function the class does not have does not load back."""
+    return functools.partial(fn, module)
+
+
 def _is_deberta_v2(module: nn.Module) -> bool:
     """DeBERTa-v2's DisentangledSelfAttention, not DeBERTa v1's (in_proj, talking heads) or
     SEW-D's copy (another forward signature and dropout) of the same name."""
@@ -818,6 +834,8 @@ def use_fused_attention(model: nn.Module,
         if (cls in T5_CLASSES or cls == "UMT5Attention") and module.is_decoder \
                 and not getattr(module, "is_causal", True):
             continue  # T5's cross-attention: no position bias, nothing to fuse
+        if (cls in T5_CLASSES or cls == "UMT5Attention") and not _t5_buckets_defined(module):
+            continue  # buckets t5_bias_table cannot hold: transformers' forward runs
         if cls == "DisentangledSelfAttention":
             if not _is_deberta_v2(module):
                 continue
@@ -833,17 +851,17 @@ def use_fused_attention(model: nn.Module,
         if cls == "VitsAttention" and not module.window_size:
             continue  # no relative embeddings (transformers' own forward fails there)
         if cls == "SpeechT5RelativePositionalEncoding":
-            module.forward = types.MethodType(_speecht5_table, module)
+            module.forward = _bind(_speecht5_table, module)
             changed.append(name)
             continue
         if cls == "NemotronAsrStreamingEncoder":
-            module.forward = types.MethodType(_nemotron_encoder_forward, module)
+            module.forward = _bind(_nemotron_encoder_forward, module)
             changed.append(name)
             continue
         if cls == "MPNetEncoder":
             if module.relative_attention_bias.num_embeddings < MPNET_BUCKETS:
                 continue  # transformers' own bias would fail to index it; leave it so
-            module.compute_position_bias = types.MethodType(_mpnet_position_bias, module)
+            module.compute_position_bias = _bind(_mpnet_position_bias, module)
             changed.append(name)
             continue
         fused = (_fused_espnet_forward if cls == "FastSpeech2ConformerAttention"
@@ -857,6 +875,6 @@ def use_fused_attention(model: nn.Module,
                  else _fused_parakeet_forward if cls in ("ParakeetEncoderAttention",
                                                          "NemotronAsrStreamingEncoderAttention")
                  else _fused_forward)
-        module.forward = types.MethodType(fused, module)
+        module.forward = _bind(fused, module)
         changed.append(name)
     return changed

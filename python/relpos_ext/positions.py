@@ -56,9 +56,18 @@ def t5_bias_table(weight: Tensor, bidirectional: bool = True, max_distance: int 
     of at least ``max_distance`` falls in a last bucket, so with ``K = max_distance``
     ``rel_attention(q, k, v, None, None, K, scale=1.0, rel_bias=table)`` adds exactly T5's
     ``position_bias`` (T5 does not scale its logits). Differentiable in ``weight``.
+    ``max_distance`` must exceed T5's exact distances (``num_buckets // 4``, unidirectional
+    ``num_buckets // 2``): at or below them T5's log-spaced buckets are not defined (they come
+    out below the exact ones, and negative for long distances, where transformers' embedding
+    lookup fails), so no table of any width holds them.
     """
     if weight.dim() != 2:
         raise ValueError(f"weight must be [num_buckets, H], got {tuple(weight.shape)}")
+    exact = weight.shape[0] // (4 if bidirectional else 2)
+    if not 0 < exact < max_distance:
+        raise ValueError(f"T5's buckets need max_distance > num_buckets // "
+                         f"{4 if bidirectional else 2} = {exact} > 0 (its exact distances); got "
+                         f"max_distance={max_distance} with {weight.shape[0]} buckets")
     r = torch.arange(-max_distance, max_distance + 1, device=weight.device)
     buckets = t5_buckets(r, bidirectional, weight.shape[0], max_distance)
     return weight[buckets].t()
