@@ -56,6 +56,10 @@ CASES = {
     "D200_gqa4": (2, 4, 1, 19, 23, 200, 3, 0, 0, False, True, True, True, True),
     "odd_D_offsets": (1, 2, 2, 17, 35, 37, 4, 3, 1, True, True, False, True, True),
     "D1_negative_offset": (1, 1, 1, 6, 7, 1, 2, -3, 0, False, False, False, True, True),
+    # the offsets' bounds, +-2^60: positions near 2^60 (distances -4..5, causal), and positions
+    # 2^61 apart (every key clamped to bucket 0; the kernels' spans must not wrap around)
+    "offsets_at_2_60": (1, 2, 2, 6, 9, 16, 3, 2**60, 2**60 - 3, False, True, False, True, True),
+    "offsets_2_61_apart": (1, 2, 1, 5, 7, 16, 3, 2**60, -2**60, True, False, True, True, True),
     # what relpos_ext.hf makes of Transformer-XL attention: per-head tables for every distance
     # (K = L - 1), D + 2 = 66 features, keys only, padding
     "transformer_xl": (2, 4, 4, 70, 70, 66, 69, 0, 0, True, False, True, True, False),

@@ -68,6 +68,37 @@ def test_bad_isa_override(monkeypatch):
         relpos_ext.rel_gather(torch.randn(5, 8), 3, 3, 2)
 
 
+def test_positions_out_of_range(cpu_isa):
+    """Offsets beyond +-2^60 and K beyond 2^60 (where the index math could overflow int64 and
+    index out of bounds) are errors; window bounds below -1 too. K = 2^60 without tables and a
+    window of 2^62 or more (wider than any distance: no bound) run."""
+    q, table = torch.randn(1, 1, 5, 8), torch.randn(7, 8)
+    for kw in (dict(q_offset=2**60 + 1), dict(k_offset=-2**60 - 1), dict(q_offset=2**63 - 4)):
+        with pytest.raises(RuntimeError, match=r"q_offset and k_offset must be within "
+                                               r"\[-2\^60, 2\^60\]"):
+            relpos_ext.rel_attention(q, q, q, table, table, 3, **kw)
+        with pytest.raises(RuntimeError, match="q_offset and k_offset must be within"):
+            relpos_ext.rel_logits(q, table, 3, 5, **kw)
+        with pytest.raises(RuntimeError, match="q_offset and k_offset must be within"):
+            relpos_ext.rel_gather(table, 5, 5, 3, **kw)
+    with pytest.raises(RuntimeError, match=r"max_distance must be at most 2\^60"):
+        relpos_ext.rel_attention(q, q, q, None, None, 2**60 + 1)
+    for kw in (dict(window_left=-2), dict(window_right=-5)):
+        with pytest.raises(RuntimeError, match="window_left and window_right must be >= 0, or -1"):
+            relpos_ext.rel_attention(q, q, q, table, table, 3, **kw)
+    want = relpos_ext.rel_attention(q, q, q, None, None, 2, q_offset=-100)
+    for window in (2**62, 2**63 - 1):
+        got = relpos_ext.rel_attention(q, q, q, None, None, 2, q_offset=-100, window_left=window,
+                                       window_right=window)
+        assert torch.equal(got, want)
+    for dtype in (torch.float32, torch.float64):
+        x = q.to(dtype).requires_grad_()
+        out = relpos_ext.rel_attention(x, x, x, None, None, 2**60, causal=True)
+        out.sum().backward()
+        ref = relpos_ext.rel_attention(x, x, x, None, None, 4, causal=True)
+        torch.testing.assert_close(out, ref, atol=0, rtol=0)
+
+
 def test_module_bad_config():
     with pytest.raises(ValueError, match="divisible"):
         relpos_ext.nn.ShawRelativeAttention(30, 4, 2)

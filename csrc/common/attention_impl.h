@@ -179,6 +179,14 @@ struct AttentionImpl {
     return c;
   }
 
+  static void check_positions(int64_t q_offset, int64_t k_offset, int64_t window_left,
+                              int64_t window_right) {
+    check_offsets(q_offset, k_offset);
+    TORCH_CHECK(window_left >= -1 && window_right >= -1,
+                "window_left and window_right must be >= 0, or -1 for no bound; got window_left=",
+                window_left, ", window_right=", window_right);
+  }
+
   static RelAttentionParams params(const Checked& c, int64_t max_distance, bool causal,
                                    int64_t q_offset, int64_t k_offset, int64_t window_left,
                                    int64_t window_right) {
@@ -196,8 +204,11 @@ struct AttentionImpl {
     p.attn_mask_h_stride = c.attn_mask_h_stride;
     p.q_segment_ids = c.q_seg.defined() ? static_cast<const int64_t*>(c.q_seg.data_ptr()) : nullptr;
     p.k_segment_ids = c.k_seg.defined() ? static_cast<const int64_t*>(c.k_seg.data_ptr()) : nullptr;
-    p.window_left = window_left < 0 ? -1 : window_left;
-    p.window_right = window_right < 0 ? -1 : window_right;
+    // No distance reaches 2^62 (offsets within 2^60, lengths far below): a wider window hides
+    // nothing, and as no bound it keeps the window arithmetic inside int64.
+    constexpr int64_t kNoBound = int64_t(1) << 62;
+    p.window_left = window_left >= kNoBound ? -1 : window_left;
+    p.window_right = window_right >= kNoBound ? -1 : window_right;
     p.batch = c.batch;
     p.heads = c.heads;
     p.kv_heads = c.kv_heads;
@@ -254,6 +265,7 @@ struct AttentionImpl {
     const Checked c = check(q, k, v, rel_k, rel_v, max_distance, scale, key_padding_mask,
                             attn_mask, q_segment_ids, k_segment_ids, rel_bias, rel_q,
                             /*kv_slabs=*/true);
+    check_positions(q_offset, k_offset, window_left, window_right);
     const DropoutParams drop = dropout(dropout_p, dropout_seed);
     at::Tensor out = at::empty({c.batch, c.heads, c.q_len, c.dim}, c.q.options());
     at::Tensor lse = at::empty({c.batch, c.heads, c.q_len}, c.q.options().dtype(acc_type(c.q)));
@@ -283,6 +295,7 @@ struct AttentionImpl {
                          const std::optional<at::Tensor>& rel_q) {
     const Checked c = check(q, k, v, rel_k, rel_v, max_distance, scale, key_padding_mask,
                             attn_mask, q_segment_ids, k_segment_ids, rel_bias, rel_q);
+    check_positions(q_offset, k_offset, window_left, window_right);
     const DropoutParams drop = dropout(dropout_p, dropout_seed);
     TORCH_CHECK(grad_out.sizes() == c.q.sizes() && out.sizes() == c.q.sizes(),
                 "grad_out and out must have the shape of q ", c.q.sizes(), "; got ",

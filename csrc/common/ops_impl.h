@@ -36,8 +36,22 @@ inline void check_float_dtype(const at::Tensor& t, const char* name) {
               " must be float32, float64, float16 or bfloat16; got ", s);
 }
 
+// Offsets and clipping distances are at most 2^60 in magnitude, so that the index math of
+// relpos_index.h (two offsets, K and an index, each below 2^60 or a tensor size, added) stays
+// inside int64: beyond, key spans would wrap around and index out of bounds.
+constexpr int64_t kMaxPosition = int64_t(1) << 60;
+
 inline void check_max_distance(int64_t max_distance) {
   TORCH_CHECK(max_distance >= 0, "max_distance must be >= 0; got ", max_distance);
+  TORCH_CHECK(max_distance <= kMaxPosition, "max_distance must be at most 2^60; got ",
+              max_distance);
+}
+
+inline void check_offsets(int64_t q_offset, int64_t k_offset) {
+  TORCH_CHECK(q_offset >= -kMaxPosition && q_offset <= kMaxPosition && k_offset >= -kMaxPosition &&
+                  k_offset <= kMaxPosition,
+              "q_offset and k_offset must be within [-2^60, 2^60]; got q_offset=", q_offset,
+              ", k_offset=", k_offset);
 }
 
 inline void check_table_rows(const at::Tensor& table, int64_t max_distance, const char* name) {
@@ -62,6 +76,7 @@ struct OpsImpl {
     check_device<Backend>(table, "table");
     check_float_dtype(table, "table");
     check_max_distance(max_distance);
+    check_offsets(q_offset, k_offset);
     check_table_rows(table, max_distance, "table");
     TORCH_CHECK(q_len >= 0 && k_len >= 0, "q_len and k_len must be >= 0; got q_len=", q_len,
                 ", k_len=", k_len);
@@ -82,6 +97,7 @@ struct OpsImpl {
     check_device<Backend>(grad, "grad");
     check_float_dtype(grad, "grad");
     check_max_distance(max_distance);
+    check_offsets(q_offset, k_offset);
     TORCH_CHECK(grad.dim() == 3 || grad.dim() == 4,
                 "grad must be [Lq, Lk, D] or [H, Lq, Lk, D]; got shape ", grad.sizes());
     const at::Tensor g = grad.contiguous();
@@ -164,6 +180,7 @@ struct OpsImpl {
   static at::Tensor rel_logits(const at::Tensor& q, const at::Tensor& table, int64_t max_distance,
                                int64_t k_len, int64_t q_offset, int64_t k_offset) {
     check_q_table(q, table, max_distance);
+    check_offsets(q_offset, k_offset);
     TORCH_CHECK(k_len >= 0, "k_len must be >= 0; got ", k_len);
     const at::Tensor qc = q.contiguous(), tc = table.contiguous();
     const int64_t batch = qc.size(0), heads = qc.size(1), q_len = qc.size(2), dim = qc.size(3);
@@ -186,6 +203,7 @@ struct OpsImpl {
       const at::Tensor& grad, const at::Tensor& q, const at::Tensor& table, int64_t max_distance,
       int64_t q_offset, int64_t k_offset) {
     check_q_table(q, table, max_distance);
+    check_offsets(q_offset, k_offset);
     check_device<Backend>(grad, "grad");
     TORCH_CHECK(grad.scalar_type() == q.scalar_type(), "grad dtype must match q dtype (",
                 q.scalar_type(), "); got ", grad.scalar_type());
