@@ -1123,6 +1123,28 @@ THREAD_SHAPES = [(2, 4, 2, 300, 260, 32, 40), (1, 8, 2, 5, 8200, 64, 8195),
                  (1, 8, 8, 70, 1100, 64, 1030)]
 
 
+def _per_thread_count(args, go, counts=(1, 2, 3)):
+    """The op's outputs and gradients (rel_attention_backward's seven) on each torch thread
+    count of `counts`, in order."""
+    results = []
+    before = torch.get_num_threads()
+    try:
+        for threads in counts:
+            torch.set_num_threads(threads)
+            out, lse = torch.ops.relpos.rel_attention(*args)
+            grads = torch.ops.relpos.rel_attention_backward(go, *args[:5], out, lse, *args[5:])
+            results.append((out, lse, *grads))
+    finally:
+        torch.set_num_threads(before)
+    return results
+
+
+def _assert_all_equal(results):
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("bias", [False, True, "rel_q"])
 @pytest.mark.parametrize("shape", THREAD_SHAPES, ids=["tiles", "decode_split", "bwd_runs"])
 def test_rel_attention_cpu_results_do_not_depend_on_threads(monkeypatch, shape, bias):
@@ -1145,20 +1167,29 @@ def test_rel_attention_cpu_results_do_not_depend_on_threads(monkeypatch, shape, 
     if bias == "rel_q":
         args += (torch.randn(h, 13, d, generator=g),)
     results = []
-    before = torch.get_num_threads()
-    try:
-        for source in sources:
-            monkeypatch.setenv("RELPOS_CPU_THREADS", source)
-            for threads in (1, 2, 3):
-                torch.set_num_threads(threads)
-                out, lse = torch.ops.relpos.rel_attention(*args)
-                grads = torch.ops.relpos.rel_attention_backward(go, *args[:5], out, lse, *args[5:])
-                results.append((out, lse, *grads))
-    finally:
-        torch.set_num_threads(before)
-    for other in results[1:]:
-        for a, b in zip(results[0], other):
-            assert torch.equal(a, b)
+    for source in sources:
+        monkeypatch.setenv("RELPOS_CPU_THREADS", source)
+        results += _per_thread_count(args, go)
+    _assert_all_equal(results)
+
+
+@pytest.mark.parametrize("path", ["float64", "scalar"])
+def test_rel_attention_cpu_row_blocks_do_not_depend_on_threads(monkeypatch, path):
+    """The scalar kernels (float64 everywhere, in their AVX2/FMA build where there is one; every
+    dtype on RELPOS_CPU_ISA=scalar) take query rows in blocks of 8: the blocks are fixed by the
+    shapes (21 rows: 8, 8, 5; 3 rows: one block), not by where a thread's share of the rows
+    starts, so 1, 2 and 3 threads give the same bits. (A block of one row sums differently in
+    the FMA build: 3 rows split 2 + 1 over two threads gave other bits.)"""
+    dtype = torch.float64 if path == "float64" else torch.float32
+    if path == "scalar":
+        monkeypatch.setenv("RELPOS_CPU_ISA", "scalar")
+    g = torch.Generator().manual_seed(5)
+    for b, h, lq, lk, q_offset in ((2, 2, 21, 300, 280), (1, 1, 3, 600, 0)):
+        q, go = (torch.randn(b, h, lq, 16, generator=g, dtype=dtype) for _ in range(2))
+        k, v = (torch.randn(b, 1, lk, 16, generator=g, dtype=dtype) for _ in range(2))
+        rk, rv = (torch.randn(13, 16, generator=g, dtype=dtype) for _ in range(2))
+        args = (q, k, v, rk, rv, 6, q_offset > 0, None, q_offset, 0, None)
+        _assert_all_equal(_per_thread_count(args, go))
 
 
 @pytest.mark.parametrize("source", ["aten", "gomp", "std"])

@@ -154,7 +154,8 @@ struct CpuBackend {
       return;
     }
 #endif
-    run(p, p.batch * p.heads * p.q_len, grain_for(p.k_len * p.dim * 4), nullptr,
+    run(p, p.batch * p.heads * scalar::fwd_row_blocks(p.q_len),
+        grain_for(p.k_len * p.dim * 4 * scalar::kFwdRows), nullptr,
         []<typename T>(const RelAttentionParams& pp, int64_t b, int64_t e) {
           scalar::rel_attention<T>(pp, b, e);
         },

@@ -231,10 +231,16 @@ inline BlockReach block_reach(const RelAttentionParams& p, int64_t i_first, int6
 // Query rows go in blocks of kFwdRows consecutive rows of one (b, h). The matmuls of a block -
 // scores, q . rel_k over the buckets its rows reach, P V and W @ rel_v - take all its rows at
 // once (scores, accumulate), which reads each key, value and table row once per four rows
-// instead of once per row: the same sums in the same order as row by row.
+// instead of once per row: the same sums in the same order as row by row. (Compiled with FMA,
+// rel_attention_f64.cpp, a row's last bits may still depend on how many rows share its block.)
 constexpr int64_t kFwdRows = 8;
 
-// Work items: rows (b, h, i) of batch * heads * q_len.
+// Query-row blocks of one (b, h): rows [kFwdRows t, kFwdRows (t + 1)) of q_len.
+inline int64_t fwd_row_blocks(int64_t q_len) { return (q_len + kFwdRows - 1) / kFwdRows; }
+
+// Work items: the row blocks (b, h, t) of batch * heads * fwd_row_blocks(q_len). Which rows share
+// a block is fixed by the shapes, so the results do not depend on how the items are split over
+// threads.
 template <typename T>
 void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
   using acc_t = at::opmath_type<T>;
@@ -261,9 +267,11 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
   const T* ekt_of = nullptr;   // table whose rows are in ekt
   int64_t ke_of = -1;          // kv head offset whose key-side ends are in ke_lo / ke_hi ...
   const T* ke_table = nullptr;  // ... for this rel_q
-  for (int64_t item0 = begin; item0 < end;) {
-    const int64_t i0 = item0 % p.q_len, h = (item0 / p.q_len) % p.heads, b = item0 / (p.q_len * p.heads);
-    const int64_t nr = std::min({kFwdRows, end - item0, p.q_len - i0});  // rows of one (b, h)
+  const int64_t blocks = fwd_row_blocks(p.q_len);
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t bh = item / blocks, h = bh % p.heads, b = bh / p.heads;
+    const int64_t i0 = item % blocks * kFwdRows, nr = std::min(kFwdRows, p.q_len - i0);
+    const int64_t item0 = bh * p.q_len + i0;  // the block's first row (b, h, i0)
     const int64_t kv = (b * p.kv_heads + h / group) * p.kv_stride;
     if (kv != kt_of) {  // an item range holds few kv heads: a transpose per head, not per row
       transpose_rows<T, acc_t>(k + kv, p.k_len, D, kt);
@@ -351,7 +359,6 @@ void rel_attention(const RelAttentionParams& p, int64_t begin, int64_t end) {
       for (int64_t d = 0; d < D; ++d) oi[d] = static_cast<T>(acc[d] / l[r]);
       lse[item0 + r] = m[r] + std::log(l[r]);
     }
-    item0 += nr;
   }
 }
 
