@@ -84,18 +84,30 @@ void run(const Params& p, int64_t items, int64_t grain,
 
 // Runs fn(work) on up to get_num_threads() threads that all take their items from one
 // WorkQueue of `items` in chunks of `chunk` (kernels.h): for kernels whose items write disjoint
-// outputs, so the results do not depend on which thread takes what.
+// outputs, so the results do not depend on which thread takes what. `serial`: on the calling
+// thread only (a call too small to split, kSerialMacs).
 template <typename Fn>
-void run_queue(int64_t items, int64_t chunk, const Fn& fn) {
+void run_queue(int64_t items, int64_t chunk, bool serial, const Fn& fn) {
   if (items <= 0) return;
   WorkQueue work(items, chunk);
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), work.chunks());
-  if (workers <= 1 || in_parallel_region()) {
+  if (serial || workers <= 1 || in_parallel_region()) {
     fn(work);
     return;
   }
   parallel_for(0, workers, 1, [&](int64_t, int64_t) { fn(work); });  // each drains the queue
 }
+
+// The fused attention's forward runs a call whose matmuls come to at most this many
+// multiply-adds on the calling thread. Starting a parallel region costs microseconds on idle
+// cores, and where the other cores are busy it waits until its threads are scheduled (a time
+// slice: milliseconds), for a decoding step that takes 15 us on one thread. 2 threads against
+// 1, B = 1, H = 8, D = 64, one row, 2-core Zen 4, idle: 16-64 keys (16k-66k multiply-adds)
+// 0.97-1.16x the time, 128 keys (131k) 1.00x, 256 keys 0.82x; 4 rows x 64 keys (262k) 1.01x;
+// 1 head x 2048 keys 0.80x. With the other core busy (a spinning process; 400 calls, two
+// threads): at 16-128 keys the mean went from 22-36 to 13-19 us (the calls that waited for the
+// second thread are gone), the median from 11-15 to 12-19.
+constexpr int64_t kSerialMacs = int64_t(1) << 17;
 
 // Roughly 32k elements of output per task, at least one item.
 int64_t grain_for(int64_t elems_per_item) {
@@ -256,9 +268,14 @@ struct CpuBackend {
     return o;
   }
 
+  // Multiply-adds of the forward's two matmuls (q k^T and P v), which kSerialMacs bounds.
+  static int64_t forward_macs(const RelAttentionParams& p) {
+    return 2 * p.batch * p.heads * p.q_len * p.k_len * p.dim;
+  }
+
   // The attention mask's tile classes (kernels.h), in a tensor kept alive by the caller.
   static AttnMaskTiles mask_tiles(const RelAttentionParams& p, const AttentionKernels& kern,
-                                  at::Tensor& storage) {
+                                  bool serial, at::Tensor& storage) {
     AttnMaskTiles t;
     if (p.attn_mask == nullptr) return t;
     t.slabs = (p.attn_mask_b_stride != 0 ? p.batch : 1) * (p.attn_mask_h_stride != 0 ? p.heads : 1);
@@ -266,7 +283,8 @@ struct CpuBackend {
     t.k_tiles = (p.k_len + kAttentionTileK - 1) / kAttentionTileK;
     storage = at::empty({t.slabs * t.q_tiles * t.k_tiles}, at::TensorOptions().dtype(at::kByte));
     t.cls = storage.data_ptr<uint8_t>();
-    parallel_for(0, t.slabs * t.q_tiles, 1, [&](int64_t b, int64_t e) {
+    const int64_t items = t.slabs * t.q_tiles;
+    parallel_for(0, items, serial ? items : 1, [&](int64_t b, int64_t e) {
       kern.mask_tiles(p, t, b, e);
     });
     return t;
@@ -304,13 +322,14 @@ struct CpuBackend {
       split.l = l.data_ptr<float>();
       split.acc = acc.data_ptr<float>();
     }
+    const bool serial = forward_macs(p) <= kSerialMacs;
     at::Tensor tile_classes;
-    split.mask_tiles = mask_tiles(p, kern, tile_classes);
+    split.mask_tiles = mask_tiles(p, kern, serial, tile_classes);
     const int64_t items = tiles * split.chunks;
     // about 8 chunks per thread: small enough to balance, large enough that a thread seldom
     // moves to another kv head (whose keys it then transposes again)
     const int64_t chunk = std::max<int64_t>(1, items / (8 * at::get_num_threads()));
-    run_queue(items, chunk, [&](WorkQueue& work) { kern.fwd(p, split, work); });
+    run_queue(items, chunk, serial, [&](WorkQueue& work) { kern.fwd(p, split, work); });
     if (split.chunks > 1) {
       parallel_for(0, p.batch * p.heads, 1, [&](int64_t b, int64_t e) {
         kern.combine(p, split, b, e);
@@ -366,9 +385,12 @@ struct CpuBackend {
       partial(p.drel_bias_partial != nullptr, {rows}, split.drel_bias_partial);
       partial(p.drel_q_partial != nullptr, {rows, f.dim}, split.drel_q_partial);
     }
+    // (no serial cut-off: the backward's items carry more fixed work, and two threads took
+    // 0.84-0.96x one's time even at B = 1, H = 8, D = 64, one row and 16-64 keys)
     at::Tensor tile_classes;
-    split.mask_tiles = mask_tiles(f, kern, tile_classes);
-    run_queue(units * split.chunks, 1, [&](WorkQueue& work) { kern.bwd(p, split, work); });
+    split.mask_tiles = mask_tiles(f, kern, /*serial=*/false, tile_classes);
+    run_queue(units * split.chunks, 1, /*serial=*/false,
+              [&](WorkQueue& work) { kern.bwd(p, split, work); });
     if (split.chunks > 1) {
       parallel_for(0, f.batch * f.heads, 1, [&](int64_t b, int64_t e) {
         kern.reduce(p, split, b, e);
