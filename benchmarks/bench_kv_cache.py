@@ -48,7 +48,7 @@ class CatCache(KVCache):
     """A KVCache that always grows by torch.cat (its path under autograd and torch.compile, and
     its only one before the buffer): the baseline (2)."""
 
-    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def append(self, k: Tensor, v: Tensor, recorded: bool | None = None) -> tuple[Tensor, Tensor]:
         return self._append_by_cat(k, v)
 
 

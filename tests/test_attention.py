@@ -1817,6 +1817,31 @@ def test_module_kv_cache_decoding(gqa, grad):
         assert cache.length == 0 and cache.k is None and cache.capacity == 0
 
 
+@pytest.mark.parametrize("trained", ["q_proj", "tables"])
+def test_module_kv_cache_frozen_key_projections(trained):
+    """Keys and values that need no gradient (k_proj and v_proj frozen) while the queries or the
+    tables train: autograd saves each call's keys for its backward, so the cache must not write
+    the next rows over them (it grows by torch.cat, not in its buffer). The pieces' gradients
+    equal one call's on the whole sequence."""
+    torch.manual_seed(0)
+    m = relpos_ext.nn.RelativeMultiheadAttention(32, 4, 3, rel_bias=True)
+    frozen = [m.k_proj, m.v_proj] + ([] if trained == "q_proj" else [m.q_proj, m.out_proj])
+    for module in frozen:
+        module.requires_grad_(False)
+    x = torch.randn(2, 9, 32)
+    full, _ = m(x, is_causal=True)
+    full.square().sum().backward()
+    want = {n: t.grad.clone() for n, t in m.named_parameters() if t.requires_grad}
+    m.zero_grad()
+    cache = relpos_ext.nn.KVCache()
+    pieces = [m(x[:, a:b], is_causal=True, cache=cache)[0] for a, b in ((0, 4), (4, 5), (5, 9))]
+    torch.cat(pieces, 1).square().sum().backward()
+    assert cache.capacity == 9  # no buffer
+    for name, t in m.named_parameters():
+        if t.requires_grad:
+            torch.testing.assert_close(t.grad, want[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
 def test_module_kv_cache_inference_mode_then_no_grad():
     """A prompt cached under torch.inference_mode, then steps under torch.no_grad: the buffer made
     in inference mode cannot be written outside it, so the cache moves to a new one."""

@@ -107,6 +107,14 @@ def test_module_bad_config():
     for cls in (relpos_ext.nn.ShawRelativeAttention, relpos_ext.nn.RelativeMultiheadAttention):
         with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\]"):
             cls(32, 4, 2, dropout=1.5)
+        with pytest.raises(ValueError, match=r"divisible by num_heads \(0\) > 0"):
+            cls(32, 0, 2)
+    for window in ((1, 2, 3), (4,), (-5, 0), (0, -2)):
+        with pytest.raises(ValueError, match=r"window must be \(left, right\), each >= 0 or -1"):
+            relpos_ext.nn.RelativeMultiheadAttention(32, 4, 2, window=window)
+    with pytest.raises(ValueError, match=r"x must be \[B, L, E\] with E = embed_dim = 32; got "
+                                         r"\(5, 32\)"):
+        relpos_ext.nn.ShawRelativeAttention(32, 4, 2)(torch.randn(5, 32))
 
 
 def test_build_info():

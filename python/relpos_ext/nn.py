@@ -110,8 +110,9 @@ class ShawRelativeAttention(nn.Module):
         if not 0.0 <= dropout <= 1.0:
             raise ValueError(f"dropout must be in [0, 1], got {dropout}")
         self.dropout = dropout
-        if embed_dim % num_heads != 0:
-            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        if num_heads <= 0 or embed_dim % num_heads != 0:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
+                             f" > 0")
         if max_distance < 0:
             raise ValueError(f"max_distance must be >= 0, got {max_distance}")
         self.embed_dim, self.num_heads, self.max_distance = embed_dim, num_heads, max_distance
@@ -139,6 +140,9 @@ class ShawRelativeAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x: ``[B, L, E]`` -> ``[B, L, E]``."""
+        if x.dim() != 3 or x.shape[2] != self.embed_dim:
+            raise ValueError(f"x must be [B, L, E] with E = embed_dim = {self.embed_dim}; got "
+                             f"{tuple(x.shape)}")
         batch, length, _ = x.shape
         q, k, v = (
             self.qkv(x).view(batch, length, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
@@ -171,9 +175,11 @@ class KVCache:
     Under ``torch.no_grad()`` / ``torch.inference_mode()`` (decoding) the positions live in a
     preallocated ``[B, Hkv, capacity, D]`` buffer that doubles when full: a step writes only its
     new rows, and ``rel_attention`` reads the ``[:, :, :T]`` views in place, so a step costs
-    O(new rows) in copies instead of the whole cache. When gradients flow into the keys or
-    values, and inside ``torch.compile``, the cache grows with ``torch.cat`` (new tensors, as
-    autograd and tracing need); nothing is detached.
+    O(new rows) in copies instead of the whole cache. When autograd records the attention over
+    them (anything in the call requires grad: the keys may be saved for its backward even where
+    they need no gradient themselves), and inside ``torch.compile``, the cache grows with
+    ``torch.cat`` (new tensors, which the next step does not overwrite, as autograd and tracing
+    need); nothing is detached.
 
     The cache also keeps the cached positions' key padding (:attr:`key_padding_mask`, for
     batched decoding of prompts of different lengths, padded on the left) and segment ids
@@ -225,16 +231,20 @@ class KVCache:
         """Positions the buffer holds before it grows (``held`` when there is no buffer)."""
         return self._k_buf.shape[2] if self._k_buf is not None else self.held
 
-    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def append(self, k: Tensor, v: Tensor, recorded: bool | None = None) -> tuple[Tensor, Tensor]:
         """Add ``[B, Hkv, n, D]`` keys and values; returns all the held ones,
-        ``[B, Hkv, held + n, D]``."""
+        ``[B, Hkv, held + n, D]``. ``recorded``: whether autograd may save the returned tensors
+        (the attention that reads them records a graph: its queries or tables require grad);
+        then they are new tensors that later appends leave alone. Default: grad mode is on and
+        ``k`` or ``v`` requires grad."""
         if self.k is not None and self.v is not None and (
             k.shape[:2] != self.k.shape[:2] or k.shape[3] != self.k.shape[3]
         ):
             raise ValueError(f"keys of shape {tuple(k.shape)} do not extend the cached "
                              f"{tuple(self.k.shape)} ([B, Hkv, T, D])")
-        tracked = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
-        if tracked or torch.compiler.is_compiling():
+        if recorded is None:
+            recorded = k.requires_grad or v.requires_grad
+        if (torch.is_grad_enabled() and recorded) or torch.compiler.is_compiling():
             return self._append_by_cat(k, v)
         t, n, s = self.held, k.shape[2], self._start
         # a buffer made under inference_mode cannot be written outside it: start a new one
@@ -445,11 +455,15 @@ class RelativeMultiheadAttention(nn.Module):
         if not 0.0 <= dropout <= 1.0:
             raise ValueError(f"dropout must be in [0, 1], got {dropout}")
         self.dropout = dropout
+        if window is not None and (len(window) != 2 or min(window) < -1):
+            raise ValueError(f"window must be (left, right), each >= 0 or -1 (that side "
+                             f"unbounded); got {window}")
         self.window = (-1, -1) if window is None else (int(window[0]), int(window[1]))
         if not batch_first:
             raise ValueError("RelativeMultiheadAttention supports batch_first=True only")
-        if embed_dim % num_heads != 0:
-            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        if num_heads <= 0 or embed_dim % num_heads != 0:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
+                             f" > 0")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
             raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
@@ -691,7 +705,10 @@ class RelativeMultiheadAttention(nn.Module):
                 raise ValueError("this cache holds segment ids: pass the new rows' segment_ids")
             q_offset = cache.length  # the new rows follow the cached positions
             k_offset = cache.offset  # the first held one (a sliding cache drops the older)
-            k, v = cache.append(k, v)
+            learned = (self.rel_k, self.rel_v, self.rel_bias, self.rel_q)
+            recorded = q.requires_grad or k.requires_grad or v.requires_grad or any(
+                t is not None and t.requires_grad for t in learned)
+            k, v = cache.append(k, v, recorded=recorded)
             cache.key_padding_mask = key_padding_mask
             if segment_ids is not None:  # (q ids, ids of every position)
                 cache.segment_ids = segment_ids[1]
