@@ -52,6 +52,8 @@ def _opcheck_cases(requires_grad: bool):
         ("skew", (t(2, 5, 5), True)),
         ("skew_backward", (t(2, 4, 6), False)),
         ("skew_backward", (t(3, 4, 4), True)),
+        ("skew_backward", (t(2, 0, 0), False)),  # no rows, no keys: Lq + Lk - 1 clamps to 0
+        ("skew_backward", (t(2, 0, 3), False)),
         ("rel_logits", (t(2, 3, 5, 8), t(7, 8), 3, 6, 0, 2)),
         ("rel_logits", (t(1, 3, 4, 8), t(3, 5, 8), 2, 4, 0, 0)),
         ("rel_logits_backward", (t(2, 3, 5, 6), t(2, 3, 5, 8), t(7, 8), 3, 0, 2)),

@@ -99,6 +99,20 @@ def test_positions_out_of_range(cpu_isa):
         torch.testing.assert_close(out, ref, atol=0, rtol=0)
 
 
+def test_meta_argument_with_cpu_inputs():
+    """One argument on the meta device and the rest on the CPU: the dispatcher runs the fake
+    kernel then, which must refuse (not return uninitialised CPU memory). All on meta: shapes."""
+    q, table = torch.randn(1, 2, 5, 8), torch.randn(7, 8)
+    meta_mask = torch.zeros(1, 5, dtype=torch.bool, device="meta")
+    with pytest.raises(RuntimeError, match=r"key_padding_mask must be on the device of q \(cpu\)"):
+        relpos_ext.rel_attention(q, q, q, table, table, 3, key_padding_mask=meta_mask)
+    with pytest.raises(RuntimeError, match=r"rel_v must be on the device of q \(cpu\); got meta"):
+        relpos_ext.rel_attention(q, q, q, table, table.to("meta"), 3)
+    out = relpos_ext.rel_attention(q.to("meta"), q.to("meta"), q.to("meta"), table.to("meta"),
+                                   None, 3, key_padding_mask=meta_mask)
+    assert out.device.type == "meta" and out.shape == q.shape
+
+
 def test_module_bad_config():
     with pytest.raises(ValueError, match="divisible"):
         relpos_ext.nn.ShawRelativeAttention(30, 4, 2)

@@ -597,6 +597,24 @@ def test_double_backward_rel_attention(cpu_isa, monkeypatch, name, which):
     _assert_all_close(second(relpos_ext.rel_attention), second(ref.shaw_attention))
 
 
+def test_head_dim_0_forward_mode_and_double_backward():
+    """D = 0 (empty rows: zero outputs, the default scale 1 / sqrt(max(D, 1)) as the kernels
+    take it): forward mode and grad of grad run, as the first backward does, and give the
+    reference's (empty or zero) results."""
+    q = torch.randn(1, 2, 3, 0, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 1, 4, 0, dtype=torch.float64, requires_grad=True)
+    table = torch.randn(5, 0, dtype=torch.float64, requires_grad=True)
+    for impl in (relpos_ext.rel_attention, ref.shaw_attention):
+        fn = lambda q, t: impl(q, k, k, t, t, 2)  # noqa: E731,B023
+        out, tangent = torch.func.jvp(fn, (q, table), (torch.ones_like(q), torch.ones_like(table)))
+        assert out.shape == tangent.shape == (1, 2, 3, 0)
+        grads = torch.autograd.grad(fn(q, table).sum(), (q, k, table), create_graph=True,
+                                    allow_unused=True, materialize_grads=True)
+        second = torch.autograd.grad(sum(g.sum() for g in grads), (q, k, table),
+                                     allow_unused=True, materialize_grads=True)
+        assert [g.shape for g in second] == [q.shape, k.shape, table.shape]
+
+
 def test_per_sample_gradient_penalty(cpu_isa):
     """vmap over grad of grad: each sample's gradient penalty differentiated (the double
     backward under vmap's generated rules), against the reference's."""

@@ -161,6 +161,21 @@ def _check_rope_autograd(device, interleaved, inverse, shapes):
 
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("inverse", [False, True])
+def test_rope_batched_gradients(interleaved, inverse):
+    """autograd.grad(is_grads_batched=True), five upstream gradients at once, gives the five
+    gradients one at a time (x's and the tables'), for each variant."""
+    t = lambda *s: torch.randn(*s, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    x, cos, sin = t(2, 3, 6), t(3, 4), t(3, 4)
+    y = relpos_ext.rope(x, cos, sin, interleaved, inverse)
+    ups = torch.randn(5, *y.shape, dtype=torch.float64)
+    got = torch.autograd.grad(y, (x, cos, sin), ups, is_grads_batched=True, retain_graph=True)
+    one_by_one = [torch.autograd.grad(y, (x, cos, sin), u, retain_graph=True) for u in ups]
+    for g, want in zip(got, zip(*one_by_one)):
+        torch.testing.assert_close(g, torch.stack(want))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("inverse", [False, True])
 @pytest.mark.parametrize("shapes", ROPE_GRAD_SHAPES)
 def test_rope_gradcheck(cpu_isa, interleaved, inverse, shapes):
     _check_rope_autograd("cpu", interleaved, inverse, shapes)

@@ -344,10 +344,20 @@ _register_autograd(
     setup_context=_skew_setup,
     jvp=_linear_jvp(torch.ops.relpos.skew.default),
 )
+def _skew_backward_setup(ctx, inputs, output) -> None:
+    ctx.causal, ctx.k_len = inputs[1], inputs[0].shape[-1]
+
+
+def _skew_backward_bwd(ctx, g: Tensor):
+    if g.shape[-2] == 0:  # no rows: the width max(Lq + Lk - 1, 0) = 0 does not tell Lk = 0 from 1
+        return g.new_zeros((*g.shape[:-1], ctx.k_len)), None
+    return skew(g, ctx.causal), None
+
+
 _register_autograd(
     torch.ops.relpos.skew_backward.default,
-    lambda ctx, g: (skew(g, ctx.causal), None),
-    setup_context=_skew_setup,
+    _skew_backward_bwd,
+    setup_context=_skew_backward_setup,
     jvp=_linear_jvp(torch.ops.relpos.skew_backward.default),
 )
 
@@ -734,6 +744,17 @@ def rel_attention_backward(
             (drq if rel_q is not None else None))
 
 
+def _check_q_device(q: Tensor, **tensors: Tensor | None) -> None:
+    """Every given tensor on ``q``'s device, as the kernels check. A fake kernel must check it
+    too: where one argument is on the meta device and the others are not, the dispatcher runs
+    the fake kernel, which would hand back uninitialised memory on the others' device."""
+    for name, t in tensors.items():
+        if t is not None:
+            torch._check(t.device == q.device,
+                         lambda name=name, t=t: f"{name} must be on the device of q "
+                                                f"({q.device}); got {t.device}")
+
+
 def _lse_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
@@ -744,6 +765,9 @@ def _rel_attention_fake(q, k, v, rel_k, rel_v, max_distance, causal=False, scale
                         dropout_seed=None, attn_mask=None, q_segment_ids=None,
                         k_segment_ids=None, window_left=-1, window_right=-1, rel_bias=None,
                         rel_q=None):
+    _check_q_device(q, k=k, v=v, rel_k=rel_k, rel_v=rel_v, key_padding_mask=key_padding_mask,
+                    attn_mask=attn_mask, q_segment_ids=q_segment_ids,
+                    k_segment_ids=k_segment_ids, rel_bias=rel_bias, rel_q=rel_q)
     torch._check(q.dim() == 4 and k.dim() == 4, lambda: "q and k must be 4-D")
     torch._check(v.shape == k.shape, lambda: "v must have the shape of k")
     torch._check(k.dtype == q.dtype and v.dtype == q.dtype, lambda: "k/v dtype must match q")
@@ -764,6 +788,11 @@ def _rel_attention_backward_fake(grad_out, q, k, v, rel_k, rel_v, out, lse, max_
                                  dropout_p=0.0, dropout_seed=None, attn_mask=None,
                                  q_segment_ids=None, k_segment_ids=None, window_left=-1,
                                  window_right=-1, rel_bias=None, rel_q=None):
+    _check_q_device(q, grad_out=grad_out, k=k, v=v, rel_k=rel_k, rel_v=rel_v, out=out, lse=lse,
+                    key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                    q_segment_ids=q_segment_ids, k_segment_ids=k_segment_ids, rel_bias=rel_bias,
+                    rel_q=rel_q)
+
     def like(t):
         return torch.empty_like(t, memory_format=torch.contiguous_format)
 
@@ -843,7 +872,7 @@ def _rel_attention_tangent_blocks(inputs: tuple, tangents: tuple,
     batch, heads, q_len, dim = q.shape
     k_len = k.shape[2]
     group = heads // k.shape[1] if k.shape[1] else 1
-    scale = dim**-0.5 if scale is None else scale
+    scale = max(dim, 1) ** -0.5 if scale is None else scale  # the kernels' default
 
     def cast(t: Tensor | None, flip: bool = False) -> Tensor | None:
         return None if t is None else (t.to(acc).flip(-2) if flip else t.to(acc))

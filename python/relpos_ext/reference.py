@@ -294,7 +294,8 @@ def shaw_attention(
     group = q.shape[1] // k.shape[1] if k.shape[1] else 1  # no heads at all: nothing to repeat
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
-    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    # the kernels' default, 1 / sqrt(max(D, 1)): D = 0 has no logits to scale
+    scale = 1.0 / math.sqrt(max(dim, 1)) if scale is None else scale
     logits = torch.matmul(q, k.transpose(-1, -2))
     if rel_k is not None:
         logits = logits + rel_logits(q, rel_k, max_distance, k_len, q_offset, k_offset)
@@ -354,7 +355,7 @@ def shaw_attention_gather(
     key): the eager baseline of ``benchmarks/bench_training.py``.
     """
     length = q.shape[2]
-    q = q * q.shape[-1] ** -0.5  # scale q, not the [L, L] logits: one [L, L] temporary fewer
+    q = q * max(q.shape[-1], 1) ** -0.5  # scale q, not the [L, L] logits: one temporary fewer
     buckets = shaw_buckets(length, length, max_distance, device=q.device)  # [L, L] int64
     logits = torch.matmul(q, k.transpose(-1, -2))
     if rel_k is not None:
@@ -383,7 +384,8 @@ def rope_rotate(x: Tensor, interleaved: bool = False) -> Tensor:
     halves; interleaved, ``rotate_every_two`` (models/gptj/modeling_gptj.py): pairs
     ``(x[2f], x[2f+1]) -> (-x[2f+1], x[2f])``."""
     if interleaved:
-        return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+        # reshape, not flatten(-2): batched gradients (is_grads_batched) have no flatten rule
+        return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).reshape(x.shape)
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
     return torch.cat((-x2, x1), dim=-1)
 
