@@ -649,19 +649,22 @@ def _deberta_pair(config):
 
 
 @pytest.mark.parametrize("variant", ["v3", "separate_proj_c2p", "separate_proj_p2c", "exact_buckets",
-                                     "no_relative"])
+                                     "no_relative", "odd_buckets"])
 def test_deberta_v2_model_matches_transformers(variant):
     """A two-layer DeBERTa-v2 in float64, 90 positions with padding: past the log buckets'
     saturation (position_buckets 16, max_relative_positions 40: rows constant from distance 40
     on), so every clamped row is read. The fused model's hidden states equal transformers' on
     the kept positions, and so do every parameter's gradients (the relative embeddings' too).
     Variants: DeBERTa-v3's layout (shared projections, both terms); separate pos_key_proj /
-    pos_query_proj with one term each; exact (unbucketed) distances; no relative attention."""
+    pos_query_proj with one term each; exact (unbucketed) distances; no relative attention;
+    7 buckets up to 20 (the odd bucket count's rows still move up to distance 48, far past
+    max_relative_positions)."""
     kw = {"v3": {},
           "separate_proj_c2p": dict(share_att_key=False, pos_att_type=["c2p"]),
           "separate_proj_p2c": dict(share_att_key=False, pos_att_type=["p2c"]),
           "exact_buckets": dict(position_buckets=-1, max_relative_positions=24),
-          "no_relative": dict(relative_attention=False, pos_att_type=["p2c", "c2p"])}[variant]
+          "no_relative": dict(relative_attention=False, pos_att_type=["p2c", "c2p"]),
+          "odd_buckets": dict(position_buckets=7, max_relative_positions=20)}[variant]
     model, fused = _deberta_pair(_deberta_config(**kw))
     names = hf.use_fused_attention(fused)
     assert len(names) == 2 and all(n.endswith("attention.self") for n in names)
@@ -675,6 +678,17 @@ def test_deberta_v2_model_matches_transformers(variant):
     exp[k].square().sum().backward()
     got[k].square().sum().backward()
     _assert_same_grads(fused, model, atol=1e-9, rtol=1e-8)
+
+
+def test_deberta_v2_undefined_buckets_left_alone():
+    """position_buckets // 2 == max_relative_positions - 1: DeBERTa's log buckets divide by
+    log 1 there (transformers gets garbage rows too), so use_fused_attention leaves the
+    attention to transformers: the model's outputs stay bitwise its own."""
+    model, fused = _deberta_pair(_deberta_config(position_buckets=64, max_relative_positions=33))
+    assert hf.use_fused_attention(fused) == []
+    ids = torch.randint(1, 97, (1, 20))
+    torch.testing.assert_close(fused(input_ids=ids).last_hidden_state,
+                               model(input_ids=ids).last_hidden_state, atol=0, rtol=0)
 
 
 def test_deberta_v2_float32_and_attention_outputs():

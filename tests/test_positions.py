@@ -209,7 +209,10 @@ def test_alibi_slopes_match_bloom(heads):
 
 @needs_transformers
 @pytest.mark.parametrize("position_buckets, max_relative_positions",
-                         [(256, 512), (16, 40), (32, 128), (-1, 24), (-1, 512), (2, 10)])
+                         [(256, 512), (16, 40), (32, 128), (-1, 24), (-1, 512), (2, 10),
+                          # odd buckets, and more buckets than distances: the rows clamp far
+                          # beyond max_relative_positions (from 48, 2115 and 12)
+                          (7, 20), (512, 128), (9, 10)])
 def test_deberta_buckets_match_transformers(position_buckets, max_relative_positions):
     """deberta_buckets(r) is the row transformers' DeBERTa-v2 reads for the distance r = j - i
     (its relative_pos is i - j: log buckets, then clamp(rel + span, 0, 2 span - 1)), over every

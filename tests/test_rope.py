@@ -437,6 +437,42 @@ def test_rope_matches_transformers_gemma4_proportional(cpu_isa, partial, factor)
     assert torch.equal(got[..., still], x[..., still])
 
 
+def test_rope_dynamic_ntk_matches_the_growing_module():
+    """Dynamic NTK past max_position_embeddings as transformers' rotary module computes it when
+    a sequence grows: its dynamic_rope_update passes seq_len = max(position_ids) + 1 as a 0-d
+    int64 tensor, which makes the base a float32 computation (with an int, transformers and we
+    compute it in float64, 1.8e-4 apart in cos here). Given that tensor, the frequencies and cos
+    and sin are the module's bit for bit; below max_position_embeddings too."""
+    _transformers()
+    from transformers import LlamaConfig
+    from transformers.models.llama import modeling_llama as llama
+
+    dim, theta, factor, mpe = 128, 500000.0, 4.0, 2048
+    config = LlamaConfig(hidden_size=dim * 4, num_attention_heads=4, max_position_embeddings=mpe,
+                         rope_parameters={"rope_type": "dynamic", "factor": factor,
+                                          "rope_theta": theta})
+    for length in (5000, 100):
+        rotary = llama.LlamaRotaryEmbedding(config)
+        pos = torch.arange(length)[None]
+        want_cos, want_sin = rotary(torch.zeros(1, 1, length, dim), pos)
+        inv_freq, scale = relpos_ext.positions.rope_inv_freq(
+            dim, theta, "dynamic", factor=factor, max_position_embeddings=mpe,
+            seq_len=pos.max() + 1)
+        assert torch.equal(inv_freq, rotary.inv_freq)
+        cos, sin = relpos_ext.positions.rope_cos_sin(inv_freq, pos, scale)
+        assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+
+
+def test_rope_yarn_betas_none_take_the_defaults():
+    """A config's rope_parameters.get("beta_fast") is None where the entry is missing;
+    transformers then takes 32 and 1, and so does rope_inv_freq."""
+    kw = dict(factor=4.0, original_max_position_embeddings=64)
+    want = relpos_ext.positions.rope_inv_freq(32, 10000.0, "yarn", **kw)
+    got = relpos_ext.positions.rope_inv_freq(32, 10000.0, "yarn", beta_fast=None, beta_slow=None,
+                                             **kw)
+    assert torch.equal(got[0], want[0]) and got[1] == want[1]
+
+
 @pytest.mark.parametrize("args,kwargs,message", [
     ((7,), {}, "even and positive"),
     ((8, 10000.0, "linear"), {"partial_rotary_factor": 0.5}, "for 'proportional' only"),

@@ -839,11 +839,15 @@ def use_fused_attention(model: nn.Module,
         if cls == "DisentangledSelfAttention":
             if not _is_deberta_v2(module):
                 continue
+            if module.relative_attention:
+                try:
+                    kmax = deberta_max_distance(module.position_buckets,
+                                                module.max_relative_positions)
+                except ValueError:
+                    continue  # buckets DeBERTa's formula leaves undefined: transformers' forward
+                module._relpos_max_distance = kmax
             factor = 1 + ("c2p" in module.pos_att_type) + ("p2c" in module.pos_att_type)
             module._relpos_scales = _deberta_scales(module.attention_head_size, factor)
-            if module.relative_attention:
-                module._relpos_max_distance = deberta_max_distance(
-                    module.position_buckets, module.max_relative_positions)
         if cls == "WavLMAttention":
             module._relpos_min_length = {**WAVLM_MIN_LENGTH, **(wavlm_min_length or {})}
         if cls == "SpeechT5Attention" and module.is_decoder:

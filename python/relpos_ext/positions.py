@@ -129,18 +129,43 @@ def deberta_buckets(distance: Tensor, position_buckets: int = -1,
 
 def deberta_max_distance(position_buckets: int = -1, max_relative_positions: int = 512) -> int:
     """The smallest K beyond which :func:`deberta_buckets` no longer changes (on both sides):
-    ``rel_attention``'s ``max_distance`` for DeBERTa's tables, exact for every length."""
+    ``rel_attention``'s ``max_distance`` for DeBERTa's tables, exact for every length.
+
+    Past ``position_buckets // 2`` the log buckets move monotonically with the distance until
+    the row clamps (at ``0`` or ``2 span - 1``; with ``position_buckets`` 2 or 3 they stay
+    put), so K is the first distance where both sides hold their final rows; found by doubling
+    and bisection, as it can lie far beyond
+    ``max_relative_positions`` (an odd ``position_buckets``: 7 buckets up to 512 clamp from
+    6670 on; the released checkpoints, 256 up to 512, from 512). Raises ValueError where
+    DeBERTa's log buckets are undefined (``position_buckets`` 1, or ``position_buckets // 2 ==
+    max_relative_positions - 1``: a division by log 1) or still move at 2^40."""
     span = position_buckets if position_buckets > 0 else max_relative_positions
-    # the buckets saturate near max_relative_positions (log buckets) or span (exact ones)
-    bound = 2 * max(span, max_relative_positions) + 2
-    r = torch.arange(bound + 1)
-    pos, neg = deberta_buckets(r, position_buckets, max_relative_positions), \
-        deberta_buckets(-r, position_buckets, max_relative_positions)
-    moving = (pos != pos[-1]) | (neg != neg[-1])
-    if moving[-1]:
-        raise ValueError(f"DeBERTa buckets still change at distance {bound} (position_buckets="
-                         f"{position_buckets}, max_relative_positions={max_relative_positions})")
-    return int(moving.nonzero().max()) + 1 if moving.any() else 0
+    mid = position_buckets // 2
+    if position_buckets > 0 and (mid < 1 or mid == max_relative_positions - 1):
+        raise ValueError(f"DeBERTa's log buckets are undefined for position_buckets="
+                         f"{position_buckets}, max_relative_positions={max_relative_positions}")
+    far = 2 ** 40
+
+    def rows(r: int) -> Tensor:
+        return deberta_buckets(torch.tensor([r, -r]), position_buckets, max_relative_positions)
+
+    limit = rows(far)
+
+    def clamped(r: int) -> bool:  # false, then true from K on: the rows move monotonically
+        return torch.equal(rows(r), limit)
+
+    hi = 1
+    while not clamped(hi):
+        hi *= 2
+        if hi > far:
+            raise ValueError(f"DeBERTa buckets still change at distance {far} (position_buckets"
+                             f"={position_buckets}, max_relative_positions="
+                             f"{max_relative_positions})")
+    lo = hi // 2  # not clamped (or 0)
+    while hi - lo > 1:
+        mid_r = (lo + hi) // 2
+        lo, hi = (lo, mid_r) if clamped(mid_r) else (mid_r, hi)
+    return 0 if clamped(0) else hi
 
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "proportional")
@@ -154,9 +179,9 @@ def rope_inv_freq(
     factor: float | None = None,
     max_position_embeddings: int | None = None,
     original_max_position_embeddings: int | None = None,
-    seq_len: int | None = None,
-    beta_fast: float = 32.0,
-    beta_slow: float = 1.0,
+    seq_len: int | Tensor | None = None,
+    beta_fast: float | None = 32.0,
+    beta_slow: float | None = 1.0,
     attention_factor: float | None = None,
     mscale: float | None = None,
     mscale_all_dim: float | None = None,
@@ -188,6 +213,13 @@ def rope_inv_freq(
             ``int(partial_rotary_factor * dim // 2)`` frequencies are the default ones of a
             ``dim``-wide rotation, divided by ``factor``, and the rest are zero (those pairs
             pass through, cos 1 and sin 0).
+        seq_len: ``"dynamic"`` and ``"longrope"``: the sequence length the frequencies are for.
+            transformers' rotary modules pass ``max(position_ids) + 1``, a 0-d int64 tensor, and
+            compute the dynamic base in float32 from it, but in float64 from an int (as a direct
+            call of ``ROPE_INIT_FUNCTIONS`` with an int does): pass the same kind to get their
+            bits.
+        beta_fast, beta_slow: ``"yarn"``; None takes the default (32, 1), as transformers reads
+            a config's missing or None entries.
         factor: the scaling factor; by default 1, or for ``"yarn"`` and ``"longrope"``
             ``max_position_embeddings / original_max_position_embeddings`` when both are given
             (as transformers does for Phi-3 and DeepSeek-V3).
@@ -218,14 +250,20 @@ def rope_inv_freq(
     if rope_type == "dynamic":
         if max_position_embeddings is None:
             raise ValueError("rope_inv_freq: 'dynamic' needs max_position_embeddings")
-        seq_len = max(seq_len or 0, max_position_embeddings)
+        if isinstance(seq_len, Tensor):  # transformers' two branches, each operation as there
+            seq_len = torch.maximum(seq_len, torch.tensor(max_position_embeddings,
+                                                          dtype=seq_len.dtype, device=seq_len.device))
+        else:
+            seq_len = max(seq_len or 0, max_position_embeddings)
         base = base * ((factor * seq_len / max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
     inv_freq = 1.0 / (base ** exponents)
     if rope_type == "linear":
         return inv_freq / factor, 1.0
     if rope_type == "yarn":
-        return _yarn_inv_freq(dim, base, factor, original_max_position_embeddings, beta_fast,
-                              beta_slow, attention_factor, mscale, mscale_all_dim, truncate)
+        return _yarn_inv_freq(dim, base, factor, original_max_position_embeddings,
+                              32.0 if beta_fast is None else beta_fast,
+                              1.0 if beta_slow is None else beta_slow, attention_factor, mscale,
+                              mscale_all_dim, truncate)
     if rope_type == "llama3":
         if original_max_position_embeddings is None:
             raise ValueError("rope_inv_freq: 'llama3' needs original_max_position_embeddings")
