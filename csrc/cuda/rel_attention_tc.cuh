@@ -4,7 +4,7 @@
 // (rel_attention_tc.cu) takes this kernel only for what it covers (head dims that are multiples of
 // 8 up to 128, zero-padded to kD = 32, 64, 96 or 128; up to 64 with rel_q; 16-byte aligned
 // tensors; compute capability >= 8.0) and the SIMT kernel for the rest; the backward is
-// rel_attention_tc_bwd.cuh's on the same cases without rel_q, else the SIMT one.
+// rel_attention_tc_bwd.cuh's on the same cases (rel_q included, up to 64), else the SIMT one.
 //
 // A block of 4 warps owns 64 query rows (16 per warp, as the A operand of mma_16816, whose
 // fragments of Q stay in registers up to kD = 64, and are read from shared memory at each use
