@@ -117,7 +117,7 @@ from torch import Tensor, nn
 
 from . import ops, reference
 from .nn import additive_mask_hidden, clipped_table
-from .positions import deberta_buckets, deberta_max_distance, t5_bias_table
+from .positions import _t5_table_defined, deberta_buckets, deberta_max_distance, t5_bias_table
 
 __all__ = ["SUPPORTED_CLASSES", "apply_rotary_pos_emb", "apply_rotary_pos_emb_single",
            "WAVLM_MIN_LENGTH", "transformer_xl_inputs", "use_fused_attention"]
@@ -469,14 +469,6 @@ def _position_cache(past_key_values: object, layer_idx: int) -> object | None:
     if layer is None or getattr(layer, "is_sliding", True) is not False:
         return None
     return cache if isinstance(cache.get_seq_length(layer_idx), int) else None
-
-
-def _t5_buckets_defined(module: nn.Module) -> bool:
-    """Whether a T5 attention module's ``relative_attention_max_distance`` exceeds its exact
-    distances, as :func:`relpos_ext.t5_bias_table` needs (below, transformers' own buckets
-    go wrong on long inputs); such a module is left to transformers."""
-    exact = module.relative_attention_num_buckets // (2 if module.is_decoder else 4)
-    return 0 < exact < module.relative_attention_max_distance
 
 
 def _t5_table(self: nn.Module) -> Tensor:
@@ -834,8 +826,10 @@ def use_fused_attention(model: nn.Module,
         if (cls in T5_CLASSES or cls == "UMT5Attention") and module.is_decoder \
                 and not getattr(module, "is_causal", True):
             continue  # T5's cross-attention: no position bias, nothing to fuse
-        if (cls in T5_CLASSES or cls == "UMT5Attention") and not _t5_buckets_defined(module):
-            continue  # buckets t5_bias_table cannot hold: transformers' forward runs
+        if (cls in T5_CLASSES or cls == "UMT5Attention") and not _t5_table_defined(
+                module.relative_attention_num_buckets, not module.is_decoder,
+                module.relative_attention_max_distance):
+            continue  # buckets t5_bias_table cannot hold (transformers' own go wrong past them)
         if cls == "DisentangledSelfAttention":
             if not _is_deberta_v2(module):
                 continue

@@ -49,6 +49,13 @@ def t5_buckets(distance: Tensor, bidirectional: bool = True, num_buckets: int = 
     return bucket + torch.where(d < exact, d, far)
 
 
+def _t5_table_defined(num_buckets: int, bidirectional: bool, max_distance: int) -> bool:
+    """Whether ``max_distance`` exceeds T5's exact distances (``num_buckets // 4``,
+    unidirectional ``// 2``, at least 1): what :func:`t5_bias_table` needs."""
+    exact = num_buckets // (4 if bidirectional else 2)
+    return 0 < exact < max_distance
+
+
 def t5_bias_table(weight: Tensor, bidirectional: bool = True, max_distance: int = 128) -> Tensor:
     """T5's relative attention bias as a ``rel_bias`` table, ``[H, 2 max_distance + 1]``.
 
@@ -63,8 +70,8 @@ def t5_bias_table(weight: Tensor, bidirectional: bool = True, max_distance: int 
     """
     if weight.dim() != 2:
         raise ValueError(f"weight must be [num_buckets, H], got {tuple(weight.shape)}")
-    exact = weight.shape[0] // (4 if bidirectional else 2)
-    if not 0 < exact < max_distance:
+    if not _t5_table_defined(weight.shape[0], bidirectional, max_distance):
+        exact = weight.shape[0] // (4 if bidirectional else 2)
         raise ValueError(f"T5's buckets need max_distance > num_buckets // "
                          f"{4 if bidirectional else 2} = {exact} > 0 (its exact distances); got "
                          f"max_distance={max_distance} with {weight.shape[0]} buckets")
@@ -139,7 +146,6 @@ def deberta_max_distance(position_buckets: int = -1, max_relative_positions: int
     6670 on; the released checkpoints, 256 up to 512, from 512). Raises ValueError where
     DeBERTa's log buckets are undefined (``position_buckets`` 1, or ``position_buckets // 2 ==
     max_relative_positions - 1``: a division by log 1) or still move at 2^40."""
-    span = position_buckets if position_buckets > 0 else max_relative_positions
     mid = position_buckets // 2
     if position_buckets > 0 and (mid < 1 or mid == max_relative_positions - 1):
         raise ValueError(f"DeBERTa's log buckets are undefined for position_buckets="
