@@ -580,6 +580,44 @@ def test_rel_attention_dropout_mask_is_the_reference_mask(backend, p):
     assert abs(keep.double().mean().item() - (1 - p)) < 0.02  # 36400 draws: 7 sigma
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("k", [4, 300])
+def test_rel_attention_dropout_factor_beyond_float16(backend, dtype, k):
+    """dropout_p = 1 - 2^-16: a kept probability takes the factor 2^16, beyond float16's largest
+    value (65504). With one key every probability is 1, and seed 1643 keeps rows 61 (head 0) and
+    161 (head 1); small v, rel_v and dO keep the true outputs and gradients finite. They must be
+    finite and match the reference: the CUDA tensor-core kernels used to round P times the factor
+    to float16 for their products (inf). k = 300: every pair inside the band (P' along the skew);
+    k = 4: the kept rows in the clamped bucket (the masses)."""
+    _attention_backend(backend)
+    b, h, lq, lk, d, seed, p = 1, 2, 256, 1, 64, 1643, 1 - 2.0**-16
+    keep = ref.dropout_keep(seed, b, h, lq, lk, p)
+    assert keep.nonzero().tolist() == [[0, 0, 61, 0], [0, 1, 161, 0]]
+    g = torch.Generator().manual_seed(5)
+
+    def t(*shape, s=1.0):
+        return (torch.randn(*shape, dtype=torch.float64, generator=g) * s).to(dtype)
+
+    tensors = (t(b, h, lq, d), t(b, h, lk, d), t(b, h, lk, d, s=1e-3), t(2 * k + 1, d),
+               t(2 * k + 1, d, s=1e-3))
+    kw = dict(max_distance=k, causal=False, q_offset=0, k_offset=0, key_padding_mask=None,
+              dropout_p=p, dropout_seed=seed)
+    t64, exp_out, exp_lse = _reference(tensors, kw)
+    out, lse = _call(backend, tensors, kw)
+    assert torch.isfinite(out).all() and out.abs().max() > 10  # the factor was applied
+    _assert_forward(dtype, out, lse, exp_out, exp_lse)
+    grad = t(b, h, lq, d, s=1e-3)
+    wrt = [x for x in t64 if x is not None]
+    expected = dict(zip(map(id, wrt), torch.autograd.grad(exp_out, wrt, grad.double())))
+    # the reference's out and lse, so that the backward is checked apart from the forward
+    grads = _call_backward(backend, grad, tensors, exp_out.detach().to(dtype),
+                           exp_lse.detach().float(), kw)
+    for got, x in zip(grads, t64):
+        if x is not None:
+            assert torch.isfinite(got).all()
+            assert_close(got, expected[id(x)], dtype, scale=8 * x.shape[-2] ** 0.5)
+
+
 # ------------------------------------------------------------------------------- attn_mask
 def random_attn_mask(case, form: str, seed: int) -> torch.Tensor:
     """A random bool attention mask for `case` (True = ignore, a third of the keys) in one of the

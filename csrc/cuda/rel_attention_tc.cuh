@@ -32,8 +32,11 @@
 // the row's q_i . rel_k[0] (or [2K]), and its probability mass goes to a per-row running sum
 // applied as w rel_v[0] (or [2K]) at the end, as in the SIMT kernel. A rel_bias is one more
 // function of c: staged per pair (sBias, times log2 e) and added after the scale, or one constant
-// for a pair beyond the band. Dropout multiplies the probabilities that P V, P' rel_v and the
-// clamped masses take (not the normaliser l), by the mask of common/dropout.h.
+// for a pair beyond the band. Dropout zeroes the probabilities that P V, P' rel_v and the
+// clamped masses take (not the normaliser l) by the mask of common/dropout.h, and its factor
+// 1 / (1 - p) multiplies their float32 sums at the end: P stays within [0, 1] where it is
+// rounded to the dtype for the products (times the factor, float16 overflowed beyond
+// p = 1 - 1/65504).
 //
 // The key-side table rel_q (kRelQ, s_ij += k_j . rel_q[b(i, j)] before the scale) is a function of
 // (j, c): a pair the band reaches stages its 128 rows (sRq), warp w computes KR = K_w sRq^T for
@@ -537,7 +540,8 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads, 1)
       // A row with no visible key yet has every s at -inf: 2^(s - 0) = 0, where s - m is NaN.
       mz[r] = mn == -INFINITY ? 0.f : mn;
     }
-    // rs: the row sums for l; rd: after dropout, for the clamped masses (s keeps the latter).
+    // rs: the row sums for l; rd: of the kept elements, for the clamped masses (s keeps the
+    // latter).
     float rs[2] = {0, 0}, rd[2];
     RELPOS_UNROLL
     for (int nt = 0; nt < kNT; ++nt) {
@@ -554,7 +558,7 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads, 1)
       for (int nt = 0; nt < kNT; ++nt) {
         RELPOS_UNROLL
         for (int e = 0; e < 4; ++e) {
-          s[nt][e] *= tc_drop_factor(p, kept, nt, e);
+          if (!tc_bit(kept, nt, e)) s[nt][e] = 0.f;
           rd[e / 2] += s[nt][e];
         }
       }
@@ -610,7 +614,9 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads, 1)
     }
   }
 
-  // out = (O + w_lo rel_v[0] + w_hi rel_v[2K]) / l; rows without a visible key: 0 and lse = +inf.
+  // out = f (O + w_lo rel_v[0] + w_hi rel_v[2K]) / l, with dropout's factor f (else 1); rows
+  // without a visible key: 0 and lse = +inf.
+  const float drop_scale = p.dropout.on ? static_cast<float>(p.dropout.keep_scale) : 1.f;
   T* out = static_cast<T*>(p.out) + (bh * p.q_len + i0) * D;
   float* lse = static_cast<float*>(p.lse) + bh * p.q_len + i0;
   RELPOS_UNROLL
@@ -624,7 +630,7 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads, 1)
     const int row = warp * 16 + g + 8 * r;
     if (row >= nq) continue;
     const bool empty = m[r] == -INFINITY || l[r] == 0.f;
-    const float inv = empty ? 0.f : 1.f / l[r];
+    const float inv = empty ? 0.f : drop_scale / l[r];
     RELPOS_UNROLL
     for (int nt = 0; nt < kDT; ++nt) {
       if (nt * 8 >= D) break;  // the zero padding of D up to kD

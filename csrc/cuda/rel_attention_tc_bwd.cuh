@@ -27,7 +27,9 @@
 //                (c = (j - j0) - (i - i0) + 31); then S^T = K Q^T and dP^T = V dO^T, each with
 //                its relative term gathered along the skew, dv += P^T dO, dk += dS^T Q; with
 //                rel_q also dk += dS' Rq and drel_q (tc_bwd_dkdv_tile).
-// Under dropout P in dv, drel_v and the P masses is p f, and dS = p (f dP - D_i).
+// Under dropout dS = p (f dP - D_i), and P in dv, drel_v and the P masses is p where the key is
+// kept (else 0), their float32 sums times f = 1 / (1 - p) at the end: P stays within [0, 1] where
+// it is rounded to the dtype (times f, float16 overflowed beyond p = 1 - 1/65504).
 #pragma once
 
 #include <cstdint>
@@ -209,6 +211,7 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
   float* pb = eb == nullptr || bp.drel_bias_partial == nullptr
                   ? nullptr : static_cast<float*>(bp.drel_bias_partial) + bh * table_rows;
   const float scale = static_cast<float>(p.scale);
+  const float drop_scale = p.dropout.on ? static_cast<float>(p.dropout.keep_scale) : 1.f;
   const float scale2 = static_cast<float>(p.scale * kLog2e);
   const float blo = eb == nullptr ? 0.f : to_float(eb[0]) * static_cast<float>(kLog2e);
   const float bhi = eb == nullptr ? 0.f : to_float(eb[table_rows - 1]) * static_cast<float>(kLog2e);
@@ -244,7 +247,7 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
 
   float dq[kDT][4];
   zero_acc(dq);
-  // Per row (g, g + 8): the dS and P f masses of the pairs beyond the band, lo and hi side.
+  // Per row (g, g + 8): the dS and kept P masses of the pairs beyond the band, lo and hi side.
   float mds_lo[2] = {0, 0}, mds_hi[2] = {0, 0}, mp_lo[2] = {0, 0}, mp_hi[2] = {0, 0};
   bool any_lo = false, any_hi = false;  // block-uniform
   const bool elem_masks = tc_elem_masks(p);
@@ -355,7 +358,7 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
       }
     }
 
-    // P and dS (s <- dS, dp <- P f): the scale (and the bias) and the masks in passes that run
+    // P and dS (s <- dS, dp <- P kept): the scale (and the bias) and the masks in passes that run
     // only where they have work (tc_scale_logits, tc_hide_elems), then one loop (dropout as bits)
     tc_scale_logits<kNT>(s, scale2, eb != nullptr, [&](int nt, int e) {
       const int r = g + (e / 2) * 8, jj = nt * 8 + 2 * t4 + e % 2;
@@ -376,10 +379,11 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
           const float pr = exp2_acc(s[nt][e] - lse2[e / 2]);
           const float f = kDropOn ? tc_drop_factor(p, kept, nt, e) : 1.f;
           const float ds = pr * (f * dp[nt][e] - di[e / 2]);
+          const float pkept = !kDropOn || tc_bit(kept, nt, e) ? pr : 0.f;
           s[nt][e] = ds;
-          dp[nt][e] = pr * f;
+          dp[nt][e] = pkept;
           rds[e / 2] += ds;
-          rp[e / 2] += pr * f;
+          rp[e / 2] += pkept;
         }
       }
     });
@@ -401,7 +405,7 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
         dq, [&](int kk, uint32_t (&a)[4]) { acc_a_frag<T>(a, s, kk); }, sK, Tl::kLdK, lane);
 
     if (band) {
-      // dS' and P' f along the skew, transposed ([c][row]), over sRv and the scratch.
+      // dS' and the kept P' along the skew, transposed ([c][row]), over sRv and the scratch.
       __syncthreads();  // every warp's scratch and sRv reads are done
       {
         constexpr int kVec = 8;  // zero 16 bytes at a time
@@ -420,19 +424,19 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
           const int r = warp * 16 + g + (e / 2) * 8, jj = nt * 8 + 2 * t4 + e % 2;
           const int c = jj - r + Tl::kRows - 1;
           const int64_t dist = dbase + c;
-          float ds = s[nt][e], pf = dp[nt][e];
+          float ds = s[nt][e], pkept = dp[nt][e];
           if (dist <= -K || dist >= K) {
             if (dist <= -K) {
               mds_lo[e / 2] += ds;
-              mp_lo[e / 2] += pf;
+              mp_lo[e / 2] += pkept;
             } else {
               mds_hi[e / 2] += ds;
-              mp_hi[e / 2] += pf;
+              mp_hi[e / 2] += pkept;
             }
-            ds = pf = 0;
+            ds = pkept = 0;
           }
           sDSt[c * Tl::kLdT + r] = from_float<T>(ds);
-          sPt[c * Tl::kLdT + r] = from_float<T>(pf);
+          sPt[c * Tl::kLdT + r] = from_float<T>(pkept);
         }
       }
       __syncthreads();
@@ -480,7 +484,7 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
         }
       };
       if (pk != nullptr) table_grad(sDSt, sQ, pk, scale);
-      if (pv != nullptr) table_grad(sPt, sG, pv, 1.f);
+      if (pv != nullptr) table_grad(sPt, sG, pv, drop_scale);
       if (pb != nullptr && inner(threadIdx.x)) {  // drel_bias: dS' per c
         const int c = threadIdx.x;
         float x = 0;
@@ -539,7 +543,7 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
     }
     const int64_t bucket = hi ? table_rows - 1 : 0;
     if (pk != nullptr) atomicAdd(pk + bucket * D + d, xk * scale);
-    if (pv != nullptr) atomicAdd(pv + bucket * D + d, xv);
+    if (pv != nullptr) atomicAdd(pv + bucket * D + d, xv * drop_scale);
   }
   if (pb != nullptr && threadIdx.x < 2 && (threadIdx.x ? any_hi : any_lo)) {
     const int hi = threadIdx.x;
@@ -611,6 +615,7 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
   const int D = static_cast<int>(p.dim);
   const int64_t group = p.heads / p.kv_heads;
   const float scale = static_cast<float>(p.scale);
+  const float drop_scale = p.dropout.on ? static_cast<float>(p.dropout.keep_scale) : 1.f;
   const float scale2 = static_cast<float>(p.scale * kLog2e);
   const T* kp = static_cast<const T*>(p.k) + bkv * p.kv_stride + j0 * D;
   const T* vp = static_cast<const T*>(p.v) + bkv * p.kv_stride + j0 * D;
@@ -760,7 +765,7 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
       warp_mma_bt<T, kNT, kDK>(dpt, v_frag, sG, Tl::kLdK, lane);
       if (ev != nullptr) add_relative(dpt, sSv, all_lo ? kDlo : kDhi);
 
-      // P^T and dS^T (st <- dS^T, dpt <- P^T f): the scale (and the bias) and the masks in passes
+      // P^T and dS^T (st <- dS^T, dpt <- P^T kept): the scale (and the bias) and the masks in passes
       // that run only where they have work (tc_scale_logits, tc_hide_elems), then one loop
       // (dropout as bits)
       tc_scale_logits<kNT>(st, scale2, eb != nullptr, [&](int nt, int e) {
@@ -790,7 +795,7 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
             const float pr = exp2_acc(st[nt][e] - sRow[kLse2 * Tl::kRows + ii]);
             const float f = kDropOn ? tc_drop_factor(p, kept, nt, e) : 1.f;
             st[nt][e] = pr * (f * dpt[nt][e] - sRow[kDi * Tl::kRows + ii]);
-            dpt[nt][e] = pr * f;
+            dpt[nt][e] = !kDropOn || tc_bit(kept, nt, e) ? pr : 0.f;
           }
         }
       });
@@ -925,7 +930,8 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
       if (nt * 8 >= D) break;
       const int d = nt * 8 + 2 * t4;
       st32(dkp + row * D + d, pack2<T>(dk[nt][2 * r] * scale, dk[nt][2 * r + 1] * scale));
-      st32(dvp + row * D + d, pack2<T>(dv[nt][2 * r], dv[nt][2 * r + 1]));
+      st32(dvp + row * D + d,
+           pack2<T>(dv[nt][2 * r] * drop_scale, dv[nt][2 * r + 1] * drop_scale));
     }
   }
 }
