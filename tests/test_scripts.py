@@ -1,5 +1,6 @@
 """The helper scripts: scripts/pytest_failures_now.py (used by gpu_check.sh),
-scripts/fuzz_attention.py, and gpu_ab.sh's part on the GPU machine with the GPU faked."""
+scripts/fuzz_attention.py, gpu_ab.sh's part on the GPU machine with the GPU faked, and the demo
+that scripts/demo.sh runs."""
 
 from __future__ import annotations
 
@@ -33,6 +34,19 @@ def test_failures_now_plugin_writes_each_failure_once(tmp_path: Path) -> None:
     assert "==== test_mixed.py::test_bad (call)" in text
     assert "arithmetic" in text
     assert "test_ok" not in text
+
+
+def test_demo_runs_its_checks_and_every_timing_table(capsys) -> None:
+    """`python -m relpos_ext.demo` as scripts/demo.sh and the README's first command run it,
+    timings included (with a short minimum run time): every check passes and every table
+    prints."""
+    from relpos_ext import demo
+
+    assert demo.main(["--min-run-time", "0.001"]) == 0
+    out = capsys.readouterr().out
+    for line in ("Timing: the layer", "Timing: rel_logits alone", "SDPA, no relative terms (floor)",
+                 "all checks PASS"):
+        assert line in out
 
 
 def _fuzz_module():

@@ -262,7 +262,11 @@ class SdpaMultiheadAttention(RelativeMultiheadAttention):
     The floor for :func:`time_mha`: what the layer would cost without relative positions.
     """
 
-    def attend(self, q, k, v, key_padding_mask, causal, q_offset, k_offset):
+    def attend(self, q, k, v, key_padding_mask, causal, q_offset, k_offset, dropout_p=0.0,
+               dropout_seed=None, attn_mask=None, segment_ids=None):
+        if (key_padding_mask is not None or attn_mask is not None or segment_ids is not None
+                or dropout_p > 0 or q_offset != 0 or k_offset != 0):
+            raise NotImplementedError("the SDPA floor takes no masks, dropout or offsets")
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                               enable_gqa=k.shape[1] != q.shape[1])
 

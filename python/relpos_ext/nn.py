@@ -88,6 +88,7 @@ class ShawRelativeAttention(nn.Module):
         causal: mask keys after the query.
         rel_values: also add the relative value term ``sum_j p_ij EV[b(i, j)]``.
         per_head_tables: one table per head (``[H, 2K+1, D]``) instead of one shared table.
+        bias: whether the input and output projections have biases (as ``nn.Linear``).
         dropout: dropout on the attention probabilities in training mode (both terms).
         device, dtype: where and in what dtype the parameters are made (as ``nn.Linear``).
     """

@@ -226,6 +226,12 @@ def rope_inv_freq(
             bits.
         beta_fast, beta_slow: ``"yarn"``; None takes the default (32, 1), as transformers reads
             a config's missing or None entries.
+        attention_factor: ``"yarn"`` and ``"longrope"``: the factor to return; None computes
+            it (YaRN's ``0.1 ln(factor) + 1``, or DeepSeek's ratio from ``mscale`` and
+            ``mscale_all_dim`` when both are given; LongRoPE's
+            ``sqrt(1 + ln(factor) / ln(original_max_position_embeddings))``).
+        truncate: ``"yarn"``: round the ramp's ends to whole dims (floor and ceil), as YaRN and
+            transformers do by default; False keeps them fractional (gpt-oss's config).
         factor: the scaling factor; by default 1, or for ``"yarn"`` and ``"longrope"``
             ``max_position_embeddings / original_max_position_embeddings`` when both are given
             (as transformers does for Phi-3 and DeepSeek-V3).
