@@ -196,7 +196,8 @@ struct OpsImpl {
   // dq[i] = sum_j g[i, j] table[b(i, j)] and dtable[b] = sum_{i, j: b(i, j) = b} g[i, j] q[i], both
   // through wsum (the per-row bucket mass of g, see BucketSumParams), never [Lq, Lk, D]. wsum is
   // [Lq, C] per (b, h), C up to Lq + Lk - 1 buckets when unclipped, so it is built for a group of
-  // heads of one batch entry at a time, at most about kWsumChunkBytes (one head at least).
+  // heads of one batch entry at a time, at most about kWsumChunkBytes; a head beyond that goes by
+  // blocks of rows, each with the band of buckets its rows reach (nr + Lk - 1 when unclipped).
   static constexpr int64_t kWsumChunkBytes = int64_t(32) << 20;
 
   static std::tuple<at::Tensor, at::Tensor> rel_logits_backward(
@@ -227,20 +228,33 @@ struct OpsImpl {
     at::Tensor dq = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
     // [H, C, D] per head, summed over the batch (and over the heads below for a shared table)
     at::Tensor dtab = at::zeros({heads, num_cols, q.size(3)}, q.options().dtype(acc_type));
-    const int64_t head_bytes = q_len * num_cols * static_cast<int64_t>(acc_type == at::kDouble ? 8 : 4);
-    const int64_t group = std::max<int64_t>(1, std::min<int64_t>(heads, kWsumChunkBytes / head_bytes));
-    at::Tensor wsum = at::empty({group, q_len, num_cols}, g.options().dtype(acc_type));
+    const int64_t row_bytes = num_cols * static_cast<int64_t>(acc_type == at::kDouble ? 8 : 4);
+    const int64_t group =
+        std::max<int64_t>(1, std::min<int64_t>(heads, kWsumChunkBytes / (q_len * row_bytes)));
+    const int64_t block_rows =
+        group > 1 ? q_len : std::clamp<int64_t>(kWsumChunkBytes / row_bytes, 1, q_len);
+    at::Tensor wsum = at::empty({group * block_rows * num_cols}, g.options().dtype(acc_type));
     for (int64_t b = 0; b < batch; ++b) {
       for (int64_t h0 = 0; h0 < heads; h0 += group) {
         const int64_t nh = std::min(group, heads - h0);
-        const at::Tensor g_bh = g.select(0, b).narrow(0, h0, nh);  // contiguous [nh, Lq, Lk]
-        const at::Tensor w = wsum.narrow(0, 0, nh);
-        Backend::bucket_sum(BucketSumParams{g_bh.data_ptr(), w.data_ptr(), 1, nh, q_len, k_len,
-                                            max_distance, q_offset, k_offset, bucket0, num_cols,
-                                            dtype_of(g)});
-        const at::Tensor r = per_head ? rows.narrow(0, h0, nh) : rows;
-        dq.select(0, b).narrow(0, h0, nh).copy_(at::matmul(w, r));
-        dtab.narrow(0, h0, nh).add_(at::matmul(w.transpose(-1, -2), qa.select(0, b).narrow(0, h0, nh)));
+        for (int64_t r0 = 0; r0 < q_len; r0 += block_rows) {
+          // rows r0 .. r0 + nr - 1 reach the buckets bucket0 + c0 .. bucket0 + c0 + nc - 1
+          const int64_t nr = std::min(block_rows, q_len - r0);
+          const int64_t c0 = first_bucket(nr, max_distance, q_offset + r0, k_offset) - bucket0;
+          const int64_t nc =
+              last_bucket(k_len, max_distance, q_offset + r0, k_offset) - bucket0 - c0 + 1;
+          // [nh, nr, Lk]: whole heads (nr = Lq) or rows of one head, contiguous either way
+          const at::Tensor g_bh = g.select(0, b).narrow(0, h0, nh).narrow(1, r0, nr);
+          TORCH_INTERNAL_ASSERT(g_bh.is_contiguous());
+          const at::Tensor w = wsum.narrow(0, 0, nh * nr * nc).view({nh, nr, nc});
+          Backend::bucket_sum(BucketSumParams{g_bh.data_ptr(), w.data_ptr(), 1, nh, nr, k_len,
+                                              max_distance, q_offset + r0, k_offset, bucket0 + c0,
+                                              nc, dtype_of(g)});
+          const at::Tensor r = (per_head ? rows.narrow(0, h0, nh) : rows).narrow(-2, c0, nc);
+          dq.select(0, b).narrow(0, h0, nh).narrow(1, r0, nr).copy_(at::matmul(w, r));
+          dtab.narrow(0, h0, nh).narrow(1, c0, nc).add_(
+              at::matmul(w.transpose(-1, -2), qa.select(0, b).narrow(0, h0, nh).narrow(1, r0, nr)));
+        }
       }
     }
     at::Tensor dtable = at::zeros(table.sizes(), table.options().dtype(acc_type));

@@ -71,8 +71,9 @@ struct RelLogitsParams {
 // rel_logits_backward, first stage: per query row, the gradient mass of each reachable bucket,
 //   wsum[b, h, i, c] = sum_{j: b(i, j) = bucket0 + c} grad[b, h, i, j]
 // accumulated in float32 (float64 for float64 input), with bucket0 = first_bucket(...) and
-// num_cols = last_bucket - bucket0 + 1 <= q_len + k_len - 1 columns, so memory is bounded by the
-// gradient itself whatever K is. The glue finishes with two matmuls:
+// num_cols = last_bucket - bucket0 + 1 <= q_len + k_len - 1 columns (the glue takes a group of
+// heads, or a block of rows, at a time, within a fixed budget whatever K is). The glue finishes
+// with two matmuls:
 //   dq = wsum @ table[bucket0 : bucket0 + num_cols],  dtable[bucket0 : ...] = sum wsum^T @ q.
 struct BucketSumParams {
   const void* grad;  // [batch, heads, q_len, k_len]
