@@ -224,6 +224,21 @@ def test_rel_logits_backward_in_row_blocks():
     assert max(e.cpu_memory_usage for e in prof.events()) <= (32 << 20) + (1 << 20)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rel_logits_backward_ignores_autocast(dtype):
+    """A backward that runs inside a CPU autocast region (loss.backward() within the block):
+    the op's own matmuls stay in its float32 accumulation, so the gradients are bitwise those
+    outside (autocast used to cast them to bfloat16: 4e-3 off for float32 inputs)."""
+    q = torch.randn(2, 3, 40, 16).to(dtype)
+    table = torch.randn(3, 2 * 9 + 1, 16).to(dtype)
+    grad = torch.randn(2, 3, 40, 50).to(dtype)
+    want = torch.ops.relpos.rel_logits_backward(grad, q, table, 9, 2, 0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = torch.ops.relpos.rel_logits_backward(grad, q, table, 9, 2, 0)
+    for g, w in zip(got, want):
+        assert g.dtype == dtype and torch.equal(g, w)
+
+
 def test_rel_logits_unclipped_music_transformer(backend):
     """K >= max(Lq, Lk) - 1: every distance has its own row (Huang et al. 2018)."""
     lq = lk = 33

@@ -9,6 +9,8 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/core/DispatchKeySet.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -216,8 +218,10 @@ struct OpsImpl {
       return {at::zeros_like(q, at::MemoryFormat::Contiguous),
               at::zeros_like(table, at::MemoryFormat::Contiguous)};
     }
-    // The matmuls below are part of this kernel, not of the autograd graph.
+    // The matmuls below are part of this kernel, not of the autograd graph, and run in the
+    // accumulation type whatever autocast region the backward runs in.
     const at::NoGradGuard no_grad;
+    const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const at::Tensor g = grad.contiguous();
     const int64_t bucket0 = first_bucket(q_len, max_distance, q_offset, k_offset);
     const int64_t num_cols = last_bucket(k_len, max_distance, q_offset, k_offset) - bucket0 + 1;
