@@ -1821,6 +1821,36 @@ def test_module_meta_init_reset_parameters(cls, kw):
         assert name == "rel_bias" or not torch.equal(t, before[name]), name
 
 
+@pytest.mark.parametrize("cls", ["RelativeMultiheadAttention", "ShawRelativeAttention"])
+def test_module_fsdp2_deferred_init(cls, tmp_path):
+    """FSDP2's deferred initialisation as its docs give it: made on the meta device,
+    ``fully_shard`` (the parameters become DTensors), ``to_empty()``, ``reset_parameters()``,
+    then a training step. One process (gloo, world size 1). The tables used to be filled by
+    ``copy_`` of a plain tensor, which a DTensor refuses."""
+    dist = torch.distributed
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available in this build")
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        with torch.device("meta"):
+            layer = getattr(relpos_ext.nn, cls)(16, 2, 3)
+        fully_shard(layer)
+        layer.to_empty(device="cpu")
+        layer.reset_parameters()
+        for name, t in layer.named_parameters():
+            full = t.full_tensor()
+            assert torch.isfinite(full).all() and full.std() > 0, name
+        x = torch.randn(2, 5, 16)
+        y = layer(x)
+        (y[0] if isinstance(y, tuple) else y).square().sum().backward()
+        assert all(torch.isfinite(t.grad.full_tensor()).all() for t in layer.parameters())
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("gqa", [False, True])
 @pytest.mark.parametrize("grad", [False, True])
 def test_module_kv_cache_decoding(gqa, grad):
@@ -2412,6 +2442,22 @@ def test_module_asymmetric_clipping(per_head):
         torch.testing.assert_close(pm.grad, pr.grad, atol=1e-4, rtol=1e-4, msg=name)
     with pytest.raises(ValueError, match=r"max_distance \(left, right\) must be >= 0"):
         relpos_ext.nn.RelativeMultiheadAttention(32, 4, (3, -1))
+
+
+@pytest.mark.parametrize("cls,k,error,match", [
+    ("RelativeMultiheadAttention", 8.0, TypeError, r"max_distance must be an int, got 8.0"),
+    ("RelativeMultiheadAttention", (6.5, 2), TypeError,
+     r"max_distance \(left, right\) must be an int, got 6.5"),
+    ("RelativeMultiheadAttention", (1, 2, 3), ValueError, r"must be an int or \(left, right\)"),
+    ("ShawRelativeAttention", 8.0, TypeError, r"max_distance must be an int, got 8.0"),
+])
+def test_module_max_distance_must_be_integers(cls, k, error, match):
+    """A float K (or clip) is an error naming max_distance, not torch.empty's TypeError, nor a
+    fraction cut off (6.5 used to clip at 6); numpy and torch integers are ints."""
+    make = getattr(relpos_ext.nn, cls)
+    with pytest.raises(error, match=match):
+        make(32, 4, k)
+    assert make(32, 4, torch.tensor(3)).max_distance == 3
 
 
 def _check_learned_positions(m, kw, param, table_of, clip, x):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 from torch import Tensor, nn
@@ -10,6 +11,14 @@ from torch import Tensor, nn
 from . import ops
 
 __all__ = ["KVCache", "RelativeMultiheadAttention", "ShawRelativeAttention", "clipped_table"]
+
+
+def _distance(value: object, what: str) -> int:
+    """``value`` as an int (an integer type: not a float, which would cut a fraction off)."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {value!r}") from None
 
 
 def _table(
@@ -22,9 +31,8 @@ def _table(
 @torch.no_grad()
 def _init_table(table: Tensor | None) -> None:
     """N(0, 1/D) in place, the same draws as the layers' initialisation has always made."""
-    if table is not None:
-        table.copy_(torch.randn(table.shape, device=table.device, dtype=table.dtype)
-                    * table.shape[-1] ** -0.5)
+    if table is not None:  # in place, as randn(...) * D^-0.5 draws: also for sharded DTensors
+        table.normal_().mul_(table.shape[-1] ** -0.5)
 
 
 def clipped_table(table: Tensor, left: int, right: int) -> Tensor:
@@ -114,6 +122,7 @@ class ShawRelativeAttention(nn.Module):
         if num_heads <= 0 or embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
                              f" > 0")
+        max_distance = _distance(max_distance, "max_distance")
         if max_distance < 0:
             raise ValueError(f"max_distance must be >= 0, got {max_distance}")
         self.embed_dim, self.num_heads, self.max_distance = embed_dim, num_heads, max_distance
@@ -470,8 +479,14 @@ class RelativeMultiheadAttention(nn.Module):
             raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
         # clip: (left, right) when the clipping is asymmetric, else None; max_distance: the K
         # of the Shaw tables the kernels see
-        self.clip = (int(max_distance[0]), int(max_distance[1])) if isinstance(
-            max_distance, (tuple, list)) else None
+        if isinstance(max_distance, (tuple, list)):
+            if len(max_distance) != 2:
+                raise ValueError(f"max_distance must be an int or (left, right), got {max_distance}")
+            self.clip = (_distance(max_distance[0], "max_distance (left, right)"),
+                         _distance(max_distance[1], "max_distance (left, right)"))
+        else:
+            self.clip = None
+            max_distance = _distance(max_distance, "max_distance")
         if self.clip is not None:
             if min(self.clip) < 0:
                 raise ValueError(f"max_distance (left, right) must be >= 0, got {max_distance}")
