@@ -765,8 +765,8 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
       warp_mma_bt<T, kNT, kDK>(dpt, v_frag, sG, Tl::kLdK, lane);
       if (ev != nullptr) add_relative(dpt, sSv, all_lo ? kDlo : kDhi);
 
-      // P^T and dS^T (st <- dS^T, dpt <- P^T kept): the scale (and the bias) and the masks in passes
-      // that run only where they have work (tc_scale_logits, tc_hide_elems), then one loop
+      // P^T and dS^T (st <- dS^T, dpt <- P^T kept): the scale (and the bias) and the masks in
+      // passes that run only where they have work (tc_scale_logits, tc_hide_elems), then one loop
       // (dropout as bits)
       tc_scale_logits<kNT>(st, scale2, eb != nullptr, [&](int nt, int e) {
         const int jj = warp * 16 + g + (e / 2) * 8, ii = nt * 8 + 2 * t4 + e % 2;

@@ -481,7 +481,8 @@ class RelativeMultiheadAttention(nn.Module):
         # of the Shaw tables the kernels see
         if isinstance(max_distance, (tuple, list)):
             if len(max_distance) != 2:
-                raise ValueError(f"max_distance must be an int or (left, right), got {max_distance}")
+                raise ValueError(
+                    f"max_distance must be an int or (left, right), got {max_distance}")
             self.clip = (_distance(max_distance[0], "max_distance (left, right)"),
                          _distance(max_distance[1], "max_distance (left, right)"))
         else:
