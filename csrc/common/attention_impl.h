@@ -174,6 +174,12 @@ struct AttentionImpl {
     c.k_len = k.size(2);
     c.dim = q.size(3);
     c.scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(c.dim, 1)));
+    // Below float64 the kernels take the scale (times log2 e) in float32: beyond 2^126 it would
+    // be inf there, and every logit inf or NaN.
+    const double scale_max = q.scalar_type() == at::kDouble ? 1e300 : 0x1p126;
+    TORCH_CHECK(std::isfinite(c.scale) && std::abs(c.scale) <= scale_max,
+                "scale must be finite and at most ", scale_max, " in magnitude for ",
+                q.scalar_type(), " inputs; got ", c.scale);
     check_bias(rel_bias, q, max_distance, c.scale);
     if (rel_bias.has_value()) c.rel_bias = rel_bias->contiguous();
     return c;
