@@ -616,7 +616,7 @@ __global__ void __launch_bounds__(TcTile<kD>::kThreads, 1)
 
   // out = f (O + w_lo rel_v[0] + w_hi rel_v[2K]) / l, with dropout's factor f (else 1); rows
   // without a visible key: 0 and lse = +inf.
-  const float drop_scale = p.dropout.on ? static_cast<float>(p.dropout.keep_scale) : 1.f;
+  const float drop_scale = static_cast<float>(p.dropout.keep_scale);  // 1 without dropout
   T* out = static_cast<T*>(p.out) + (bh * p.q_len + i0) * D;
   float* lse = static_cast<float*>(p.lse) + bh * p.q_len + i0;
   RELPOS_UNROLL

@@ -211,7 +211,7 @@ __device__ void tc_bwd_dq_tile(const RelAttentionBwdParams& bp, const float* ws,
   float* pb = eb == nullptr || bp.drel_bias_partial == nullptr
                   ? nullptr : static_cast<float*>(bp.drel_bias_partial) + bh * table_rows;
   const float scale = static_cast<float>(p.scale);
-  const float drop_scale = p.dropout.on ? static_cast<float>(p.dropout.keep_scale) : 1.f;
+  const float drop_scale = static_cast<float>(p.dropout.keep_scale);  // 1 without dropout
   const float scale2 = static_cast<float>(p.scale * kLog2e);
   const float blo = eb == nullptr ? 0.f : to_float(eb[0]) * static_cast<float>(kLog2e);
   const float bhi = eb == nullptr ? 0.f : to_float(eb[table_rows - 1]) * static_cast<float>(kLog2e);
@@ -615,7 +615,7 @@ __device__ void tc_bwd_dkdv_tile(const RelAttentionBwdParams& bp, const float* w
   const int D = static_cast<int>(p.dim);
   const int64_t group = p.heads / p.kv_heads;
   const float scale = static_cast<float>(p.scale);
-  const float drop_scale = p.dropout.on ? static_cast<float>(p.dropout.keep_scale) : 1.f;
+  const float drop_scale = static_cast<float>(p.dropout.keep_scale);  // 1 without dropout
   const float scale2 = static_cast<float>(p.scale * kLog2e);
   const T* kp = static_cast<const T*>(p.k) + bkv * p.kv_stride + j0 * D;
   const T* vp = static_cast<const T*>(p.v) + bkv * p.kv_stride + j0 * D;
