@@ -96,9 +96,11 @@ namespace relpos {
 // h / (heads / kv_heads). Rows with no visible key get out = 0 and lse = +inf (so that the
 // backward's exp(s - lse) is 0, not NaN).
 //
-// The AVX2 and CUDA kernels keep the logits in base 2 (exp2 needs no scaling of its argument):
-// they scale by scale * log2(e) and return lse = m * ln(2) + ln(l) in base e. The constants, for
-// both (each casts them to its accumulation type):
+// The CUDA kernels keep the logits in base 2 (exp2 needs no scaling of its argument): they scale
+// by scale * log2(e) and return lse = m * ln(2) + ln(l) in base e. The AVX2 kernels keep them in
+// natural units and take log2(e) into their exponential's range reduction (expv in
+// cpu/rel_attention_avx2.cpp says why). The constants, for both (each casts them to its
+// accumulation type):
 constexpr double kLog2e = 1.4426950408889634;
 constexpr double kLn2 = 0.6931471805599453;
 

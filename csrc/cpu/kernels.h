@@ -77,7 +77,7 @@ struct Bf16Operands {
 
 // How the AVX2 attention forward splits the keys of each (b, h, query tile) into chunks when
 // there are few such items (decoding a batch with few heads): each chunk keeps its own running
-// maximum m (base 2), sum l and unnormalised output acc (value term included) in the float
+// maximum m, sum l and unnormalised output acc (value term included) in the float
 // buffers below, which rel_attention_combine merges in chunk order. Chosen from the shapes only,
 // like AttentionBwdSplit, so results do not depend on the number of threads.
 struct AttentionFwdSplit {

@@ -13,11 +13,17 @@
 // handled with small matmuls:
 // QE = Q @ rel_k[band]^T (key term, added along the skew) and W = the probability mass per
 // bucket (value term, W @ rel_v[band] at the end).
-// Logits are kept in base 2: the query tile is multiplied by scale * log2(e) before S = Q K^T and
-// QE = Q rel_k^T, so the softmax needs no per-logit scaling and its exponential is exp2, whose
-// range reduction is one rounding (exp2_256). The log-sum-exp the op returns is in base e.
-// A bias per bucket (rel_bias, added after the scale) is part of the key term: rel_bias[b] *
-// log2(e) joins QE's band column or clamped bucket, so the key loops do not see it; the backward
+// Logits are in natural units, as the op's log-sum-exp: the query tile is multiplied by the scale
+// before S = Q K^T and QE = Q rel_k^T, so the softmax needs no per-logit scaling; its exponential
+// (exp_256) takes log2(e) into its range reduction (see expv for why not base 2).
+// Every exponent is formed as (s + term) - m, or (s + term) - lse in the backward, in that order:
+// the backward recomputes P = e^(s - lse), which holds only while its logits are bitwise the
+// forward's (once an ulp of the logits nears 1, a logit one ulp off makes P e^ulp times too
+// large), so S, the terms and their sum are computed by the same operations in both, and
+// the term is not folded into the maximum or the lse first (s + (c - lse) rounds c - lse on
+// the lse's grid, which differs from the logit's where the two straddle a power of 2).
+// A bias per bucket (rel_bias, added after the scale) is part of the key term: rel_bias[b]
+// joins QE's band column or clamped bucket, so the key loops do not see it; the backward
 // takes its gradient from the per-bucket sums of dS that drel_k needs anyway.
 // The key-side table rel_q (k_j . rel_q[b], DeBERTa's position-to-content term) is the key term
 // with queries and keys swapped, so its values vary per key, not per row: per key tile, the
@@ -179,36 +185,45 @@ void transpose(const float* src, int64_t lds, int64_t rows, int64_t cols, float*
 }
 
 // ------------------------------------------------------------------------------ math
-// exp2v's polynomial for 2^f on [-1/2, 1/2]: its coefficients, highest degree first (Horner).
+// expv's polynomial for 2^f on [-1/2, 1/2]: its coefficients, highest degree first (Horner).
 constexpr float kExp2Poly[6] = {1.327647129073739e-3f, 9.675541892647743e-3f,
                                 5.550713092088699e-2f, 2.4022120237350464e-1f,
                                 6.931469440460205e-1f, 1.0000001192092896f};
-// 2^x for float32 lanes (V: Ymm or Zmm, vec_avx2.h): x = n + f with n an integer, |f| <= 1/2;
-// 2^f by a degree-5 polynomial (coefficients fitted for relative error on [-1/2, 1/2]: at most
-// 2.4e-7, about 2 ulp, in float32 arithmetic), times 2^n built from its exponent bits.
-// The range reduction is one add: t = x + kExp2Shift (1.5 * 2^23 + 127) rounds x to an integer
-// (the spacing of floats there is 1; ties go to an odd n) and leaves n + 127 in t's low mantissa
-// bits, so t - kExp2Shift is n (exact) and t's bits shifted left by 23 are 2^n (V::shl23): no
-// round and no float -> int conversion (see exp_sum_rows8_stale for what it saves).
-// x is clamped to [-127, 128]: inputs at or below -127 (including -inf, the masked logits) give
-// exactly 0 (2^-127 is built as +0), those near -126 may give a denormal, 128 and above +inf.
-// NaN stays NaN (max/min return their second operand when either is NaN; NaN's shifted bits
-// are 0, and NaN * 0 is NaN).
+// e^x for float32 lanes (V: Ymm or Zmm, vec_avx2.h), as 2^(x log2 e): x log2 e = n + f with n
+// an integer, |f| <= 1/2; 2^f by a degree-5 polynomial (coefficients fitted for relative error on
+// [-1/2, 1/2]: at most 2.4e-7, about 2 ulp, in float32 arithmetic), times 2^n built from its
+// exponent bits. The range reduction is two FMAs on the exact product x log2 e: t = x log2 e +
+// kExp2Shift (1.5 * 2^23 + 127) rounds it to an integer (the spacing of floats there is 1; ties
+// go to an odd n) and leaves n + 127 in t's low mantissa bits, so t - kExp2Shift is n (exact),
+// f = x log2 e - n is rounded once, and t's bits shifted left by 23 are 2^n (V::shl23): no round
+// and no float -> int conversion (see exp_sum_rows8_stale for what it saves). The logits stay in
+// natural units (x = s - m, s = scale q.k): f's error is relative to |s - m|, not to |s|, and the
+// log-sum-exp the forward stores is m + ln l, exact for a row with one dominant key, so the
+// backward's e^(s - lse) gives that key 1 exactly even at logits of 1e9 (keeping the logits in
+// base 2 and the lse in base e lost up to 3 ulp of the lse in the round trip: dv 5% off at
+// logits of 1e5, inf at 1e9).
+// x is clamped to [-127 ln 2, 128 ln 2]: inputs at or below -127 ln 2 (including -inf, the
+// masked logits) give exactly 0 (2^-127 is built as +0), those near -126 ln 2 may give a
+// denormal, 128 ln 2 and above +inf. NaN stays NaN (max/min return their second operand when
+// either is NaN; NaN's shifted bits are 0, and NaN * 0 is NaN).
 constexpr float kExp2Shift = 12583039.f;  // 0x1.8p23 + 127
+constexpr float kExpMin = static_cast<float>(-127 * relpos::kLn2);
+constexpr float kExpMax = static_cast<float>(128 * relpos::kLn2);
 template <typename V>
-inline typename V::reg exp2v(typename V::reg x) {
-  x = V::min(V::set1(128.f), V::max(V::set1(-127.f), x));
-  const typename V::reg t = V::add(x, V::set1(kExp2Shift));
-  const typename V::reg f = V::sub(x, V::sub(t, V::set1(kExp2Shift)));
+inline typename V::reg expv(typename V::reg x) {
+  x = V::min(V::set1(kExpMax), V::max(V::set1(kExpMin), x));
+  const typename V::reg l2e = V::set1(kLog2e);
+  const typename V::reg t = V::fma(x, l2e, V::set1(kExp2Shift));
+  const typename V::reg f = V::fma(x, l2e, V::sub(V::set1(kExp2Shift), t));
   typename V::reg y = V::set1(kExp2Poly[0]);
   for (int c = 1; c < 6; ++c) y = V::fma(y, f, V::set1(kExp2Poly[c]));
   return V::mul(y, V::shl23(t));
 }
-inline __m256 exp2_256(__m256 x) { return exp2v<Ymm>(x); }
+inline __m256 exp_256(__m256 x) { return expv<Ymm>(x); }
 
 #if defined(__AVX512F__)
-// exp2_256 on 16 lanes, for the AVX-512 build: bitwise exp2_256's result in each lane.
-inline __m512 exp2_512(__m512 x) { return exp2v<Zmm>(x); }
+// exp_256 on 16 lanes, for the AVX-512 build: bitwise exp_256's result in each lane.
+inline __m512 exp_512(__m512 x) { return expv<Zmm>(x); }
 #endif
 
 // Decoding streams the whole key/value cache once per call, from memory when it is larger than
@@ -977,14 +992,16 @@ float max_row(const float* x, int64_t n) {
   return max_or_nan(mx, nan);
 }
 
-// x[j] = 2^(x[j] - shift) over a row (masked -inf entries give 0).
+// x[j] = e^(x[j] - shift) over a row (masked -inf entries give 0).
 void exp_row(float* x, int64_t n, float shift) {
   const __m256 vs = _mm256_set1_ps(shift);
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, exp2_256(_mm256_sub_ps(_mm256_loadu_ps(x + j), vs)));
+  for (; j + 8 <= n; j += 8) {
+    _mm256_storeu_ps(x + j, exp_256(_mm256_sub_ps(_mm256_loadu_ps(x + j), vs)));
+  }
   if (j < n) {
     const __m256i mk = tail_mask(n - j);
-    _mm256_maskstore_ps(x + j, mk, exp2_256(_mm256_sub_ps(_mm256_maskload_ps(x + j, mk), vs)));
+    _mm256_maskstore_ps(x + j, mk, exp_256(_mm256_sub_ps(_mm256_maskload_ps(x + j, mk), vs)));
   }
 }
 
@@ -1105,14 +1122,14 @@ inline float logits_row_uniform(float* sr, int64_t nk, int64_t vis, float c) {
   return max_or_nan(mx, nan);  // NaN when a visible logit is (see max_row)
 }
 
-// Forward: sr = 2^(sr - shift) over whole 8-lane chunks (masked lanes hold -inf: 0); returns
+// Forward: sr = e^(sr - shift) over whole 8-lane chunks (masked lanes hold -inf: 0); returns
 // the sum of the first nk entries (the lanes past nk are -inf or garbage only where j >= vis,
 // which logits_row_uniform set to -inf, so the sum over whole chunks is the row sum).
 inline float exp_sum_row(float* sr, int64_t nk, float shift) {
   const __m256 vs = _mm256_set1_ps(shift);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t j = 0; j < nk; j += 8) {
-    const __m256 e = exp2_256(_mm256_sub_ps(_mm256_loadu_ps(sr + j), vs));
+    const __m256 e = exp_256(_mm256_sub_ps(_mm256_loadu_ps(sr + j), vs));
     _mm256_storeu_ps(sr + j, e);
     acc = _mm256_add_ps(acc, e);
   }
@@ -1120,13 +1137,13 @@ inline float exp_sum_row(float* sr, int64_t nk, float shift) {
 }
 
 // Forward, the one-pass form of logits_row_uniform + exp_sum_row for a row that already has a
-// running maximum m: sr = 2^(sr + c - m) in place (masked lanes 0), with its sum, without first
+// running maximum m: sr = e^(sr + c - m) in place (masked lanes 0), with its sum, without first
 // finding the row's maximum in this tile. m may be below the true maximum (a stale maximum, as
-// in FlashAttention-4): the probabilities then carry a common factor 2^(true max - m), which the
+// in FlashAttention-4): the probabilities then carry a common factor e^(true max - m), which the
 // normalisation by the row sum cancels, as long as it stays small. Returns false, leaving the
 // caller to recompute the row's logits and redo it with its new maximum, when a visible logit
-// exceeds m by more than kStaleMax (so P <= 2^kStaleMax: no overflow in P, the sums or P V).
-constexpr float kStaleMax = 8.f;
+// exceeds m by more than kStaleMax (so P <= e^kStaleMax = 2^8: no overflow in P, the sums or P V).
+constexpr float kStaleMax = 8.f * kLn2;
 
 // The 8-key chunks of a row from key j (the first of them an even chunk) to nk, a multiple of 8:
 // chunk(j, odd) for each, odd telling the odd chunks from the even. The one-pass rows below sum
@@ -1153,25 +1170,26 @@ inline int64_t chunk_end(int64_t nk) { return (nk + 7) / 8 * 8; }
 // add the same numbers in the same order as the AVX2 build. Rows of band tiles that sit in one
 // clamped bucket take this (a clamped tile's rows take exp_sum_rows8_stale).
 template <bool kMasked>
-inline bool exp_sum_row_stale_(float* sr, int64_t nk, int64_t vis, float c_minus_m, float& sum) {
+inline bool exp_sum_row_stale_(float* sr, int64_t nk, int64_t vis, float c, float m, float& sum) {
   const int64_t n8 = chunk_end(nk);
-  const __m256 vc = _mm256_set1_ps(c_minus_m), ninf = _mm256_set1_ps(kNegInf);
+  const __m256 vc = _mm256_set1_ps(c), vm = _mm256_set1_ps(m), ninf = _mm256_set1_ps(kNegInf);
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, mx = ninf;
   int64_t j = 0;
 #if defined(__AVX512F__)
   {
-    const __m512 vc16 = _mm512_set1_ps(c_minus_m), ninf16 = _mm512_set1_ps(kNegInf);
+    const __m512 vc16 = _mm512_set1_ps(c), vm16 = _mm512_set1_ps(m);
+    const __m512 ninf16 = _mm512_set1_ps(kNegInf);
     const __m512i idx16 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 a16 = _mm512_setzero_ps(), mx16 = ninf16;
     for (; j + 16 <= n8; j += 16) {
-      __m512 x = _mm512_add_ps(_mm512_loadu_ps(sr + j), vc16);
+      __m512 x = _mm512_sub_ps(_mm512_add_ps(_mm512_loadu_ps(sr + j), vc16), vm16);
       if constexpr (kMasked) {
         const __mmask16 keep = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int>(vis - j)), idx16);
         x = _mm512_mask_blend_ps(keep, ninf16, x);
       }
       mx16 = _mm512_max_ps(x, mx16);
-      const __m512 e = exp2_512(x);
+      const __m512 e = exp_512(x);
       _mm512_storeu_ps(sr + j, e);
       a16 = _mm512_add_ps(a16, e);
     }
@@ -1182,13 +1200,13 @@ inline bool exp_sum_row_stale_(float* sr, int64_t nk, int64_t vis, float c_minus
 #endif
   for_chunk_pairs(j, n8, [&](int64_t jj, bool odd) {
     __m256& a = odd ? a1 : a0;
-    __m256 x = _mm256_add_ps(_mm256_loadu_ps(sr + jj), vc);
+    __m256 x = _mm256_sub_ps(_mm256_add_ps(_mm256_loadu_ps(sr + jj), vc), vm);
     if constexpr (kMasked) {
       const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(vis - jj)), idx);
       x = _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(keep));
     }
     mx = _mm256_max_ps(x, mx);
-    const __m256 e = exp2_256(x);
+    const __m256 e = exp_256(x);
     _mm256_storeu_ps(sr + jj, e);
     a = _mm256_add_ps(a, e);
   });
@@ -1199,21 +1217,22 @@ inline bool exp_sum_row_stale_(float* sr, int64_t nk, int64_t vis, float c_minus
 
 // Forward, exp_sum_row_stale for 8 rows at once (row stride ld): rows whose keys in this tile all
 // sit in one clamped bucket and are all visible, nk a multiple of 8, every row with a running
-// maximum m[u]; c: the rows' key-term constants (null: none). Row u becomes 2^(s + c[u] - m[u])
+// maximum m[u]; c: the rows' key-term constants (null: none). Row u becomes e^(s + c[u] - m[u])
 // and its sum is added to l[u] (and w[u] when w is not null), as one vector. Returns a bit per
 // row that went over kStaleMax: those rows' sums are not added and their logits are overwritten.
 // The exponentials are those of exp_sum_row_stale; what goes is the per-row split, tests and
 // reduction (L = 2048, H = 8, D = 64, K = 64, one core: forward 100.9 -> 98.2 ms).
 // Under dropout (drop: the 8 rows' RowDropout, keys from j0) the rows keep the dropped
 // probabilities and w takes their sums, while l takes the sums without dropout.
-// The AVX-512 build takes 16 keys at a time without dropout (exp2_512): L = 2048, H = 8,
+// The AVX-512 build takes 16 keys at a time without dropout (exp_512): L = 2048, H = 8,
 // D = 64, K = 64, 2 threads, 8 alternating runs: forward 44.8 -> 41.7 ms (medians). Its sums go
 // into one 16-lane accumulator, whose halves the 8-lane loop (AVX2, dropout, a last 8 keys) keeps
 // as two accumulators, the even and the odd chunks: the same sums in the same order, with two
 // add chains instead of one per row (and one add per 16 keys instead of two and an extract).
 // A row goes over when its largest logit does (one max per chunk, not a compare and an or).
-// Both, with exp2v's one-add range reduction, on a 64 x 64 tile of these rows in L1: AVX-512
-// 0.264 -> 0.217 ns a key, AVX2 0.333 -> 0.289 (best of 5 x 20000 tiles, one core).
+// Both, with a one-add range reduction (of the base-2 exponential then, see expv), on a 64 x 64
+// tile of these rows in L1: AVX-512 0.264 -> 0.217 ns a key, AVX2 0.333 -> 0.289 (best of
+// 5 x 20000 tiles, one core).
 template <bool kDrop = false>
 inline int exp_sum_rows8_stale(float* s, int64_t ld, int64_t nk, const float* c, const float* m,
                                float* l, float* w, const RowDropout* drop = nullptr,
@@ -1223,20 +1242,20 @@ inline int exp_sum_rows8_stale(float* s, int64_t ld, int64_t nk, const float* c,
   int over = 0;
   for (int u = 0; u < 8; ++u) {
     float* sr = s + u * ld;
-    const float cm = (c != nullptr ? c[u] : 0.f) - m[u];
-    const __m256 vc = _mm256_set1_ps(cm);
+    const float cu = c != nullptr ? c[u] : 0.f;
+    const __m256 vc = _mm256_set1_ps(cu), vm = _mm256_set1_ps(m[u]);
     // the sums of the even and of the odd 8-key chunks (for_chunk_pairs), and the largest logit
     // (max(x, mx) keeps mx where x is NaN, which never counts as over, as in a compare)
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, d0 = a0, d1 = a0, mx = ninf;
     int64_t j = 0;
 #if defined(__AVX512F__)
     if constexpr (!kDrop) {  // 16 keys at a time: the halves of a16 are a0 and a1
-      const __m512 vc16 = _mm512_set1_ps(cm);
+      const __m512 vc16 = _mm512_set1_ps(cu), vm16 = _mm512_set1_ps(m[u]);
       __m512 a16 = _mm512_setzero_ps(), mx16 = _mm512_set1_ps(kNegInf);
       for (; j + 16 <= nk; j += 16) {
-        const __m512 x = _mm512_add_ps(_mm512_loadu_ps(sr + j), vc16);
+        const __m512 x = _mm512_sub_ps(_mm512_add_ps(_mm512_loadu_ps(sr + j), vc16), vm16);
         mx16 = _mm512_max_ps(x, mx16);
-        const __m512 e = exp2_512(x);
+        const __m512 e = exp_512(x);
         _mm512_storeu_ps(sr + j, e);
         a16 = _mm512_add_ps(a16, e);
       }
@@ -1248,9 +1267,9 @@ inline int exp_sum_rows8_stale(float* s, int64_t ld, int64_t nk, const float* c,
     for_chunk_pairs(j, nk, [&](int64_t jj, bool odd) {
       __m256& a = odd ? a1 : a0;
       __m256& d = odd ? d1 : d0;
-      const __m256 x = _mm256_add_ps(_mm256_loadu_ps(sr + jj), vc);
+      const __m256 x = _mm256_sub_ps(_mm256_add_ps(_mm256_loadu_ps(sr + jj), vc), vm);
       mx = _mm256_max_ps(x, mx);
-      const __m256 e = exp2_256(x);
+      const __m256 e = exp_256(x);
       a = _mm256_add_ps(a, e);
       if constexpr (kDrop) {
         const __m256 ed = _mm256_mul_ps(e, drop[u].factors(j0 + jj));
@@ -1276,9 +1295,9 @@ inline int exp_sum_rows8_stale(float* s, int64_t ld, int64_t nk, const float* c,
   return over;
 }
 
-inline bool exp_sum_row_stale(float* sr, int64_t nk, int64_t vis, float c_minus_m, float& sum) {
-  return unmasked(nk, vis) ? exp_sum_row_stale_<false>(sr, nk, vis, c_minus_m, sum)
-                           : exp_sum_row_stale_<true>(sr, nk, vis, c_minus_m, sum);
+inline bool exp_sum_row_stale(float* sr, int64_t nk, int64_t vis, float c, float m, float& sum) {
+  return unmasked(nk, vis) ? exp_sum_row_stale_<false>(sr, nk, vis, c, m, sum)
+                           : exp_sum_row_stale_<true>(sr, nk, vis, c, m, sum);
 }
 
 // A row's relative term over a key tile, by bucket: lo for bucket 0, hi for bucket 2K, and
@@ -1403,7 +1422,7 @@ class ShiftedTerm16 {
 };
 #endif
 
-// Forward, exp_sum_row_stale for a band row: sr = 2^(sr + rel - m) in place, rel being tk's value
+// Forward, exp_sum_row_stale for a band row: sr = e^(sr + rel - m) in place, rel being tk's value
 // of each key's bucket (the key term), keys from vis on masked (0). One pass, where
 // add_rel_logits, mask_logits, max_row, exp_row and sum_row take five; returns false, as
 // exp_sum_row_stale, when a visible logit exceeds m by more than kStaleMax. The sums of the even
@@ -1418,14 +1437,15 @@ inline bool band_row_stale(float* sr, int64_t j0, int64_t nk, int64_t vis, const
 #if defined(__AVX512F__)
   {
     const BandLanes16 lanes(j0, vis, sp);
-    const ShiftedTerm16 rel(tk, m);
-    const __m512 ninf16 = _mm512_set1_ps(kNegInf);
+    const ShiftedTerm16 rel(tk, 0.f);
+    const __m512 ninf16 = _mm512_set1_ps(kNegInf), vm16 = _mm512_set1_ps(m);
     __m512 a16 = _mm512_setzero_ps(), mx16 = ninf16;
     for (; j + 16 <= n8; j += 16) {
       const BandChunk16 c = lanes.at(j);
-      const __m512 x = _mm512_mask_blend_ps(c.keep, ninf16, _mm512_add_ps(_mm512_loadu_ps(sr + j), rel.at(c)));
+      const __m512 x = _mm512_mask_blend_ps(
+          c.keep, ninf16, _mm512_sub_ps(_mm512_add_ps(_mm512_loadu_ps(sr + j), rel.at(c)), vm16));
       mx16 = _mm512_max_ps(x, mx16);
-      const __m512 e = exp2_512(x);
+      const __m512 e = exp_512(x);
       _mm512_storeu_ps(sr + j, e);
       a16 = _mm512_add_ps(a16, e);
     }
@@ -1435,14 +1455,15 @@ inline bool band_row_stale(float* sr, int64_t j0, int64_t nk, int64_t vis, const
   }
 #endif
   const BandLanes lanes(j0, vis, sp);
-  const ShiftedTerm rel(tk, m);
+  const ShiftedTerm rel(tk, 0.f);
+  const __m256 vm = _mm256_set1_ps(m);
   for_chunk_pairs(j, n8, [&](int64_t jj, bool odd) {
     __m256& a = odd ? a1 : a0;
     const BandChunk c = lanes.at(jj);
-    const __m256 x =
-        _mm256_blendv_ps(ninf, _mm256_add_ps(_mm256_loadu_ps(sr + jj), rel.at(c)), c.keep);
+    const __m256 x = _mm256_blendv_ps(
+        ninf, _mm256_sub_ps(_mm256_add_ps(_mm256_loadu_ps(sr + jj), rel.at(c)), vm), c.keep);
     mx = _mm256_max_ps(x, mx);
-    const __m256 e = exp2_256(x);
+    const __m256 e = exp_256(x);
     _mm256_storeu_ps(sr + jj, e);
     a = _mm256_add_ps(a, e);
   });
@@ -1453,11 +1474,11 @@ inline bool band_row_stale(float* sr, int64_t j0, int64_t nk, int64_t vis, const
   return true;
 }
 
-// Backward (base-2 logits s, ck and lse2): P = 2^(s + ck - lse2), dS = scale P (dp + cv - di) in
+// Backward (logits s, ck and lse): P = e^(s + ck - lse), dS = scale P (dp + cv - di) in
 // one pass, masked lanes 0; adds the row sums of P and dS to psum / dssum.
 template <bool kMasked>
 inline void grad_row_uniform_(float* sr, float* dpr, int64_t nk, int64_t vis, float ck, float cv,
-                              float scale, float lse2, float di, float& psum, float& dssum) {
+                              float scale, float lse, float di, float& psum, float& dssum) {
   const int64_t n8 = chunk_end(nk);
   // the sums of P and dS over the even and the odd 8-key chunks (for_chunk_pairs), so that the
   // AVX-512 build takes 16 keys at a time with the AVX2 build's results
@@ -1465,18 +1486,18 @@ inline void grad_row_uniform_(float* sr, float* dpr, int64_t nk, int64_t vis, fl
   int64_t j = 0;
 #if defined(__AVX512F__)
   {
-    const __m512 vck = _mm512_set1_ps(ck - lse2), vsc = _mm512_set1_ps(scale);
+    const __m512 vck = _mm512_set1_ps(ck), vlse = _mm512_set1_ps(lse), vsc = _mm512_set1_ps(scale);
     const __m512 vcd = _mm512_set1_ps(cv - di), ninf = _mm512_set1_ps(kNegInf);
     const __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 ps = _mm512_setzero_ps(), ds = ps;
     for (; j + 16 <= n8; j += 16) {
-      __m512 x = _mm512_add_ps(_mm512_loadu_ps(sr + j), vck);
+      __m512 x = _mm512_sub_ps(_mm512_add_ps(_mm512_loadu_ps(sr + j), vck), vlse);
       __mmask16 keep = 0xFFFF;
       if constexpr (kMasked) {
         keep = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int>(vis - j)), idx);
         x = _mm512_mask_blend_ps(keep, ninf, x);
       }
-      const __m512 pj = exp2_512(x);
+      const __m512 pj = exp_512(x);
       const __m512 pd = _mm512_mul_ps(pj, _mm512_add_ps(_mm512_loadu_ps(dpr + j), vcd));
       // masked lanes: 0, whatever the lanes past nk hold
       const __m512 g = kMasked ? _mm512_maskz_mul_ps(keep, vsc, pd) : _mm512_mul_ps(vsc, pd);
@@ -1491,17 +1512,17 @@ inline void grad_row_uniform_(float* sr, float* dpr, int64_t nk, int64_t vis, fl
     g1 = _mm512_extractf32x8_ps(ds, 1);
   }
 #endif
-  const __m256 vck = _mm256_set1_ps(ck - lse2), vsc = _mm256_set1_ps(scale);
+  const __m256 vck = _mm256_set1_ps(ck), vlse = _mm256_set1_ps(lse), vsc = _mm256_set1_ps(scale);
   const __m256 vcd = _mm256_set1_ps(cv - di), ninf = _mm256_set1_ps(kNegInf);
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for_chunk_pairs(j, n8, [&](int64_t jj, bool odd) {
-    __m256 x = _mm256_add_ps(_mm256_loadu_ps(sr + jj), vck);
+    __m256 x = _mm256_sub_ps(_mm256_add_ps(_mm256_loadu_ps(sr + jj), vck), vlse);
     __m256 keep;
     if constexpr (kMasked) {
       keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(vis - jj)), idx));
       x = _mm256_blendv_ps(ninf, x, keep);
     }
-    const __m256 pj = exp2_256(x);
+    const __m256 pj = exp_256(x);
     __m256 g = _mm256_mul_ps(vsc, _mm256_mul_ps(pj, _mm256_add_ps(_mm256_loadu_ps(dpr + jj), vcd)));
     if constexpr (kMasked) g = _mm256_and_ps(keep, g);  // 0, whatever the lanes past nk hold
     _mm256_storeu_ps(sr + jj, pj);
@@ -1516,7 +1537,7 @@ inline void grad_row_uniform_(float* sr, float* dpr, int64_t nk, int64_t vis, fl
 }
 
 // Backward, grad_row_uniform for 8 rows at once (row stride BK) of a tile whose rows all sit in
-// one clamped bucket with every key visible and nk a multiple of 8 (uniform_tile): ck, cv, lse2,
+// one clamped bucket with every key visible and nk a multiple of 8 (uniform_tile): ck, cv, lse,
 // di per row (ck / cv null: no such term). The row sums go to psum[u] and dssum[u] as one vector
 // each (hsum8) instead of two horizontal sums per row (L = 2048, H = 8, D = 64, K = 64, one
 // core, medians of 3 alternating pairs: backward 233.6-237.3 -> 230.4-234.0 ms; 2 threads
@@ -1524,19 +1545,19 @@ inline void grad_row_uniform_(float* sr, float* dpr, int64_t nk, int64_t vis, fl
 // Under dropout (drop: the 8 rows' RowDropout, keys from j0, factors f): dS = scale P (f (dP +
 // cv) - d_i) and P *= f, as softmax_grad_row_dropout. The AVX-512 build takes 16 keys at a time
 // without dropout, with its sums split as in exp_sum_rows8_stale (forward+backward 138.3 -> 134.5
-// ms, medians; with the split sums and exp2v's one-add reduction, 8 alternating runs, medians:
-// AVX-512 130.3 -> 126.9 ms, the AVX2 path 275 -> 244 ms).
+// ms, medians; with the split sums and a one-add range reduction (base 2 then, see expv),
+// 8 alternating runs, medians: AVX-512 130.3 -> 126.9 ms, the AVX2 path 275 -> 244 ms).
 template <bool kDrop = false>
 inline void grad_rows8_uniform(float* s, float* dp, int64_t nk, const float* ck, const float* cv,
-                               float scale, const float* lse2, const float* di, float* psum,
+                               float scale, const float* lse, const float* di, float* psum,
                                float* dssum, const RowDropout* drop = nullptr, int64_t j0 = 0) {
   const __m256 vsc = _mm256_set1_ps(scale);
   __m256 pacc[8], dacc[8];
   for (int u = 0; u < 8; ++u) {
     float* sr = s + u * BK;
     float* dpr = dp + u * BK;
-    const float ck_l = (ck != nullptr ? ck[u] : 0.f) - lse2[u], cv_u = cv != nullptr ? cv[u] : 0.f;
-    const __m256 vck = _mm256_set1_ps(ck_l);
+    const float ck_u = ck != nullptr ? ck[u] : 0.f, cv_u = cv != nullptr ? cv[u] : 0.f;
+    const __m256 vck = _mm256_set1_ps(ck_u), vlse = _mm256_set1_ps(lse[u]);
     const __m256 vcv = _mm256_set1_ps(cv_u), vdi = _mm256_set1_ps(di[u]);
     const __m256 vcd = _mm256_set1_ps(cv_u - di[u]);
     // the sums of P and dS over the even and over the odd 8-key chunks (for_chunk_pairs)
@@ -1544,11 +1565,13 @@ inline void grad_rows8_uniform(float* s, float* dp, int64_t nk, const float* ck,
     int64_t j = 0;
 #if defined(__AVX512F__)
     if constexpr (!kDrop) {  // 16 keys at a time: the halves of the sums are p0 / p1, g0 / g1
-      const __m512 vck16 = _mm512_set1_ps(ck_l), vcd16 = _mm512_set1_ps(cv_u - di[u]);
+      const __m512 vck16 = _mm512_set1_ps(ck_u), vlse16 = _mm512_set1_ps(lse[u]);
+      const __m512 vcd16 = _mm512_set1_ps(cv_u - di[u]);
       const __m512 vsc16 = _mm512_set1_ps(scale);
       __m512 ps = _mm512_setzero_ps(), ds = _mm512_setzero_ps();
       for (; j + 16 <= nk; j += 16) {
-        const __m512 pj = exp2_512(_mm512_add_ps(_mm512_loadu_ps(sr + j), vck16));
+        const __m512 x = _mm512_sub_ps(_mm512_add_ps(_mm512_loadu_ps(sr + j), vck16), vlse16);
+        const __m512 pj = exp_512(x);
         const __m512 g = _mm512_mul_ps(vsc16, _mm512_mul_ps(pj, _mm512_add_ps(_mm512_loadu_ps(dpr + j), vcd16)));
         _mm512_storeu_ps(sr + j, pj);
         _mm512_storeu_ps(dpr + j, g);
@@ -1564,7 +1587,7 @@ inline void grad_rows8_uniform(float* s, float* dp, int64_t nk, const float* ck,
     for_chunk_pairs(j, nk, [&](int64_t jj, bool odd) {
       __m256& ps = odd ? p1 : p0;
       __m256& ds = odd ? g1 : g0;
-      __m256 pj = exp2_256(_mm256_add_ps(_mm256_loadu_ps(sr + jj), vck));
+      __m256 pj = exp_256(_mm256_sub_ps(_mm256_add_ps(_mm256_loadu_ps(sr + jj), vck), vlse));
       __m256 g;
       if constexpr (kDrop) {
         const __m256 f = drop[u].factors(j0 + jj);
@@ -1587,16 +1610,16 @@ inline void grad_rows8_uniform(float* s, float* dp, int64_t nk, const float* ck,
 }
 
 inline void grad_row_uniform(float* sr, float* dpr, int64_t nk, int64_t vis, float ck, float cv,
-                             float scale, float lse2, float di, float& psum, float& dssum) {
+                             float scale, float lse, float di, float& psum, float& dssum) {
   if (unmasked(nk, vis)) {
-    grad_row_uniform_<false>(sr, dpr, nk, vis, ck, cv, scale, lse2, di, psum, dssum);
+    grad_row_uniform_<false>(sr, dpr, nk, vis, ck, cv, scale, lse, di, psum, dssum);
   } else {
-    grad_row_uniform_<true>(sr, dpr, nk, vis, ck, cv, scale, lse2, di, psum, dssum);
+    grad_row_uniform_<true>(sr, dpr, nk, vis, ck, cv, scale, lse, di, psum, dssum);
   }
 }
 
-// Backward, a band row (see BandLanes) of a clear tile without dropout in one pass: P = 2^(s +
-// tk - lse2) and dS = scale P (dP + tv - d_i) in place (keys from vis masked: 0), tk / tv being
+// Backward, a band row (see BandLanes) of a clear tile without dropout in one pass: P = e^(s +
+// tk - lse) and dS = scale P (dP + tv - d_i) in place (keys from vis masked: 0), tk / tv being
 // the key / value term of each key's bucket; P summed per bucket into pm, dS into dm. The
 // general path takes add_rel_logits twice, mask_logits, exp_row, softmax_grad_row and
 // add_bucket_mass twice (B = 1, H = 8, D = 64, K = 64, 2 threads, alternating runs, medians of
@@ -1605,7 +1628,7 @@ inline void grad_row_uniform(float* sr, float* dpr, int64_t nk, int64_t vis, flo
 // bitwise the AVX2 build's results.
 inline void grad_band_row(float* sr, float* dpr, int64_t j0, int64_t nk, int64_t vis,
                           const RowSplit& sp, const BandTerm& tk, const BandTerm& tv, float scale,
-                          float lse2, float di, const BandMass& pm, const BandMass& dm) {
+                          float lse, float di, const BandMass& pm, const BandMass& dm) {
   const int64_t n8 = chunk_end(nk);
   // the clamped buckets' sums of P and dS over the even and the odd 8-key chunks
   // (for_chunk_pairs): [0] / [1] bucket 0, [2] / [3] bucket 2K
@@ -1615,16 +1638,17 @@ inline void grad_band_row(float* sr, float* dpr, int64_t j0, int64_t nk, int64_t
 #if defined(__AVX512F__)
   {  // 16 keys at a time: the halves of each sum are its even and odd chunks' parts
     const BandLanes16 lanes(j0, vis, sp);
-    const ShiftedTerm16 rk(tk, lse2), rv(tv, di);
+    const ShiftedTerm16 rk(tk, 0.f), rv(tv, di);
     const __m512 vsc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(kNegInf);
+    const __m512 vlse = _mm512_set1_ps(lse);
     __m512 p_lo = _mm512_setzero_ps(), p_hi = p_lo, d_lo = p_lo, d_hi = p_lo;
     auto add_band = [](float* row, __mmask16 in, __m512 x) {
       _mm512_mask_storeu_ps(row, in, _mm512_add_ps(_mm512_maskz_loadu_ps(in, row), x));
     };
     for (; j + 16 <= n8; j += 16) {
       const BandChunk16 c = lanes.at(j);
-      const __m512 x = _mm512_add_ps(_mm512_loadu_ps(sr + j), rk.at(c));
-      const __m512 pj = exp2_512(_mm512_mask_blend_ps(c.keep, ninf, x));
+      const __m512 x = _mm512_sub_ps(_mm512_add_ps(_mm512_loadu_ps(sr + j), rk.at(c)), vlse);
+      const __m512 pj = exp_512(_mm512_mask_blend_ps(c.keep, ninf, x));
       const __m512 dpv = _mm512_add_ps(_mm512_loadu_ps(dpr + j), rv.at(c));
       const __m512 g = _mm512_maskz_mul_ps(c.keep, vsc, _mm512_mul_ps(pj, dpv));
       _mm512_storeu_ps(sr + j, pj);
@@ -1650,16 +1674,17 @@ inline void grad_band_row(float* sr, float* dpr, int64_t j0, int64_t nk, int64_t
   }
 #endif
   const BandLanes lanes(j0, vis, sp);
-  const ShiftedTerm rk(tk, lse2), rv(tv, di);
+  const ShiftedTerm rk(tk, 0.f), rv(tv, di);
   const __m256 vsc = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(kNegInf);
+  const __m256 vlse = _mm256_set1_ps(lse);
   // the band row's columns of the chunk's keys: a masked load, add and store (inside lanes only)
   auto add_band = [](float* row, __m256i in, __m256 x) {
     _mm256_maskstore_ps(row, in, _mm256_add_ps(_mm256_maskload_ps(row, in), x));
   };
   for_chunk_pairs(j, n8, [&](int64_t jj, bool odd) {
     const BandChunk c = lanes.at(jj);
-    const __m256 x = _mm256_add_ps(_mm256_loadu_ps(sr + jj), rk.at(c));
-    const __m256 pj = exp2_256(_mm256_blendv_ps(ninf, x, c.keep));
+    const __m256 x = _mm256_sub_ps(_mm256_add_ps(_mm256_loadu_ps(sr + jj), rk.at(c)), vlse);
+    const __m256 pj = exp_256(_mm256_blendv_ps(ninf, x, c.keep));
     const __m256 dpv = _mm256_add_ps(_mm256_loadu_ps(dpr + jj), rv.at(c));
     // masked lanes: 0, whatever the lanes past nk hold
     const __m256 g = _mm256_and_ps(c.keep, _mm256_mul_ps(vsc, _mm256_mul_ps(pj, dpv)));
@@ -1798,7 +1823,7 @@ void band_grad_dots(const float* wt, int64_t ldw, int64_t mq, int64_t n, const u
   }
 }
 
-// The bias's part of the key term, rel_bias[b] * log2(e) in QE's units (scaled, base 2), added
+// The bias's part of the key term, rel_bias[b] in QE's units (scaled), added
 // to the table's part (with_table) or written alone: bias_ends to the clamped buckets' lo[r] and
 // hi[r] (buckets 0 and 2K) of n rows; bias_band to the band's xe[r, c] (bucket band.lo + c) of mq
 // rows, through tmp (band.n floats), or without a table into xe's first row alone: the bias
@@ -1808,8 +1833,6 @@ void bias_ends(DType d, const char* bias, int64_t rows_tab, int64_t n, bool with
   float b0, b1;
   load_row(d, bias, &b0, 1);
   load_row(d, bias + (rows_tab - 1) * elem_bytes(d), &b1, 1);
-  b0 *= kLog2e;
-  b1 *= kLog2e;
   if (with_table) {
     add_const(b0, lo, n);
     add_const(b1, hi, n);
@@ -1824,7 +1847,6 @@ void bias_band(DType d, const char* bias, const Band& band, int64_t mq, bool wit
   if (band.n == 0) return;
   float* b = with_table ? tmp : xe;
   load_row(d, bias + band.lo * elem_bytes(d), b, band.n);
-  scale_row(kLog2e, b, band.n);
   if (!with_table) return;
   for (int64_t r = 0; r < mq; ++r) add_row(b, xe + r * band.n, band.n);
 }
@@ -1856,7 +1878,7 @@ void bias_grad_band(const float* wds, int64_t rows, const Band& band, float inv_
 // [band.n, ld] (ld: the tile's width; from the transposed key tile, the B operand S = Q K^T uses).
 // Bucket and key both move by one along a query row, so the row reads KE^T along a diagonal
 // (stride ld + 1): an element-wise gather, where QE's row is a contiguous slice. The values are kept unscaled (dK
-// takes the table as it is) and scaled by scale * log2(e) as they join the logits.
+// takes the table as it is) and scaled by the scale as they join the logits.
 //
 // s[j - j0] += alpha * k_j . rel_q[b(i, j)] over the key tile [j0, j0 + nk) for the row split
 // sp against KE^T's band; lo / hi: the ends of key j0 onwards.
@@ -1987,7 +2009,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
   const int64_t max_band = imin(imax(2 * K - 1, 0), TQ + p.k_len);
   const int64_t n_ktiles = (p.k_len + TK - 1) / TK;
   const bool f32 = p.dtype == DType::Float32;
-  const float scale2 = static_cast<float>(p.scale) * kLog2e;  // logits in base 2
+  const float scale = static_cast<float>(p.scale);  // logits in natural units (see expv)
   // Few query rows (decoding): scores from the key rows (scores_rows) instead of transposed key
   // tiles, which would be built for a single tile of at most kAttentionFewQueries rows.
   const bool few_q = p.q_len <= kAttentionFewQueries;
@@ -2076,17 +2098,17 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
         q_bf = f32 ? q16 : h16.q + i0 * D;
       }
     }
-    // qs = Q * scale * log2(e): S, QE and so the logits come out scaled, in base 2
-    scale_copy(float_rows(p.dtype, hd.q + i0 * D * es, mq, D, qf), scale2, qs, mq * D);
+    // qs = Q * scale: S, QE and so the logits come out scaled
+    scale_copy(float_rows(p.dtype, hd.q + i0 * D * es, mq, D, qf), scale, qs, mq * D);
     const int64_t kt_end = imin(last_key_tile(p, i0 + mq - 1, TK), (ke + TK - 1) / TK);
     const KeySpan seen = seen_keys(p, hd, i0, mq, kb / TK, kt_end, TK);
     const Band band = band_of(p, i0, mq, seen.begin, seen.end);
     if (hd.rel_k) {  // QE = Q @ rel_k[band]^T, and the two clamped buckets per row
       load_row(p.dtype, hd.rel_k, ek0, D);
       load_row(p.dtype, hd.rel_k + (rows_tab - 1) * D * es, ek1, D);
-      if (bdot) {  // the band as S: scale2 (Q rel_k^T)
+      if (bdot) {  // the band as S: scale (Q rel_k^T)
         table_ends(qs, mq, D, ek0, ek1, qe_lo, qe_hi);
-        band_dots(h16.rel_k, D, band, q_bf, D, mq, scale2, qe, band_pk);
+        band_dots(h16.rel_k, D, band, q_bf, D, mq, scale, qe, band_pk);
       } else {
         table_terms(p.dtype, hd.rel_k, D, band, qs, mq, ek0, ek1, qe_lo, qe_hi, qe, band_k, band_kt,
                     band_k_cache);
@@ -2183,21 +2205,21 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
           });
         }
       }
-      // S = Q K^T (scaled, base 2) for the rows [r0, r0 + rows) of the tile, with the key-side
+      // S = Q K^T (scaled) for the rows [r0, r0 + rows) of the tile, with the key-side
       // term; a row computed alone comes out bitwise the same (the same products summed in the
       // same order)
       auto scores = [&](int64_t r0, int64_t rows) {
-        if (bdot) {  // S = scale2 (Q K^T), Q in its bfloat16
+        if (bdot) {  // S = scale (Q K^T), Q in its bfloat16
           if constexpr (kBf16Dot) {
             gemm_bf16<false>(rows, nk, D2, q_bf + r0 * D,
-                             D, kt_of(t), TK, s + r0 * TK, TK, scale2);
+                             D, kt_of(t), TK, s + r0 * TK, TK, scale);
           }
         } else {
           times_keys(qs + r0 * D, rows, s + r0 * TK, TK);
         }
         if (hd.rel_q == nullptr) return;
         for (int64_t r = r0; r < r0 + rows; ++r) {
-          add_key_side(s + r * TK, j0, nk, split_row(p, i0 + r, j0, nk, kband), scale2, kq,
+          add_key_side(s + r * TK, j0, nk, split_row(p, i0 + r, j0, nk, kband), scale, kq,
                        kq + TK, ket, TK);
         }
       };
@@ -2221,7 +2243,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
           // uniform row, or a band row (keys in several buckets)
           const int64_t vis = visible_keys(p, i, j0, nk);
           const bool done =
-              uni ? exp_sum_row_stale(sr, nk, vis, c - m[r], rs)
+              uni ? exp_sum_row_stale(sr, nk, vis, c, m[r], rs)
                   : band_row_stale(sr, j0, nk, vis, sp,
                                    key_term ? BandTerm{qe_lo[r], qe_hi[r], qe + r * ld_qe} : BandTerm{},
                                    m[r], rs);
@@ -2253,7 +2275,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
           fill_f32(sr, 0.f, nk);
           return;
         }
-        const float alpha = m[r] == mt ? 1.f : (m[r] == kNegInf ? 0.f : std::exp2(m[r] - mt));
+        const float alpha = m[r] == mt ? 1.f : (m[r] == kNegInf ? 0.f : std::exp(m[r] - mt));
         if (uni) {
           rs = exp_sum_row(sr, nk, mt);
         } else {
@@ -2349,7 +2371,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
           const int64_t c0 = imax(t * TK - base, 0);
           const int64_t c1 = imin((t + 1) * TK - base, band.n);
           const float mt = mref[r * n_ktiles + t];
-          scale_row(mt == kNegInf ? 0.f : std::exp2(mt - m[r]), wr + c0, c1 - c0);
+          scale_row(mt == kNegInf ? 0.f : std::exp(mt - m[r]), wr + c0, c1 - c0);
         }
       }
       if (bdot) {  // W rounded to bfloat16, as P
@@ -2382,7 +2404,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
       } else {
         const float inv = 1.f / l[r];
         for (int64_t d = 0; d < D; ++d) row[d] = acc[r * D + d] * inv;
-        lse[r] = m[r] * kLn2 + std::log(l[r]);  // m is in base 2
+        lse[r] = m[r] + std::log(l[r]);
       }
       store_row(p.dtype, row, out + r * D * es, D);
     }
@@ -2402,8 +2424,8 @@ void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, 
 }
 
 // Work items: (b, h) of batch * heads; only for split.chunks > 1. Per query row, the chunks'
-// shares merged in chunk order against their common maximum M: l = sum 2^(m_c - M) l_c, the
-// same for acc; then out = acc / l and lse = M ln 2 + ln l, as the unsplit forward writes them.
+// shares merged in chunk order against their common maximum M: l = sum e^(m_c - M) l_c, the
+// same for acc; then out = acc / l and lse = M + ln l, as the unsplit forward writes them.
 void rel_attention_combine(const RelAttentionParams& p, const AttentionFwdSplit& split,
                            int64_t begin, int64_t end) {
   const int64_t D = p.dim, es = elem_bytes(p.dtype), rows_all = p.batch * p.heads * p.q_len;
@@ -2422,7 +2444,7 @@ void rel_attention_combine(const RelAttentionParams& p, const AttentionFwdSplit&
       for (int64_t c = 0; c < split.chunks; ++c) {
         const float mc = split.m[c * rows_all + row];
         if (mc == kNegInf) continue;  // nothing visible in this chunk
-        const float wc = std::exp2(mc - mx);
+        const float wc = std::exp(mc - mx);
         l += wc * split.l[c * rows_all + row];
         axpy(wc, split.acc + (c * rows_all + row) * D, acc, D);
       }
@@ -2433,7 +2455,7 @@ void rel_attention_combine(const RelAttentionParams& p, const AttentionFwdSplit&
       *lse = std::numeric_limits<float>::infinity();
     } else {
       scale_row(1.f / l, acc, D);
-      *lse = mx * kLn2 + std::log(l);
+      *lse = mx + std::log(l);
     }
     store_row(p.dtype, acc, static_cast<char*>(p.out) + row * D * es, D);
   }
@@ -2471,9 +2493,14 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
   // dq accumulates in place where it is float: bp.dq for float32 with one chunk (zeros on
   // entry), else the split's partials; a float16/bfloat16 dq in a per-thread buffer of the group
   const bool dq_own = chunks == 1 && !f32;
-  const float scale = static_cast<float>(p.scale), scale2 = scale * kLog2e;
+  const float scale = static_cast<float>(p.scale);
   const int64_t gq = group * p.q_len;
   const bool drop_on = p.dropout.on;  // the general row path, with dropout factors
+  // A few query rows: S and the key-side term by the forward's dots (scores_rows, dot) rather
+  // than the matmuls, so that the logits come out bitwise as the forward's. P = e^(s - lse) is
+  // only as good as s matches the s behind the forward's lse: a logit one ulp off, at logits of
+  // 1e5, makes P 0.8% off, and at 1e9 (an ulp of 64) inf.
+  const bool few_q = p.q_len <= kAttentionFewQueries;  // as the forward's
   Buffers buf;
   float* dk_run = buf.take(run_keys * D);  // dK, dV of the run's keys over the group's heads
   float* dv_run = buf.take(run_keys * D);
@@ -2521,7 +2548,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
   auto* band_pk = bdot ? reinterpret_cast<uint32_t*>(buf.take(D2 * max_band + D)) : nullptr;
   float* band_t = bdot ? buf.take(max_band * BQ) : nullptr;
   auto* band_bf = bdot ? reinterpret_cast<uint16_t*>(buf.take(imax(BQ * band2, max_band * BQ2))) : nullptr;
-  // per query row of each head of the group ([group, q_len]): the log-sum-exp (base 2),
+  // per query row of each head of the group ([group, q_len]): the log-sum-exp,
   // D_i = dO_i . O_i, the clamped buckets' key terms (qe) and value terms (de), and the row sums
   // of dS and P in those buckets over all the runs
   float* lse_all = buf.take(gq);
@@ -2605,12 +2632,12 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
         const float* dop = float_rows(p.dtype, static_cast<const char*>(bp.grad_out) + row0 * D * es, mq, D, dof);
         const float* op = float_rows(p.dtype, static_cast<const char*>(p.out) + row0 * D * es, mq, D, of);
         for (int64_t r = 0; r < mq; ++r) {
-          lse_all[g0 + i0 + r] = static_cast<const float*>(p.lse)[row0 + r] * kLog2e;  // base 2
+          lse_all[g0 + i0 + r] = static_cast<const float*>(p.lse)[row0 + r];
           di_all[g0 + i0 + r] = dot(dop + r * D, op + r * D, D);
         }
         if (hd.rel_k) {
           const float* qp = float_rows(p.dtype, hd.q + i0 * D * es, mq, D, qf);
-          scale_copy(qp, scale2, qs, mq * D);
+          scale_copy(qp, scale, qs, mq * D);
           table_ends(qs, mq, D, ek0, ek1, qe_lo_all + g0 + i0, qe_hi_all + g0 + i0);
         }
         if (hd.rel_v) table_ends(dop, mq, D, ev0, ev1, de_lo_all + g0 + i0, de_hi_all + g0 + i0);
@@ -2677,6 +2704,11 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
                 gemm_bf16<false>(2, nk, D2, h16.rel_q, (rows_tab - 1) * D,
                                  kt_pk + (t - r0) * D2 * BK, BK, kq + (j0 - rb), run_keys);
               }
+            } else if (few_q) {
+              dispatch(p.dtype, [&](auto tag) {
+                const auto* kt = reinterpret_cast<const decltype(tag)*>(hd0.k) + j0 * D;
+                scores_rows(2, nk, D, eq_ends, kt, kq + (j0 - rb), run_keys, false);
+              });
             } else {
               gemm0(2, nk, D, eq_ends, D, kt_run + (t - r0) * D * BK, BK, kq + (j0 - rb), run_keys);
             }
@@ -2692,8 +2724,8 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
           if (seen.end <= seen.begin) continue;  // every tile hidden: P = dS = 0
           const float* qp = float_rows(p.dtype, hd.q + i0 * D * es, mq, D, qf);
           const float* dop = float_rows(p.dtype, static_cast<const char*>(bp.grad_out) + row0 * D * es, mq, D, dof);
-          // as in the forward, S and QE come from qs = Q * scale * log2(e): logits in base 2
-          scale_copy(qp, scale2, qs, mq * D);
+          // as in the forward, S and QE come from qs = Q * scale
+          scale_copy(qp, scale, qs, mq * D);
           const uint16_t* q_bf = nullptr;
           const uint16_t* do_bf = nullptr;
           if (bdot) {
@@ -2725,7 +2757,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
           const Band band = band_of(p, i0, mq, seen.begin, seen.end);
           // QE = Q @ rel_k^T over the band (by dots as S), and the bias in its units
           if (hd.rel_k && bdot) {
-            band_dots(h16.rel_k, D, band, q_bf, D, mq, scale2, qe, band_pk);
+            band_dots(h16.rel_k, D, band, q_bf, D, mq, scale, qe, band_pk);
           } else if (hd.rel_k) {
             table_band(p.dtype, hd.rel_k, D, band, qs, mq, qe, band_k, band_kt, band_k_cache);
           }
@@ -2748,11 +2780,18 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
             const bool clear = tm == TileMask::kClear;
             if (bdot) {
               if constexpr (kBf16Dot) {
-                gemm_bf16<false>(mq, nk, D2, q_bf, D, kt_pk + tl * D2 * BK, BK, s, BK, scale2);
+                gemm_bf16<false>(mq, nk, D2, q_bf, D, kt_pk + tl * D2 * BK, BK, s, BK, scale);
                 gemm_bf16<false>(mq, nk, D2, do_bf, D, vt_pk + tl * D2 * BK, BK, dp, BK);
               }
             } else {
-              gemm0(mq, nk, D, qs, D, kt_run + tl * D * BK, BK, s, BK);    // S = Q K^T (base 2)
+              if (few_q) {  // S = Q K^T (scaled) by the forward's dots
+                dispatch(p.dtype, [&](auto tag) {
+                  const auto* kt = reinterpret_cast<const decltype(tag)*>(hd0.k) + j0 * D;
+                  scores_rows(mq, nk, D, qs, kt, s, BK, false);
+                });
+              } else {
+                gemm0(mq, nk, D, qs, D, kt_run + tl * D * BK, BK, s, BK);  // S = Q K^T (scaled)
+              }
               gemm0(mq, nk, D, dop, D, vt_run + tl * D * BK, BK, dp, BK);  // dP = dO V^T
             }
             // the key-side term joins S as in the forward (KE^T over the tile's band)
@@ -2766,20 +2805,35 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
                 } else {
                   bq = float_rows(p.dtype, hd.rel_q + kband.lo * D * es, kband.n, D, band_q);
                 }
-                for_key_strips(p, i0, mq, j0, nk, kband, [&](int64_t s0, int64_t w, int64_t c0, int64_t n) {
-                  if (bdot) {
-                    if constexpr (kBf16Dot) {
-                      gemm_bf16<false>(n, w, D2, h16.rel_q + (kband.lo + c0) * D, D,
-                                       kt_pk + tl * D2 * BK + s0, BK, ket + c0 * BK + s0, BK);
+                if (few_q && !bdot) {  // the entries the rows read, by dots as in the forward
+                  dispatch(p.dtype, [&](auto tag) {
+                    const auto* kt = reinterpret_cast<const decltype(tag)*>(hd0.k);
+                    for (int64_t r = 0; r < mq; ++r) {
+                      const RowSplit sp = split_row(p, i0 + r, j0, nk, kband);
+                      for (int64_t j = sp.a; j < sp.e; ++j) {
+                        ket[(sp.col0 + j) * BK + (j - j0)] =
+                            dot(bq + (sp.col0 + j) * D, kt + j * D, D);
+                      }
                     }
-                  } else {
-                    gemm0(n, w, D, bq + c0 * D, D, kt_run + tl * D * BK + s0, BK, ket + c0 * BK + s0, BK);
-                  }
-                }, bdot ? kKeTStripDots : kKeTStrip);
+                  });
+                } else {
+                  for_key_strips(p, i0, mq, j0, nk, kband, [&](int64_t s0, int64_t w, int64_t c0,
+                                                               int64_t n) {
+                    if (bdot) {
+                      if constexpr (kBf16Dot) {
+                        gemm_bf16<false>(n, w, D2, h16.rel_q + (kband.lo + c0) * D, D,
+                                         kt_pk + tl * D2 * BK + s0, BK, ket + c0 * BK + s0, BK);
+                      }
+                    } else {
+                      gemm0(n, w, D, bq + c0 * D, D, kt_run + tl * D * BK + s0, BK,
+                            ket + c0 * BK + s0, BK);
+                    }
+                  }, bdot ? kKeTStripDots : kKeTStrip);
+                }
                 fill_f32(wk, 0.f, kband.n * BK);
               }
               for (int64_t r = 0; r < mq; ++r) {
-                add_key_side(s + r * BK, j0, nk, split_row(p, i0 + r, j0, nk, kband), scale2,
+                add_key_side(s + r * BK, j0, nk, split_row(p, i0 + r, j0, nk, kband), scale,
                              kq + (j0 - rb), kq + run_keys + (j0 - rb), ket, BK);
               }
             }
@@ -2840,7 +2894,7 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
               // else (a masked tile, or dropout): the terms, the mask, P, dS and the sums apart
               if (key_term) add_rel_logits(sr, j0, nk, sp, qe_lo[r], qe_hi[r], qe + r * ld_qe);
               if (hd.rel_v) add_rel_logits(dpr, j0, nk, sp, de_lo[r], de_hi[r], de + r * band.n);
-              mask_logits(p, hd, i, j0, nk, clear, sr);  // P = 2^(S - lse), all in base 2
+              mask_logits(p, hd, i, j0, nk, clear, sr);  // P = e^(S - lse)
               exp_row(sr, nk, lse[r]);
               if (drop_on) {  // dS = scale P (f dP - D_i), then P *= f
                 softmax_grad_row_dropout(RowDropout(p, b, h, i), j0, sr, dpr, nk, di[r], scale);
