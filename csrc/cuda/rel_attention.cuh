@@ -84,10 +84,15 @@ struct AttnTile {
   }
 };
 
-// The softmax works in base 2, as the CPU AVX2 kernel does: logits are scaled by
-// scale * log2(e) and exponentiated with exp2 (no range reduction in the caller); the
-// log-sum-exp the op stores stays in base e (lse = m * ln 2 + ln l). kLog2e and kLn2 are in
-// common/params.h.
+// The SIMT kernels' softmax keeps its logits in natural units, as the op's log-sum-exp: x =
+// (q . k + terms) * scale (+ bias), P = 2^((x - m) log2 e) by exp2_acc, lse = m + ln l. The
+// backward recomputes P = 2^((x - lse) log2 e) and forms x by the same operations as the
+// forward (the scale by mul_rn, so that no FMA contraction rounds it differently in one of
+// them): a row with one dominant key then gets exactly 1, at any size of the logits. Logits in
+// base 2 (scale * log2 e) against the lse in base e, as before, cost up to 3 ulp of the lse in
+// the round trip wherever the scale is no power of 2: at head dim 32 and logits of 1e5, dv was
+// 3% off, at 1e9 inf. That is one multiply more per probability. kLog2e is in common/params.h.
+// (The tensor-core kernels still work in base 2.)
 // In float, exp2 is one MUFU.EX2 (PTX ex2.approx.ftz.f32), which gives +0 for results below
 // 2^-126, the smallest normal float. CUDA's exp2f adds a compare and two multiplies around it
 // to return those as denormals: three more instructions per probability. A probability below
@@ -104,6 +109,9 @@ RELPOS_DEVICE float exp2_acc(float x) {
 #endif
 }
 RELPOS_DEVICE double exp2_acc(double x) { return exp2(x); }
+// a * b rounded as it stands, never contracted into an FMA with a following add
+RELPOS_DEVICE float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+RELPOS_DEVICE double mul_rn(double a, double b) { return __dmul_rn(a, b); }
 RELPOS_DEVICE float log_acc(float x) { return logf(x); }
 RELPOS_DEVICE double log_acc(double x) { return log(x); }
 
@@ -199,7 +207,7 @@ RELPOS_DEVICE int band_row(const RelAttentionParams& p, int64_t i, int64_t j, co
   return static_cast<int>(r < 0 ? 0 : r);
 }
 
-// The rel_bias of one (query tile, key tile) pair in base 2 (times log2 e, as the logits):
+// The rel_bias of one (query tile, key tile) pair (added after the scale, as the logits):
 // dst[0] = bias[0], dst[1] = bias[2K] (the clamped buckets), dst[2 + c] = bias[band.begin + c] for
 // the nb inner buckets of the band. `bias` is the head's row of rel_bias; table_rows = 2K + 1.
 // The caller orders it between barriers (the previous tile's readers done before, its own after).
@@ -208,7 +216,7 @@ RELPOS_DEVICE void stage_bias(A* dst, const T* bias, int64_t table_rows, const B
                               int nb) {
   for (int idx = threadIdx.x; idx < nb + 2; idx += Tl::kThreads) {
     const int64_t bucket = idx == 0 ? 0 : (idx == 1 ? table_rows - 1 : band.begin + idx - 2);
-    dst[idx] = A(to_float(bias[bucket])) * A(kLog2e);
+    dst[idx] = A(to_float(bias[bucket]));
   }
 }
 
@@ -450,7 +458,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
   const T* ev = head_table<T>(p.rel_v, p.rel_v_per_head, h, table_rows * D);
   const T* eb = head_table<T>(p.rel_bias, p.rel_bias_per_head, h, table_rows);
   const T* eq = kRelQ ? head_table<T>(p.rel_q, p.rel_q_per_head, h, table_rows * D) : nullptr;
-  const A scale2 = static_cast<A>(p.scale * kLog2e);  // logits in base 2
+  const A scale = static_cast<A>(p.scale);  // logits in natural units, as the lse
   const int n_chunks = static_cast<int>((D + Tl::kDK - 1) / Tl::kDK);
 
   stage_owned<Tl>(sQ, static_cast<const T*>(p.q) + (bh * p.q_len + i0) * D, nq, D);
@@ -544,15 +552,15 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
         // (q . k + k . rel_q) + q . rel_k, the order of the backward's prob_grad
         A sk = s[rr];
         if constexpr (kRelQ) sk += ke[rr];
-        x = (sk + rel) * scale2;
-        if (eb != nullptr) x += staged_bias(sB, j, in, erow[rr]);  // bias * log2 e, after the scale
+        x = mul_rn(sk + rel, scale);
+        if (eb != nullptr) x += staged_bias(sB, j, in, erow[rr]);  // the bias, after the scale
       }
       const A mt = warp_max(x);
       const A mn = mt > m[rr] || mt != mt ? mt : m[rr];  // a NaN logit makes the row NaN
       A pr = 0, alpha = 1;
       if (mn != A(-INFINITY)) {  // exp2(-inf) = 0 covers masked keys and the first visible tile
-        pr = exp2_acc(x - mn);
-        alpha = exp2_acc(m[rr] - mn);
+        pr = exp2_acc((x - mn) * A(kLog2e));
+        alpha = exp2_acc((m[rr] - mn) * A(kLog2e));
       }
       m[rr] = mn;
       l[rr] = l[rr] * alpha + pr;  // the normaliser is the one without dropout
@@ -602,7 +610,7 @@ __global__ void __launch_bounds__(AttnTile<acc_t<T>, kDC>::kThreads, 2)
       }
       out[r * D + d] = from_float<T>(empty ? A(0) : o * inv);
     }
-    if (lane == 0) lse[r] = empty ? A(INFINITY) : m[rr] * A(kLn2) + log_acc(lsum);
+    if (lane == 0) lse[r] = empty ? A(INFINITY) : m[rr] + log_acc(lsum);
   }
 }
 
@@ -646,8 +654,8 @@ __global__ void rel_attention_bwd_rows_kernel(RelAttentionBwdParams bp, acc_t<T>
 }
 
 // p_ij and ds_ij = p_ij (dp_ij - D_i) of one (query row, key) pair from the accumulated dots;
-// under dropout (factor f: keep_scale or 0) p_ij f and p_ij (f dp_ij - D_i). bias2: rel_bias of
-// the pair times log2 e (staged_bias), 0 without a bias.
+// under dropout (factor f: keep_scale or 0) p_ij f and p_ij (f dp_ij - D_i). bias: rel_bias of
+// the pair (staged_bias), 0 without a bias.
 template <typename A>
 struct ProbGrad {
   A p, ds;
@@ -656,15 +664,16 @@ struct ProbGrad {
 template <typename A>
 RELPOS_DEVICE ProbGrad<A> prob_grad(bool visible, bool has_k, bool has_v, int64_t j,
                                     int64_t in_begin, int64_t in_end, A s, A se, A dp, A dpe,
-                                    const A* row, A lse2, A bias2, A scale2, bool drop, A f) {
+                                    const A* row, A lse, A bias, A scale, bool drop, A f) {
   ProbGrad<A> r{0, 0};
   if (!visible) return r;
   const bool lo = j < in_begin, hi = j >= in_end;
   const A qe = has_k ? (lo ? row[kRowQeLo] : (hi ? row[kRowQeHi] : se)) : A(0);
   const A de = has_v ? (lo ? row[kRowDeLo] : (hi ? row[kRowDeHi] : dpe)) : A(0);
-  // base 2 (scale2 = scale * log2 e, lse2 = lse * log2 e); lse = +inf (no visible key) gives 0.
-  // The bias goes with lse2 so that without one (bias2 = 0) the exponent is the same expression.
-  r.p = exp2_acc((s + qe) * scale2 - (lse2 - bias2));
+  // the logit as the forward formed it (+ 0 without a bias: the same value), then its distance
+  // to the lse in base 2; lse = +inf (no visible key) gives 0
+  const A x = mul_rn(s + qe, scale) + bias;
+  r.p = exp2_acc((x - lse) * A(kLog2e));
   if (drop) {
     r.ds = r.p * (f * (dp + de) - row[kRowDi]);
     r.p *= f;
@@ -678,7 +687,7 @@ RELPOS_DEVICE ProbGrad<A> prob_grad(bool visible, bool has_k, bool has_v, int64_
 // One query tile (tile) of one (b, h) (bh); the dq kernel below runs one per block, or, with
 // bp.serial_q_tiles, all the tiles of its (b, h) in order. Shared memory: sQ, sdO [kOwn][kD] | sK,
 // sV [32][kLd] chunks | sEk, sEv [kBand][kLd] band chunks | sP, sDS [kOwn][33] | sLo [kOwn][4] (per
-// row: clamped ds mass lo/hi, clamped p mass lo/hi) | sRow [kOwn][1 + kRowTerms] (lse in base 2, ws
+// row: clamped ds mass lo/hi, clamped p mass lo/hi) | sRow [kOwn][1 + kRowTerms] (lse, ws
 // row) | sB [2 + kBand] the tile pair's rel_bias (stage_bias; kBias only) | sEq [2 + kBand][kLd]
 // a chunk of the tile pair's rel_q rows (stage_key_side; kRelQ only). dq accumulates in
 // registers; the table (and bias) gradients of the band go straight to drel_*_partial with
@@ -727,7 +736,6 @@ __device__ void bwd_dq_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws,
           : static_cast<A*>(bp.drel_bias_partial) + bh * table_rows;
   const T* eq = kRelQ ? head_table<T>(p.rel_q, p.rel_q_per_head, h, table_rows * D) : nullptr;
   const A scale = static_cast<A>(p.scale);
-  const A scale2 = static_cast<A>(p.scale * kLog2e);  // the softmax is in base 2
   const int n_chunks = static_cast<int>((D + Tl::kDK - 1) / Tl::kDK);
 
   stage_owned<Tl>(sQ, static_cast<const T*>(p.q) + (bh * p.q_len + i0) * D, nq, D);
@@ -736,8 +744,7 @@ __device__ void bwd_dq_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws,
     const int r = idx / (1 + kRowTerms), t = idx % (1 + kRowTerms);
     const int64_t row = bh * p.q_len + i0 + r;
     sRow[idx] = r >= nq ? (t == 0 ? A(INFINITY) : A(0))
-                        : (t == 0 ? static_cast<const A*>(p.lse)[row] * A(kLog2e)  // base 2
-                                  : ws[row * kRowTerms + t - 1]);
+                        : (t == 0 ? static_cast<const A*>(p.lse)[row] : ws[row * kRowTerms + t - 1]);
   }
   __syncthreads();
   const A* my_q = sQ + warp * R * Tl::kD;
@@ -800,12 +807,12 @@ __device__ void bwd_dq_tile(const RelAttentionBwdParams& bp, const acc_t<T>* ws,
       const int64_t i = i0 + warp * R + rr;
       const KeySpan in = inner_keys(i, p.k_len, K, p.q_offset, p.k_offset);
       const A* row = sRow + (warp * R + rr) * (1 + kRowTerms);
-      const A bias2 = eb == nullptr ? A(0) : staged_bias(sB, j, in, erow[rr]);
+      const A bias = eb == nullptr ? A(0) : staged_bias(sB, j, in, erow[rr]);
       A sk = s[rr];  // (q . k + k . rel_q), as the forward
       if constexpr (kRelQ) sk += ke[rr];
       const ProbGrad<A> g = prob_grad(attn_visible(p, b, h, i, j), ek != nullptr, ev != nullptr, j,
                                       in.begin, in.end, sk, se[rr], dp[rr], dpe[rr], row + 1,
-                                      row[0], bias2, scale2, p.dropout.on,
+                                      row[0], bias, scale, p.dropout.on,
                                       attn_dropout<A>(p, attn_dropout_key(p, bh, i), j));
       const bool lo = j < in.begin, hi = j >= in.end;
       m_lo[rr][0] += lo ? g.ds : A(0);
@@ -987,7 +994,6 @@ __device__ void bwd_dkdv_tile(const RelAttentionBwdParams& bp, const acc_t<T>* w
   const int64_t D = p.dim, K = p.max_distance, table_rows = num_buckets(K);
   const int64_t group = p.heads / p.kv_heads;
   const A scale = static_cast<A>(p.scale);
-  const A scale2 = static_cast<A>(p.scale * kLog2e);  // the softmax is in base 2
   const int n_chunks = static_cast<int>((D + Tl::kDK - 1) / Tl::kDK);
 
   stage_owned<Tl>(sK, static_cast<const T*>(p.k) + bkv * p.kv_stride + j0 * D, nk, D);
@@ -1029,7 +1035,7 @@ __device__ void bwd_dkdv_tile(const RelAttentionBwdParams& bp, const acc_t<T>* w
       const int nq = static_cast<int>(p.q_len - i0 < Tl::kLanes ? p.q_len - i0 : Tl::kLanes);
       if (has_tile_masks(p) && attn_tile_hidden<Tl>(p, b, h, i0, nq, j0, nk)) continue;
       const bool valid = i < p.q_len;
-      const A lse2 = valid ? static_cast<const A*>(p.lse)[bh * p.q_len + i] * A(kLog2e) : A(INFINITY);
+      const A lse = valid ? static_cast<const A*>(p.lse)[bh * p.q_len + i] : A(INFINITY);
       A row[kRowTerms];
       RELPOS_UNROLL
       for (int t = 0; t < kRowTerms; ++t) row[t] = valid ? ws[(bh * p.q_len + i) * kRowTerms + t] : A(0);
@@ -1075,12 +1081,12 @@ __device__ void bwd_dkdv_tile(const RelAttentionBwdParams& bp, const acc_t<T>* w
       RELPOS_UNROLL
       for (int rr = 0; rr < R; ++rr) {
         const int64_t j = j0 + warp * R + rr;
-        const A bias2 = eb == nullptr ? A(0) : staged_bias(sB, j, in, erow[rr]);
+        const A bias = eb == nullptr ? A(0) : staged_bias(sB, j, in, erow[rr]);
         A sk = s[rr];  // (q . k + k . rel_q), as the forward
         if constexpr (kRelQ) sk += ke[rr];
         const ProbGrad<A> pg = prob_grad(attn_visible(p, b, h, i, j), ek != nullptr, ev != nullptr, j,
                                          in.begin, in.end, sk, se[rr], dp[rr], dpe[rr], row,
-                                         lse2, bias2, scale2, p.dropout.on,
+                                         lse, bias, scale, p.dropout.on,
                                          attn_dropout<A>(p, drop_key, j));
 
         sP[(warp * R + rr) * Tl::kLdP + lane] = pg.p;
