@@ -998,7 +998,7 @@ def _one_hot_rows(t64, kw):
     visible = ref.visible_keys(q.shape[0], lq, lk, kw["causal"], kw["q_offset"], kw["k_offset"],
                                kw["key_padding_mask"])
     top = (logits * d**-0.5).masked_fill(~visible, float("-inf")).topk(2, dim=-1).values
-    return ~(top[..., 1] > top[..., 0] - 1000)  # NaN (no visible key) counts as one-hot
+    return ~(top[..., 1] > top[..., 0] - 1000)  # -inf (no second visible key): one-hot
 
 
 @pytest.mark.parametrize("size", [1e5, 1e9])
@@ -1010,7 +1010,7 @@ def test_rel_attention_backward_at_huge_logits(backend, name, size):
     backward recomputes P = e^(s - lse) from the forward's lse, which only works when its
     logits match the forward's to the last bit: the AVX2 kernels once kept their logits in base
     2 and the lse in base e (the round trip cost up to 3 ulp of the lse: dv 5% off at 1e5, inf
-    at 1e9), precombined the key term with the lse, and took a few rows' scores by other sums
+    and NaN at 1e9), precombined the key term with the lse, and took a few rows' scores by other sums
     than the forward's. dq, dk and drel_k are 0 in the reference; here their rounding (dS's,
     times the other operand) must stay finite and within float32's rounding of its terms.
     The CUDA SIMT kernels had the base-2 round trip too, hidden where the scale is a power of 2
