@@ -1889,6 +1889,23 @@ void add_key_side(float* sr, int64_t j0, int64_t nk, const RowSplit& sp, float a
   axpy(alpha, hi + (sp.e - j0), sr + (sp.e - j0), j0 + nk - sp.e);
 }
 
+// KE^T's entries that a few query rows [i0, i0 + mq) read over the key tile [j0, j0 + nk), by
+// dots (the rest of KE^T is left as it is): ke[(sp.col0 + j) ld + (j - j0)] = rel_q[kband.lo +
+// sp.col0 + j] . k_j, bq holding rel_q[kband] as float and keys the key rows from j0 (float, or
+// float16/bfloat16 that dot converts). The forward and the backward of a few rows both take it,
+// so that their key-side terms agree bitwise.
+template <typename T>
+void key_side_dots(const RelAttentionParams& p, int64_t i0, int64_t mq, int64_t j0, int64_t nk,
+                   const Band& kband, const float* bq, const T* keys, float* ke, int64_t ld) {
+  const int64_t D = p.dim;
+  for (int64_t r = 0; r < mq; ++r) {
+    const RowSplit sp = split_row(p, i0 + r, j0, nk, kband);
+    for (int64_t j = sp.a; j < sp.e; ++j) {
+      ke[(sp.col0 + j) * ld + (j - j0)] = dot(bq + (sp.col0 + j) * D, keys + (j - j0) * D, D);
+    }
+  }
+}
+
 // Backward, the adjoint of add_key_side for a row of dS: its clamped parts summed per key into
 // ds_lo / ds_hi (of key j0 onwards), its band entries stored into WK^T (KE^T's layout, zeros on
 // entry; a (bucket, key) pair of the band belongs to one query row, so nothing is summed there).
@@ -2191,17 +2208,12 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
           for_key_strips(p, i0, mq, j0, nk, kband, [&](int64_t s0, int64_t w, int64_t c0, int64_t n) {
             gemm0(n, w, D, bq + c0 * D, D, kt_all + t * D * TK + s0, TK, ket + c0 * TK + s0, TK);
           }, kKeTStrip);
-        } else if (kband.n > 0) {  // a few rows read few of KE^T's entries: those alone, by dots
+        } else if (kband.n > 0 && k_tile != nullptr) {  // a few rows read few of KE^T's entries
+          key_side_dots(p, i0, mq, j0, nk, kband, bq, k_tile, ket, TK);
+        } else if (kband.n > 0) {
           dispatch(p.dtype, [&](auto tag) {
-            const auto* kp = reinterpret_cast<const decltype(tag)*>(hd.k);
-            for (int64_t r = 0; r < mq; ++r) {
-              const RowSplit sp = split_row(p, i0 + r, j0, nk, kband);
-              for (int64_t j = sp.a; j < sp.e; ++j) {
-                const float* e = bq + (sp.col0 + j) * D;
-                ket[(sp.col0 + j) * TK + (j - j0)] =
-                    k_tile != nullptr ? dot(e, k_tile + (j - j0) * D, D) : dot(e, kp + j * D, D);
-              }
-            }
+            const auto* kp = reinterpret_cast<const decltype(tag)*>(hd.k) + j0 * D;
+            key_side_dots(p, i0, mq, j0, nk, kband, bq, kp, ket, TK);
           });
         }
       }
@@ -2807,14 +2819,8 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
                 }
                 if (few_q && !bdot) {  // the entries the rows read, by dots as in the forward
                   dispatch(p.dtype, [&](auto tag) {
-                    const auto* kt = reinterpret_cast<const decltype(tag)*>(hd0.k);
-                    for (int64_t r = 0; r < mq; ++r) {
-                      const RowSplit sp = split_row(p, i0 + r, j0, nk, kband);
-                      for (int64_t j = sp.a; j < sp.e; ++j) {
-                        ket[(sp.col0 + j) * BK + (j - j0)] =
-                            dot(bq + (sp.col0 + j) * D, kt + j * D, D);
-                      }
-                    }
+                    const auto* kt = reinterpret_cast<const decltype(tag)*>(hd0.k) + j0 * D;
+                    key_side_dots(p, i0, mq, j0, nk, kband, bq, kt, ket, BK);
                   });
                 } else {
                   for_key_strips(p, i0, mq, j0, nk, kband, [&](int64_t s0, int64_t w, int64_t c0,
