@@ -237,7 +237,7 @@ def time_rounds(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, lis
 
 
 def time_interleaved(
-    methods: dict[str, tuple[str, Callable[[], torch.Tensor]]],
+    methods: dict[str, tuple[str | dict[str, str], Callable[[], torch.Tensor]]],
     env_var: str,
     grad: torch.Tensor,
     rounds: int,
@@ -245,22 +245,28 @@ def time_interleaved(
     """Median seconds of each method's forward (under no_grad) and forward+backward (``grad``).
 
     ``methods`` maps a name to ``(value, fn)``: ``env_var`` is set to ``value`` around the calls of
-    ``fn`` (a kernel choice read at every call, such as ``RELPOS_CPU_ISA``). The methods take
+    ``fn`` (a kernel choice read at every call, such as ``RELPOS_CPU_ISA``); a dict value sets
+    several variables instead (``{"RELPOS_CPU_AMX": "0", ...}``), each method's own. The methods take
     turns call by call, ``rounds`` times after a round that warms up, so that drifts of the
     machine's speed touch them alike; each round in its own (seeded) random order, as a call
     can be slower right after another method's forward+backward (decoding calls of 0.6 ms, the
     same kernel under two names, differed by 15-30% when one always followed SDPA's).
-    ``env_var`` is restored afterwards.
+    Every variable set is restored afterwards.
     """
     times: dict[str, dict[str, list[float]]] = {m: {"fwd": [], "fwdbwd": []} for m in methods}
-    saved = os.environ.get(env_var)
+    settings = {name: value if isinstance(value, dict) else {env_var: value}
+                for name, (value, _) in methods.items()}
+    names = {var for env in settings.values() for var in env}
+    saved = {var: os.environ.get(var) for var in names}
     order, shuffle = list(methods), random.Random(0).shuffle
     try:
         for r in range(rounds + 1):  # round 0 warms up
             shuffle(order)
             for name in order:
-                value, fn = methods[name]
-                os.environ[env_var] = value
+                fn = methods[name][1]
+                for var in names:  # a variable this method does not name takes its default
+                    os.environ.pop(var, None)
+                os.environ.update(settings[name])
                 with torch.no_grad():
                     t0 = time.perf_counter()
                     fn()
@@ -272,10 +278,11 @@ def time_interleaved(
                     times[name]["fwd"].append(t_fwd)
                     times[name]["fwdbwd"].append(t_fb)
     finally:
-        if saved is None:
-            os.environ.pop(env_var, None)
-        else:
-            os.environ[env_var] = saved
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
     return {m: {mode: statistics.median(ts) for mode, ts in modes.items()} for m, modes in times.items()}
 
 

@@ -1,20 +1,23 @@
 #!/usr/bin/env python
-"""Benchmark bfloat16 ``relpos_ext.rel_attention`` on the CPU: AVX512-BF16 dots against float32 matmuls.
+"""Benchmark bfloat16 ``relpos_ext.rel_attention`` on the CPU: AMX tiles and AVX512-BF16 dots against float32 matmuls.
 
 On CPUs with AVX512-BF16 the AVX-512 kernels take bfloat16 inputs' matmuls (forward
 ``S = Q K^T``, ``P V`` and the relative terms' band matmuls, the backward's likewise) by bfloat16
-dot products (``build_info()["cpu_bf16_dot"]``; ``RELPOS_CPU_BF16_DOT=0`` switches them off).
+dot products (``build_info()["cpu_bf16_dot"]``; ``RELPOS_CPU_BF16_DOT=0`` switches them off),
+on AMX tiles where the CPU has AMX (``build_info()["cpu_amx"]``; ``RELPOS_CPU_AMX=0`` keeps
+the AVX512-BF16 instructions).
 For ``q, k, v [B=1, H, L, D=64]`` (H=8 by default) and tables ``[2K+1, D]`` (shared, or
 ``[H, 2K+1, D]`` with ``--per-head``): ``rel_k`` and ``rel_v`` (Shaw), or with ``--terms kq``
 ``rel_k`` and the key-side ``rel_q`` (DeBERTa), all bfloat16, forward and forward+backward, it
 times (with ``--lq N``, decoding: N new query rows at the end of L cached keys, causal):
 
-* ``dot`` -- ``rel_attention`` with the dots (``RELPOS_CPU_BF16_DOT=1``);
+* ``amx`` -- ``rel_attention`` with the dots on AMX tiles (only where ``cpu_amx``);
+* ``dot`` -- ``rel_attention`` with the dots by AVX512-BF16 instructions (``RELPOS_CPU_AMX=0``);
 * ``float`` -- ``rel_attention`` with float32 matmuls (``RELPOS_CPU_BF16_DOT=0``), bitwise the
   AVX2 kernels' results;
 * ``sdpa`` -- ``F.scaled_dot_product_attention`` in bfloat16 without relative terms (the floor).
 
-The three alternate call by call in one process, ``--rounds`` times; the medians and their
+The methods alternate call by call in one process, ``--rounds`` times; the medians and their
 ratios go to the JSON. Usage::
 
     PYTHONPATH=build/dev-bench/stage python benchmarks/bench_bf16.py          # ~1 min
@@ -39,10 +42,12 @@ from _common import RESULTS, print_environment, time_interleaved, timestamp, wri
 
 
 def time_case(length: int, k: int, causal: bool, rounds: int, heads: int = 8,
-              per_head: bool = False, terms: str = "kv", lq: int | None = None) -> dict:
+              per_head: bool = False, terms: str = "kv", lq: int | None = None,
+              amx: bool = False) -> dict:
     """Median seconds of each method's forward and forward+backward at one length; terms "kv":
     rel_k and rel_v, "kq": rel_k and rel_q; lq: that many query rows decoding against the
-    length's keys (causal, q_offset = length - lq; SDPA without a mask)."""
+    length's keys (causal, q_offset = length - lq; SDPA without a mask); amx: time the AMX
+    tiles too."""
     gen = torch.Generator().manual_seed(0)
 
     def leaf(*shape: int) -> torch.Tensor:
@@ -63,13 +68,19 @@ def time_case(length: int, k: int, causal: bool, rounds: int, heads: int = 8,
     def sdpa() -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k_, v, is_causal=causal and lq is None)
 
-    methods: dict[str, tuple[str, Callable[[], torch.Tensor]]] = {
-        "dot": ("1", ours), "float": ("0", ours), "sdpa": ("1", sdpa)}
+    methods: dict[str, tuple[dict[str, str], Callable[[], torch.Tensor]]] = {
+        "dot": ({"RELPOS_CPU_BF16_DOT": "1", "RELPOS_CPU_AMX": "0"}, ours),
+        "float": ({"RELPOS_CPU_BF16_DOT": "0"}, ours), "sdpa": ({}, sdpa)}
+    if amx:
+        methods["amx"] = ({"RELPOS_CPU_BF16_DOT": "1", "RELPOS_CPU_AMX": "1"}, ours)
     med = time_interleaved(methods, "RELPOS_CPU_BF16_DOT", grad, rounds)
     ratios = {}
     for mode in ("fwd", "fwdbwd"):
         ratios[f"float/dot {mode}"] = med["float"][mode] / med["dot"][mode]
         ratios[f"sdpa/dot {mode}"] = med["sdpa"][mode] / med["dot"][mode]
+        if amx:
+            ratios[f"dot/amx {mode}"] = med["dot"][mode] / med["amx"][mode]
+            ratios[f"sdpa/amx {mode}"] = med["sdpa"][mode] / med["amx"][mode]
     return {"L": length, "lq": rows, "causal": causal, "median_s": med, "ratios": ratios}
 
 
@@ -97,7 +108,7 @@ def main() -> None:
     for length in args.lengths:
         for lq in args.lq or [None]:
             row = time_case(length, args.max_distance, args.causal, args.rounds, args.heads,
-                            args.per_head, args.terms, lq)
+                            args.per_head, args.terms, lq, amx=bool(info.get("cpu_amx")))
             rows.append(row)
             cells = "  ".join(f"{m} {1e3 * t['fwd']:.2f} / {1e3 * t['fwdbwd']:.2f} ms"
                               for m, t in row["median_s"].items())

@@ -51,6 +51,7 @@ pybind11::dict build_info() {
   info["cpu_kernel_in_use"] = relpos::cpu::isa_name(isa);
   info["cpu_float64_attention"] = relpos::cpu::float64_attention_kernel(isa);
   info["cpu_bf16_dot"] = relpos::cpu::bf16_dot_enabled(isa);
+  info["cpu_amx"] = relpos::cpu::amx_enabled(isa);
   info["cpu_wide_rows"] = relpos::cpu::wide_block_rows(isa);
   info["cpu_threads"] = relpos::cpu::threads_name(relpos::cpu::selected_threads());
 #if defined(RELPOS_WITH_CUDA)

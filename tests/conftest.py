@@ -80,6 +80,15 @@ def skip_unless_bf16_dot(monkeypatch) -> None:
         pytest.skip("no AVX512-BF16 on this CPU")
 
 
+def skip_unless_amx(monkeypatch) -> None:
+    """skip_unless_bf16_dot, and skip unless those dots run on AMX tiles here (cpu/isa.h
+    amx_enabled: AMX-TILE and AMX-BF16, the build's AMX code, the OS's grant)."""
+    skip_unless_bf16_dot(monkeypatch)
+    monkeypatch.delenv("RELPOS_CPU_AMX", raising=False)
+    if not relpos_ext.build_info()["cpu_amx"]:
+        pytest.skip("no AMX tiles on this CPU/OS/build")
+
+
 def assert_concurrent_calls_match(monkeypatch, source: str, jobs) -> None:
     """Run each of `jobs` (callables returning a tuple of tensors or None) alone, then all of them
     twice over from 8 Python threads at once (the ops release the GIL, so the calls overlap), each

@@ -14,7 +14,7 @@ import relpos_ext
 from relpos_ext import reference as ref
 from _emu import emu_seed
 from conftest import (ASAN_FORWARD_BACKWARD_ONLY, Backend, assert_close,
-                      assert_concurrent_calls_match, skip_unless_avx512,
+                      assert_concurrent_calls_match, skip_unless_amx, skip_unless_avx512,
                       skip_unless_bf16_dot)
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -1016,8 +1016,16 @@ def test_rel_attention_backward_at_huge_logits(backend, name, size):
     The CUDA SIMT kernels had the base-2 round trip too, hidden where the scale is a power of 2
     (D = 16 here); decode_split_keys has D = 32."""
     _attention_backend(backend)
+    _check_huge_logits(backend, name, size)
+
+
+def _check_huge_logits(backend, name, size, bf16_values=False):
+    """test_rel_attention_backward_at_huge_logits's check; bf16_values: inputs and upstream
+    gradient that are bfloat16 values, which the bfloat16 dots take exactly."""
     torch.manual_seed(5)
-    tensors, kw = make_inputs(CASES[name], torch.float32, q_scale=size)
+    tensors, kw = make_inputs({**CASES, **TC_CASES}[name], torch.float32, q_scale=size)
+    if bf16_values:
+        tensors = tuple(None if x is None else x.to(torch.bfloat16).float() for x in tensors)
     t64 = [_f64(x) for x in tensors]
     exp_out, exp_lse = ref.shaw_attention(*t64, **kw, return_lse=True)
     one_hot = _one_hot_rows(t64, kw)
@@ -1026,6 +1034,8 @@ def test_rel_attention_backward_at_huge_logits(backend, name, size):
     assert_close(out.cpu()[one_hot], exp_out.detach()[one_hot], torch.float32, scale=4)
     assert_close(lse.cpu()[one_hot], exp_lse.detach().float()[one_hot], torch.float32, scale=4)
     grad = torch.randn(exp_out.shape, dtype=torch.float64).float() * one_hot[..., None]
+    if bf16_values:
+        grad = grad.to(torch.bfloat16).float()
     leaves = [x for x in t64 if x is not None]
     expected = torch.autograd.grad(exp_out, leaves, grad.double())
     got = [g.cpu() for g in _call_backward(backend, grad, tensors, out, lse, kw)[:5]]
@@ -1400,6 +1410,81 @@ def test_rel_attention_bf16_dot(monkeypatch, name, rel_q):
     assert not torch.equal(out, out_f)
     for i in range(3):  # dq, dk, dv
         assert not torch.equal(grads[i], grads_f[i])
+
+
+# The bfloat16 dots' cases, and head dims whose pairs are no whole number of AMX's 16-pair
+# slices (40, 80, 120: the last 4, 8 or 12 pairs of Q K^T by the dots) or two of them (128).
+AMX_CASES = {**{n: CASES[n] for n in BF16_DOT_CASES},
+             **{n: TC_CASES[n] for n in ("D40_offsets", "D80_gqa", "D120", "D128_offsets")}}
+
+
+@pytest.mark.parametrize("name", list(AMX_CASES))
+def test_rel_attention_amx(monkeypatch, name):
+    """On a CPU with AMX the bfloat16 dots of test_rel_attention_bf16_dot run on tiles (cpu/isa.h
+    amx_enabled): the whole 16 x 16 blocks of each product over its whole 16-pair slices, the
+    edges (rows and columns past the last whole block, pairs past the last whole slice) by the
+    AVX512-BF16 dots. Forward and backward within the bfloat16 tolerance of the float64
+    reference. Against RELPOS_CPU_AMX=0 (the dots alone): bitwise the same for calls with no
+    whole block (under 16 query rows, an odd head dim); else a log-sum-exp within float32
+    rounding and outputs or gradients that differ, so the tiles ran. The tiles sum the same
+    products in another order, which bfloat16 outputs mostly round away: past 32 query rows the
+    comparison takes float32 inputs under matmul precision "medium" (the same dots, float32
+    outputs)."""
+    skip_unless_amx(monkeypatch)
+    case = AMX_CASES[name]
+    cpu = Backend("cpu", "cpu", "relpos")
+    _check_forward_backward(cpu, torch.bfloat16, case)
+    whole = case[3] >= 16 and case[5] % 2 == 0
+    dtype = torch.float32 if case[3] > 32 and whole else torch.bfloat16
+    tensors, kw = make_inputs(case, dtype)
+    grad = torch.randn(tensors[0].shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    with float32_matmul_precision("medium"):
+        out, lse = _call(cpu, tensors, kw)
+        grads = _call_backward(cpu, grad, tensors, out, lse, kw)
+        monkeypatch.setenv("RELPOS_CPU_AMX", "0")
+        assert relpos_ext.build_info()["cpu_amx"] is False
+        out_d, lse_d = _call(cpu, tensors, kw)
+        grads_d = _call_backward(cpu, grad, tensors, out, lse, kw)  # handed the same out and lse
+    got = [out, lse, *(g for g in grads if g is not None)]
+    want = [out_d, lse_d, *(g for g in grads_d if g is not None)]
+    if not whole:
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        return
+    torch.testing.assert_close(lse, lse_d, atol=1e-4, rtol=1e-5)
+    assert not all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("size", [1e5, 1e9])
+@pytest.mark.parametrize("name", ["tiles_two_sided", "bwd_key_runs", "two_sided", "causal_padding_gqa",
+                                  "D128_offsets", "K0"])
+def test_rel_attention_amx_backward_at_huge_logits(monkeypatch, name, size):
+    """test_rel_attention_backward_at_huge_logits with the dots on AMX tiles (float32 inputs
+    that are bfloat16 values, under matmul precision "medium"): the backward's logits must be
+    bitwise the forward's, which the tiles' sums keep only where an entry falls in a whole
+    16 x 16 block in both. Two ways they once did not: a row whose logits the forward computes
+    again (a one-pass attempt that went past the running maximum's slack) took the dots, as a
+    row alone, where its first computation had been on the tiles (now gemm_bf16_row computes
+    it with its block; bwd_key_runs, two_sided and causal_padding_gqa failed); and the key
+    term's band matmul QE, whose band differs between the forward and the backward, took the
+    tiles for some entries in one and not in the other (now always the dots; D128_offsets
+    failed)."""
+    skip_unless_amx(monkeypatch)
+    with float32_matmul_precision("medium"):
+        _check_huge_logits(Backend("cpu", "cpu", "relpos"), name, size, bf16_values=True)
+
+
+def test_rel_attention_amx_env(monkeypatch):
+    """RELPOS_CPU_AMX takes 0 or 1 (read at every call; build_info rejects any other value on
+    every path, even where the tiles could not run); 0 turns the tiles off, and without the
+    dots there are no tiles."""
+    monkeypatch.setenv("RELPOS_CPU_AMX", "yes")
+    with pytest.raises(RuntimeError, match="RELPOS_CPU_AMX must be 0 or 1"):
+        relpos_ext.build_info()
+    monkeypatch.setenv("RELPOS_CPU_AMX", "0")
+    assert relpos_ext.build_info()["cpu_amx"] is False
+    monkeypatch.setenv("RELPOS_CPU_BF16_DOT", "0")
+    monkeypatch.setenv("RELPOS_CPU_AMX", "1")
+    assert relpos_ext.build_info()["cpu_amx"] is False  # no dots, no tiles
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 // Environment variables that choose among a few fixed values (README "Environment variables":
-// RELPOS_CPU_ISA, RELPOS_CPU_THREADS, RELPOS_CPU_BF16_DOT, RELPOS_CPU_WIDE_ROWS, RELPOS_CUDA_TC).
+// RELPOS_CPU_ISA, RELPOS_CPU_THREADS, RELPOS_CPU_BF16_DOT, RELPOS_CPU_AMX, RELPOS_CPU_WIDE_ROWS,
+// RELPOS_CUDA_TC).
 // They are read at every call, so that tests and A/B timings can switch paths in one process, and
 // a value outside the list is an error, never a silent fallback to the default. No torch headers:
 // the CUDA sources read RELPOS_CUDA_TC here too. The error is a std::runtime_error, which the CUDA

@@ -10,6 +10,10 @@
 #if defined(RELPOS_HAVE_AVX2) && (defined(__x86_64__) || defined(_M_X64))
 #include <cpuid.h>
 #endif
+#if defined(RELPOS_HAVE_AMX) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace relpos::cpu {
 namespace {
@@ -38,6 +42,30 @@ bool cpu_has_avx512() {
   static const bool has = cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512dq");
+  return has;
+#else
+  return false;
+#endif
+}
+
+// AMX-TILE and AMX-BF16 (CPUID leaf 7, EDX bits 24 and 22), the OS saving the tile state (XCR0
+// bits 17 and 18), and this process granted that state: Linux hands AMX's 8 KiB of tile data
+// only to processes that ask (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, feature 18; every
+// thread of the process then has it). Without the grant the first tile instruction faults. Asked
+// once; a refusal leaves the AVX512-BF16 dots.
+bool cpu_has_amx() {
+#if defined(RELPOS_HAVE_AMX) && defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
+  static const bool has = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return false;
+    if ((edx & (1u << 24)) == 0 || (edx & (1u << 22)) == 0) return false;
+    if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0 || (ecx & bit_OSXSAVE) == 0) return false;
+    unsigned lo = 0, hi = 0;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
   return has;
 #else
   return false;
@@ -79,6 +107,11 @@ bool bf16_dot_enabled(Isa isa) {
 #else
   return false;
 #endif
+}
+
+bool amx_enabled(Isa isa) {
+  const bool off = env_choice("RELPOS_CPU_AMX", {"0", "1"}) == "0";
+  return !off && bf16_dot_enabled(isa) && cpu_has_amx();
 }
 
 int wide_block_rows(Isa isa) {

@@ -27,6 +27,15 @@ const char* float64_attention_kernel(Isa isa);
 // those of the AVX2 path.
 bool bf16_dot_enabled(Isa isa);
 
+// Whether those bfloat16 dots run on AMX tiles (TDPBF16PS: a 16 x 16 float32 block += 16 x 32
+// bfloat16 times 32 x 16, 8192 products per instruction where vdpbf16ps does 32): where
+// bf16_dot_enabled, the CPU has AMX-TILE and AMX-BF16, the build has the AMX code (GCC 11,
+// Clang 12) and the OS grants this process the tile state (Linux's arch_prctl
+// ARCH_REQ_XCOMP_PERM, asked once), unless RELPOS_CPU_AMX=0 (read at every call, as
+// RELPOS_CPU_ISA) keeps the AVX512-BF16 dots. The two sum the same exact products in other
+// orders: results agree to float32 rounding of the sums, not bitwise.
+bool amx_enabled(Isa isa);
+
 // Rows per matmul block of the AVX-512 attention kernels' full 64-column strips (gemm_wide in
 // rel_attention_avx2.cpp): RELPOS_CPU_WIDE_ROWS=4|6 if set (read at every call, as
 // RELPOS_CPU_ISA), else 6 on Intel CPUs and 4 on others. Either gives the same results, bitwise.

@@ -94,6 +94,7 @@ struct AttentionFwdSplit {
   // products (the avx512 build only; from kAttentionDotMinRows query rows, with an even head
   // dim), cpu/isa.h bf16_dot_enabled; float32 inputs too under matmul precision "bf16"
   bool bf16_dot = false;
+  bool amx = false;   // those dots on AMX tiles (with bf16_dot; cpu/isa.h amx_enabled)
   Bf16Operands bf16;  // the dots' operands (with bf16_dot)
   int wide_rows = 4;  // the avx512 build's matmul block rows (cpu/isa.h wide_block_rows)
 };
@@ -117,6 +118,7 @@ struct AttentionBwdSplit {
   // (the avx512 build only; not with an odd head dim); float32 inputs too under matmul
   // precision "bf16"
   bool bf16_dot = false;
+  bool amx = false;   // those dots on AMX tiles (with bf16_dot; cpu/isa.h amx_enabled)
   Bf16Operands bf16;  // the dots' operands (with bf16_dot)
   int wide_rows = 4;  // the avx512 build's matmul block rows (cpu/isa.h wide_block_rows)
 };

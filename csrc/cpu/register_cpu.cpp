@@ -208,6 +208,7 @@ struct CpuBackend {
     decltype(&avx2::rel_attention_backward_reduce) reduce;
     decltype(&avx2::attn_mask_tiles) mask_tiles;
     bool bf16_dot;  // bfloat16 inputs' matmuls by AVX512-BF16 dots (cpu/isa.h bf16_dot_enabled)
+    bool amx;       // those dots on AMX tiles (cpu/isa.h amx_enabled)
     int wide_rows;  // matmul block rows of full 64-column strips (cpu/isa.h wide_block_rows)
   };
   static AttentionKernels attention_kernels(Isa isa) {
@@ -215,12 +216,12 @@ struct CpuBackend {
     if (isa == Isa::Avx512) {
       return {&avx512::rel_attention, &avx512::rel_attention_combine, &avx512::rel_attention_backward,
               &avx512::rel_attention_backward_reduce, &avx512::attn_mask_tiles, bf16_dot_enabled(isa),
-              wide_block_rows(isa)};
+              amx_enabled(isa), wide_block_rows(isa)};
     }
 #endif
     (void)isa;
     return {&avx2::rel_attention, &avx2::rel_attention_combine, &avx2::rel_attention_backward,
-            &avx2::rel_attention_backward_reduce, &avx2::attn_mask_tiles, false, 0};
+            &avx2::rel_attention_backward_reduce, &avx2::attn_mask_tiles, false, false, 0};
   }
 
   // Whether float32 inputs may take the bfloat16 dots: torch's float32 matmul precision for the
@@ -300,6 +301,7 @@ struct CpuBackend {
     const bool dot_dtype = p.dtype == DType::BFloat16 || (p.dtype == DType::Float32 && fp32_dots(p));
     split.bf16_dot = dot_dtype && p.q_len >= kAttentionDotMinRows && p.dim % 2 == 0 && kern.bf16_dot;
     std::vector<at::Tensor> rounded;  // float32 tables rounded for the dots
+    split.amx = split.bf16_dot && kern.amx;
     if (split.bf16_dot) split.bf16 = bf16_operands(p, nullptr, rounded);
     split.wide_rows = kern.wide_rows;
     const int64_t tiles = p.batch * p.heads * ((p.q_len + split.tile - 1) / split.tile);
@@ -359,6 +361,7 @@ struct CpuBackend {
     const bool dot_dtype = f.dtype == DType::BFloat16 || (f.dtype == DType::Float32 && fp32_dots(f));
     split.bf16_dot = dot_dtype && f.dim % 2 == 0 && kern.bf16_dot;
     std::vector<at::Tensor> rounded;  // float32 tables rounded for the dots
+    split.amx = split.bf16_dot && kern.amx;
     if (split.bf16_dot) split.bf16 = bf16_operands(f, p.grad_out, rounded);
     split.wide_rows = kern.wide_rows;
     at::Tensor partials[5];  // dq and the table / bias gradients' per-chunk partials, kept alive

@@ -613,11 +613,11 @@ RELPOS_BF16_TARGET inline void dot_rows(int64_t N, int64_t k2, const uint16_t* A
   }
 }
 
-// C[M, N] (+)= A[M, 2 k2] B with B packed [k2][ldb words] (see above); ACC = false: C = alpha A B.
+// gemm_bf16 by vdpbf16ps (dot_block), the whole product or its edges on AMX (below).
 template <bool ACC>
-RELPOS_BF16_TARGET void gemm_bf16(int64_t M, int64_t N, int64_t k2, const uint16_t* A,
-                                  int64_t lda, const uint32_t* B, int64_t ldb, float* C,
-                                  int64_t ldc, float alpha = 1.f) {
+RELPOS_BF16_TARGET void gemm_bf16_dots(int64_t M, int64_t N, int64_t k2, const uint16_t* A,
+                                       int64_t lda, const uint32_t* B, int64_t ldb, float* C,
+                                       int64_t ldc, float alpha = 1.f) {
   if (M <= 0 || N <= 0) return;
   int64_t i = 0;
   for (; i + 6 <= M; i += 6) dot_rows<6, ACC>(N, k2, A + i * lda, lda, B, ldb, C + i * ldc, ldc, alpha);
@@ -631,6 +631,167 @@ RELPOS_BF16_TARGET void gemm_bf16(int64_t M, int64_t N, int64_t k2, const uint16
     case 1: dot_rows<1, ACC>(N, k2, a, lda, B, ldb, c, ldc, alpha); break;
     default: break;
   }
+}
+
+// ------------------------------------------------------------------------------ AMX tiles
+// On CPUs with AMX (cpu/isa.h amx_enabled; AttentionFwdSplit / AttentionBwdSplit::amx) the
+// bfloat16 dots run on tiles: TDPBF16PS adds a 16 x 16 float32 block the products of a 16 x 16
+// block of pairs (A: 16 rows x 32 bfloat16) and 16 x 16 words of B, packed as above, which is
+// the layout AMX takes for B. Eight tile registers: C blocks in 0-3 (2 x 2 of them, 32 x 32
+// floats), A blocks in 4-5, B blocks in 6-7, all 16 rows x 64 bytes (AmxTiles loads that
+// configuration for a kernel call's thread and releases the tiles at its end; tl_amx says it
+// is loaded). A block is read straight from A, B and C at their strides: gemm_bf16 sends the
+// whole 16 x 16 blocks of C over the whole 16-pair slices of k to the tiles and the rest (rows
+// and columns past the last whole block, pairs past the last whole slice) to the dots, so no
+// tile load reads past a row's end. Same exact products as the dots; TDPBF16PS sums them in
+// its own order (float32, round to nearest even, denormals flushed), so results agree with the
+// dots' to float32 rounding of the sums. B = 1, H = 8, D = 64, K = 64, L = 1024-4096, 2 threads
+// of a Xeon with AMX (family 6, model 167): forward 3.0-4.0x and forward+backward 3.1-4.2x
+// faster than the dots (benchmarks/results/bench_bf16_amx.json). The logit-forming band
+// matmuls keep the dots (band_dots says why).
+#if defined(RELPOS_HAVE_AMX)
+#define RELPOS_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
+thread_local bool tl_amx = false;
+
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+// For a kernel call's thread: the tile configuration above while it lives (`on`: split.amx),
+// tl_amx set; TILERELEASE at its end, which also spares the OS saving the tiles on a switch.
+class AmxTiles {
+ public:
+  RELPOS_AMX_TARGET explicit AmxTiles(bool on) : on_(on) {
+    if (!on_) return;
+    static const AmxConfig config;
+    _tile_loadconfig(&config);
+    tl_amx = true;
+  }
+  RELPOS_AMX_TARGET ~AmxTiles() {
+    if (!on_) return;
+    _tile_release();
+    tl_amx = false;
+  }
+  AmxTiles(const AmxTiles&) = delete;
+  AmxTiles& operator=(const AmxTiles&) = delete;
+
+ private:
+  bool on_;
+};
+
+// C[:16 MI, :16 NJ] (+)= A[:16 MI, :2 k2] B[:k2, :16 NJ] for k2 a multiple of 16 (MI, NJ: 1 or
+// 2 blocks); ACC = false starts from zeros. No scaling (gemm_bf16 does it).
+template <int MI, int NJ, bool ACC>
+RELPOS_AMX_TARGET inline void amx_block(int64_t k2, const uint16_t* A, int64_t lda,
+                                        const uint32_t* B, int64_t ldb, float* C, int64_t ldc) {
+  const int64_t sa = lda * 2, sb = ldb * 4, sc = ldc * 4;  // strides in bytes
+  float* c10 = C + 16 * ldc;
+  if constexpr (ACC) {
+    _tile_loadd(0, C, sc);
+    if constexpr (NJ == 2) _tile_loadd(1, C + 16, sc);
+    if constexpr (MI == 2) _tile_loadd(2, c10, sc);
+    if constexpr (MI == 2 && NJ == 2) _tile_loadd(3, c10 + 16, sc);
+  } else {
+    _tile_zero(0);
+    if constexpr (NJ == 2) _tile_zero(1);
+    if constexpr (MI == 2) _tile_zero(2);
+    if constexpr (MI == 2 && NJ == 2) _tile_zero(3);
+  }
+  for (int64_t k = 0; k < k2; k += 16) {
+    _tile_loadd(4, A + 2 * k, sa);
+    if constexpr (MI == 2) _tile_loadd(5, A + 16 * lda + 2 * k, sa);
+    _tile_loadd(6, B + k * ldb, sb);
+    if constexpr (NJ == 2) _tile_loadd(7, B + k * ldb + 16, sb);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NJ == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MI == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (MI == 2 && NJ == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, C, sc);
+  if constexpr (NJ == 2) _tile_stored(1, C + 16, sc);
+  if constexpr (MI == 2) _tile_stored(2, c10, sc);
+  if constexpr (MI == 2 && NJ == 2) _tile_stored(3, c10 + 16, sc);
+}
+
+template <int MI, bool ACC>
+RELPOS_AMX_TARGET inline void amx_row_blocks(int64_t n16, int64_t k2, const uint16_t* A,
+                                             int64_t lda, const uint32_t* B, int64_t ldb, float* C,
+                                             int64_t ldc) {
+  int64_t j = 0;
+  for (; j + 32 <= n16; j += 32) amx_block<MI, 2, ACC>(k2, A, lda, B + j, ldb, C + j, ldc);
+  if (j < n16) amx_block<MI, 1, ACC>(k2, A, lda, B + j, ldb, C + j, ldc);
+}
+
+// C[:m16, :n16] (+)= A B over the first k16 pairs (multiples of 16), unscaled.
+template <bool ACC>
+RELPOS_AMX_TARGET void amx_gemm(int64_t m16, int64_t n16, int64_t k16, const uint16_t* A,
+                                int64_t lda, const uint32_t* B, int64_t ldb, float* C,
+                                int64_t ldc) {
+  int64_t i = 0;
+  for (; i + 32 <= m16; i += 32) amx_row_blocks<2, ACC>(n16, k16, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+  if (i < m16) amx_row_blocks<1, ACC>(n16, k16, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+}
+
+// C[:rows, :cols] *= alpha
+RELPOS_AMX_TARGET inline void scale_block(float* C, int64_t ldc, int64_t rows, int64_t cols, float alpha) {
+  const __m512 a = _mm512_set1_ps(alpha);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; c += 16) {
+      const __mmask16 mk = Zmm::tail(cols - c);
+      _mm512_mask_storeu_ps(C + r * ldc + c, mk, _mm512_mul_ps(a, _mm512_maskz_loadu_ps(mk, C + r * ldc + c)));
+    }
+  }
+}
+#else
+struct AmxTiles {
+  explicit AmxTiles(bool) {}
+};
+#endif
+
+// C[M, N] (+)= A[M, 2 k2] B with B packed [k2][ldb words] (see above); ACC = false: C = alpha A B.
+// On AMX tiles where they are configured (tl_amx) and the product has a whole 16 x 16 x 16 block.
+template <bool ACC>
+RELPOS_BF16_TARGET void gemm_bf16(int64_t M, int64_t N, int64_t k2, const uint16_t* A,
+                                  int64_t lda, const uint32_t* B, int64_t ldb, float* C,
+                                  int64_t ldc, float alpha = 1.f) {
+#if defined(RELPOS_HAVE_AMX)
+  const int64_t m16 = M / 16 * 16, n16 = N / 16 * 16, k16 = k2 / 16 * 16;
+  if (tl_amx && m16 > 0 && n16 > 0 && k16 > 0) {
+    amx_gemm<ACC>(m16, n16, k16, A, lda, B, ldb, C, ldc);
+    if (k16 < k2) {  // the last pairs, added to the tiles' sums
+      gemm_bf16_dots<true>(m16, n16, k2 - k16, A + 2 * k16, lda, B + k16 * ldb, ldb, C, ldc);
+    }
+    if (!ACC && alpha != 1.f) scale_block(C, ldc, m16, n16, alpha);
+    gemm_bf16_dots<ACC>(m16, N - n16, k2, A, lda, B + n16, ldb, C + n16, ldc, alpha);
+    gemm_bf16_dots<ACC>(M - m16, N, k2, A + m16 * lda, lda, B, ldb, C + m16 * ldc, ldc, alpha);
+    return;
+  }
+#endif
+  gemm_bf16_dots<ACC>(M, N, k2, A, lda, B, ldb, C, ldc, alpha);
+}
+
+// Row r of C = alpha A B as gemm_bf16<false> computes it for all M rows, written to c_row:
+// a row of a whole 16-row block on the tiles is computed with its block (into block, 16 x N
+// floats), since a row alone would take the dots, whose sums differ in the last bits; the
+// forward's logits must stay bitwise those the backward recomputes.
+RELPOS_BF16_TARGET void gemm_bf16_row(int64_t M, int64_t r, int64_t N, int64_t k2,
+                                      const uint16_t* A, int64_t lda, const uint32_t* B,
+                                      int64_t ldb, float* c_row, float* block, float alpha) {
+#if defined(RELPOS_HAVE_AMX)
+  if (tl_amx && r < M / 16 * 16 && N >= 16 && k2 >= 16) {
+    const int64_t r16 = r / 16 * 16;
+    gemm_bf16<false>(16, N, k2, A + r16 * lda, lda, B, ldb, block, N, alpha);
+    std::memcpy(c_row, block + (r - r16) * N, static_cast<size_t>(N) * sizeof(float));
+    return;
+  }
+#endif
+  (void)M;
+  (void)block;
+  gemm_bf16_dots<false>(1, N, k2, A + r * lda, lda, B, ldb, c_row, N, alpha);
 }
 
 // dst[c][r] = the pair word (src[r][2c], src[r][2c + 1]) for r < rows, c < D / 2 (D even):
@@ -707,9 +868,17 @@ RELPOS_BF16_TARGET void round_pack_pairs(const float* src, int64_t lds, int64_t 
 }
 #else
 constexpr bool kBf16Dot = false;
+struct AmxTiles {
+  explicit AmxTiles(bool) {}
+};
 template <bool ACC>
 void gemm_bf16(int64_t M, int64_t N, int64_t k2, const uint16_t* A, int64_t lda, const uint32_t* B,
                int64_t ldb, float* C, int64_t ldc, float alpha = 1.f);
+void gemm_bf16_row(int64_t M, int64_t r, int64_t N, int64_t k2, const uint16_t* A, int64_t lda,
+                   const uint32_t* B, int64_t ldb, float* c_row, float* block, float alpha);
+template <bool ACC>
+void gemm_bf16_dots(int64_t M, int64_t N, int64_t k2, const uint16_t* A, int64_t lda,
+                    const uint32_t* B, int64_t ldb, float* C, int64_t ldc, float alpha = 1.f);
 void pack_pairs_t(const uint16_t* src, int64_t rows, int64_t D, uint32_t* dst, int64_t ldd);
 void pack_row_pairs(const uint16_t* src, int64_t rows, int64_t D, uint32_t* dst);
 void round_rows_bf16(const float* src, int64_t lds, int64_t rows, int64_t cols, uint16_t* dst,
@@ -1786,13 +1955,18 @@ void table_terms(DType d, const char* table, int64_t D, const Band& band, const 
 // bfloat16 already, so band_dots is exact up to the order of the sums, as S is; band_acc_dots
 // rounds its weights to bfloat16, as P and dS are rounded for P V and dS K.
 // xe[r, c] = alpha * x_r . table[band.lo + c] for mq rows x (leading dim ldx) over the band;
-// pk: D / 2 x band.n words (the band rows' pairs, transposed).
+// pk: D / 2 x band.n words (the band rows' pairs, transposed). By the AVX512-BF16 dots alone,
+// never the AMX tiles: QE is part of the logits, which the backward must recompute bitwise,
+// and its band differs between the forward (a query tile, all its keys) and the backward (a
+// query tile and a key tile), so an entry would fall in a whole 16 x 16 block in one and not
+// in the other; a dot gives an entry the same sum whatever the band. (So does KE^T, the
+// key-side table's band, by gemm_bf16_dots where it is computed.)
 void band_dots(const uint16_t* table, int64_t D, const Band& band, const uint16_t* x, int64_t ldx,
                int64_t mq, float alpha, float* xe, uint32_t* pk) {
   if constexpr (kBf16Dot) {  // (the AVX2 build only declares the bfloat16 functions)
     if (band.n == 0 || mq == 0) return;
     pack_pairs_t(table + band.lo * D, band.n, D, pk, band.n);
-    gemm_bf16<false>(mq, band.n, D / 2, x, ldx, pk, band.n, xe, band.n, alpha);
+    gemm_bf16_dots<false>(mq, band.n, D / 2, x, ldx, pk, band.n, xe, band.n, alpha);
   }
 }
 
@@ -2072,6 +2246,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
   float* tmp = buf.take(TK * D);
   float* kf = few_q && !f32 && !bdot ? buf.take(TK * D) : nullptr;
   float* s = buf.take(TQ * TK);  // logits, then (in place) probabilities
+  float* s_block = bdot ? buf.take(16 * TK) : nullptr;  // a row's logits again (gemm_bf16_row)
   float* acc = buf.take(TQ * D);
   float* m = buf.take(TQ);
   float* l = buf.take(TQ);
@@ -2196,8 +2371,9 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
           const uint32_t* kt = kt_of(t);
           // the ends: rel_q rows 0 and 2K as the two rows of A (lda reaches from one to the other)
           gemm_bf16<false>(2, nk, D2, eq, (rows_tab - 1) * D, kt, TK, kq, TK);
+          // (by the dots alone, never the tiles: these are logits, see band_dots)
           for_key_strips(p, i0, mq, j0, nk, kband, [&](int64_t s0, int64_t w, int64_t c0, int64_t n) {
-            gemm_bf16<false>(n, w, D2, eq + (kband.lo + c0) * D, D, kt + s0, TK, ket + c0 * TK + s0, TK);
+            gemm_bf16_dots<false>(n, w, D2, eq + (kband.lo + c0) * D, D, kt + s0, TK, ket + c0 * TK + s0, TK);
           }, kKeTStripDots);
         }
       } else if (hd.rel_q) {
@@ -2217,14 +2393,19 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
           });
         }
       }
-      // S = Q K^T (scaled) for the rows [r0, r0 + rows) of the tile, with the key-side
-      // term; a row computed alone comes out bitwise the same (the same products summed in the
-      // same order)
+      // S = Q K^T (scaled) for the rows [r0, r0 + rows) of the tile (all of them, or one again),
+      // with the key-side term; a row computed again comes out bitwise the same (the same
+      // products summed in the same order)
       auto scores = [&](int64_t r0, int64_t rows) {
         if (bdot) {  // S = scale (Q K^T), Q in its bfloat16
           if constexpr (kBf16Dot) {
-            gemm_bf16<false>(rows, nk, D2, q_bf + r0 * D,
-                             D, kt_of(t), TK, s + r0 * TK, TK, scale);
+            if (rows == mq) {
+              gemm_bf16<false>(rows, nk, D2, q_bf + r0 * D, D, kt_of(t), TK, s + r0 * TK, TK, scale);
+            } else {
+              for (int64_t r = r0; r < r0 + rows; ++r) {
+                gemm_bf16_row(mq, r, nk, D2, q_bf, D, kt_of(t), TK, s + r * TK, s_block, scale);
+              }
+            }
           }
         } else {
           times_keys(qs + r0 * D, rows, s + r0 * TK, TK);
@@ -2427,6 +2608,7 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
 
 void rel_attention(const RelAttentionParams& p, const AttentionFwdSplit& split, WorkQueue& work) {
   const FlushDenormals ftz;  // small P and dS (vec_avx2.h)
+  const AmxTiles amx(split.amx);  // the bfloat16 dots on AMX tiles
   tl_wide_rows = split.wide_rows;
   if (split.tile == kAttentionWideTile) {
     forward_tiles<kAttentionWideTile, kAttentionWideTile>(p, split, work);
@@ -2492,6 +2674,7 @@ constexpr int64_t kBwdRunBytes = int64_t(640) << 10;
 void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdSplit& split,
                             WorkQueue& work) {
   const FlushDenormals ftz;  // small P and dS (vec_avx2.h)
+  const AmxTiles amx(split.amx);  // the bfloat16 dots on AMX tiles
   tl_wide_rows = split.wide_rows;
   const RelAttentionParams& p = bp.fwd;
   const int64_t D = p.dim, K = p.max_distance, rows_tab = num_buckets(K), es = elem_bytes(p.dtype);
@@ -2827,8 +3010,8 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
                                                                int64_t n) {
                     if (bdot) {
                       if constexpr (kBf16Dot) {
-                        gemm_bf16<false>(n, w, D2, h16.rel_q + (kband.lo + c0) * D, D,
-                                         kt_pk + tl * D2 * BK + s0, BK, ket + c0 * BK + s0, BK);
+                        gemm_bf16_dots<false>(n, w, D2, h16.rel_q + (kband.lo + c0) * D, D,
+                                              kt_pk + tl * D2 * BK + s0, BK, ket + c0 * BK + s0, BK);
                       }
                     } else {
                       gemm0(n, w, D, bq + c0 * D, D, kt_run + tl * D * BK + s0, BK,

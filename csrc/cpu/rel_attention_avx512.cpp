@@ -8,6 +8,6 @@
 // build (tests/test_attention.py checks it). The one exception is opt-out: on CPUs with
 // AVX512-BF16 the kernels take bfloat16 inputs' big matmuls by bfloat16 dot products
 // (AttentionFwdSplit / AttentionBwdSplit::bf16_dot; RELPOS_CPU_BF16_DOT=0 gives the bitwise AVX2
-// results back).
+// results back), on AMX tiles where the CPU has AMX (::amx; RELPOS_HAVE_AMX builds only).
 #define RELPOS_ISA avx512
 #include "cpu/rel_attention_avx2.cpp"

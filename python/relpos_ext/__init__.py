@@ -57,7 +57,9 @@ def build_info() -> dict[str, Any]:
     compiled with OpenMP; ``"gomp"``, the same threads reached at run time in builds without it;
     ``"std"``, a std::thread per chunk), ``cpu_bf16_dot`` (whether the AVX-512 attention kernels
     take bfloat16 inputs' matmuls by AVX512-BF16 dot products now: on CPUs that have them,
-    unless ``RELPOS_CPU_BF16_DOT=0``), ``cpu_wide_rows`` (rows per matmul block of the AVX-512
+    unless ``RELPOS_CPU_BF16_DOT=0``), ``cpu_amx`` (whether those dot products run on AMX tiles
+    now: on CPUs with AMX-BF16 whose OS grants the tile state, unless ``RELPOS_CPU_AMX=0``),
+    ``cpu_wide_rows`` (rows per matmul block of the AVX-512
     attention kernels' 64-column strips: 6 on Intel CPUs, 4 on others, ``RELPOS_CPU_WIDE_ROWS``
     overriding; 0 on the other paths) and ``cuda_archs`` (e.g. ``["80", "90"]``, or ``None``
     when the CUDA kernels were not built).
