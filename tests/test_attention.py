@@ -1413,28 +1413,34 @@ def test_rel_attention_bf16_dot(monkeypatch, name, rel_q):
 
 
 # The bfloat16 dots' cases, and head dims whose pairs are no whole number of AMX's 16-pair
-# slices (40, 80, 120: the last 4, 8 or 12 pairs of Q K^T by the dots) or two of them (128).
+# slices (40, 80, 120: the last 4, 8 or 12 pairs of Q K^T through a padded tile) or two of
+# them (128).
 AMX_CASES = {**{n: CASES[n] for n in BF16_DOT_CASES},
-             **{n: TC_CASES[n] for n in ("D40_offsets", "D80_gqa", "D120", "D128_offsets")}}
+             **{n: TC_CASES[n] for n in ("D40_offsets", "D80_gqa", "D120", "D128_offsets")},
+             # decoding 9 rows, per-head tables: every product's rows padded to the tile's 16
+             "decode_nine_rows": (1, 2, 1, 9, 300, 32, 6, 291, 0, True, True, False, True, True)}
 
 
 @pytest.mark.parametrize("name", list(AMX_CASES))
 def test_rel_attention_amx(monkeypatch, name):
     """On a CPU with AMX the bfloat16 dots of test_rel_attention_bf16_dot run on tiles (cpu/isa.h
-    amx_enabled): the whole 16 x 16 blocks of each product over its whole 16-pair slices, the
-    edges (rows and columns past the last whole block, pairs past the last whole slice) by the
-    AVX512-BF16 dots. Forward and backward within the bfloat16 tolerance of the float64
-    reference. Against RELPOS_CPU_AMX=0 (the dots alone): bitwise the same for calls with no
-    whole block (under 16 query rows, an odd head dim); else a log-sum-exp within float32
-    rounding and outputs or gradients that differ, so the tiles ran. The tiles sum the same
-    products in another order, which bfloat16 outputs mostly round away: past 32 query rows the
-    comparison takes float32 inputs under matmul precision "medium" (the same dots, float32
-    outputs)."""
+    amx_enabled), every entry of every product: whole 16 x 16 blocks straight from memory, the
+    blocks at the edges (the last rows and columns, the pairs past the last whole 16) through
+    zero-padded copies; from 8 query rows on (kernels.h kAttentionAmxMinRows). Forward and
+    backward within the bfloat16 tolerance of the float64 reference. Against RELPOS_CPU_AMX=0
+    (the AVX512-BF16 dots): a log-sum-exp within float32 rounding, and with an odd head dim
+    (no dots, so no tiles) or under 8 query rows (decode_five_rows, decode_split_keys),
+    bitwise the same results. The tiles sum the same products in another order, which
+    bfloat16 outputs mostly round away: past 32 query rows the comparison takes float32 inputs
+    under matmul precision "medium" (the same dots, float32 outputs), whose outputs or gradients
+    must differ, so the tiles ran; 8-32 rows (decoding, which "medium" leaves in float32)
+    compare the bfloat16 calls within bfloat16 rounding (there the tiles' sums often equal the
+    dots' to the last bit)."""
     skip_unless_amx(monkeypatch)
     case = AMX_CASES[name]
     cpu = Backend("cpu", "cpu", "relpos")
     _check_forward_backward(cpu, torch.bfloat16, case)
-    whole = case[3] >= 16 and case[5] % 2 == 0
+    whole = case[5] % 2 == 0 and case[3] >= 8
     dtype = torch.float32 if case[3] > 32 and whole else torch.bfloat16
     tensors, kw = make_inputs(case, dtype)
     grad = torch.randn(tensors[0].shape, generator=torch.Generator().manual_seed(3)).to(dtype)
@@ -1451,7 +1457,11 @@ def test_rel_attention_amx(monkeypatch, name):
         assert all(torch.equal(g, w) for g, w in zip(got, want))
         return
     torch.testing.assert_close(lse, lse_d, atol=1e-4, rtol=1e-5)
-    assert not all(torch.equal(g, w) for g, w in zip(got, want))
+    if dtype == torch.float32:
+        assert not all(torch.equal(g, w) for g, w in zip(got, want))
+    else:
+        for g, w in zip(got, want):
+            assert_close(g, w.to(g.dtype), g.dtype, scale=4)
 
 
 @pytest.mark.parametrize("size", [1e5, 1e9])
@@ -1460,14 +1470,12 @@ def test_rel_attention_amx(monkeypatch, name):
 def test_rel_attention_amx_backward_at_huge_logits(monkeypatch, name, size):
     """test_rel_attention_backward_at_huge_logits with the dots on AMX tiles (float32 inputs
     that are bfloat16 values, under matmul precision "medium"): the backward's logits must be
-    bitwise the forward's, which the tiles' sums keep only where an entry falls in a whole
-    16 x 16 block in both. Two ways they once did not: a row whose logits the forward computes
-    again (a one-pass attempt that went past the running maximum's slack) took the dots, as a
-    row alone, where its first computation had been on the tiles (now gemm_bf16_row computes
-    it with its block; bwd_key_runs, two_sided and causal_padding_gqa failed); and the key
-    term's band matmul QE, whose band differs between the forward and the backward, took the
-    tiles for some entries in one and not in the other (now always the dots; D128_offsets
-    failed)."""
+    bitwise the forward's, although it computes S, QE and KE^T in other blocks (other tiles and
+    bands; the forward computes a row again after a one-pass attempt that went past the running
+    maximum's slack). Every entry takes the tiles, edges through zero-padded copies, so its sum
+    does not depend on the block. A first version sent the edges to the dots, so an entry's sum
+    depended on where its block ended: bwd_key_runs, two_sided, causal_padding_gqa and
+    D128_offsets failed here."""
     skip_unless_amx(monkeypatch)
     with float32_matmul_precision("medium"):
         _check_huge_logits(Backend("cpu", "cpu", "relpos"), name, size, bf16_values=True)

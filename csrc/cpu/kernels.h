@@ -45,6 +45,14 @@ constexpr int64_t kAttentionFewQueries = 32;
 // call after another of the same kind, 1.3-1.9x from 4 rows); a single row 1.2-1.5x slower
 // (its scores read each key once, in place, where the dots would first pack them)
 constexpr int64_t kAttentionDotMinRows = 2;
+// ... and on AMX tiles (AttentionFwdSplit / AttentionBwdSplit::amx) from this many query rows
+// on: a product of fewer rows pads them to the tile's 16, where the dots take only the rows
+// there are. bfloat16, B = 1, H = 8, D = 64, K = 64, 4k and 16k keys, 2 threads, the tiles over
+// the dots: 1 row (backward only; the forward keeps float32) 0.92x and 0.81x forward+backward,
+// 4 rows 0.94-0.95x forward and 0.92-0.96x forward+backward, 8 rows 1.11-1.34x and 1.02-1.11x,
+// 16-32 rows 1.76-2.45x and 1.24-1.61x (benchmarks/bench_bf16.py --lq, 11 rounds). Decided per
+// call from q_len, so both passes compute every logit alike.
+constexpr int64_t kAttentionAmxMinRows = 8;
 
 // What the attention mask does to each (query tile, key tile) of kAttentionTileQ x
 // kAttentionTileK, per mask slab (a [q_len, k_len] matrix of the contiguous [B or 1, H or 1,

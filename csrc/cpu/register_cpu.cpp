@@ -301,7 +301,7 @@ struct CpuBackend {
     const bool dot_dtype = p.dtype == DType::BFloat16 || (p.dtype == DType::Float32 && fp32_dots(p));
     split.bf16_dot = dot_dtype && p.q_len >= kAttentionDotMinRows && p.dim % 2 == 0 && kern.bf16_dot;
     std::vector<at::Tensor> rounded;  // float32 tables rounded for the dots
-    split.amx = split.bf16_dot && kern.amx;
+    split.amx = split.bf16_dot && kern.amx && p.q_len >= kAttentionAmxMinRows;
     if (split.bf16_dot) split.bf16 = bf16_operands(p, nullptr, rounded);
     split.wide_rows = kern.wide_rows;
     const int64_t tiles = p.batch * p.heads * ((p.q_len + split.tile - 1) / split.tile);
@@ -361,7 +361,7 @@ struct CpuBackend {
     const bool dot_dtype = f.dtype == DType::BFloat16 || (f.dtype == DType::Float32 && fp32_dots(f));
     split.bf16_dot = dot_dtype && f.dim % 2 == 0 && kern.bf16_dot;
     std::vector<at::Tensor> rounded;  // float32 tables rounded for the dots
-    split.amx = split.bf16_dot && kern.amx;
+    split.amx = split.bf16_dot && kern.amx && f.q_len >= kAttentionAmxMinRows;  // as the forward's
     if (split.bf16_dot) split.bf16 = bf16_operands(f, p.grad_out, rounded);
     split.wide_rows = kern.wide_rows;
     at::Tensor partials[5];  // dq and the table / bias gradients' per-chunk partials, kept alive

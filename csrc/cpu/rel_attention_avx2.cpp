@@ -635,22 +635,35 @@ RELPOS_BF16_TARGET void gemm_bf16_dots(int64_t M, int64_t N, int64_t k2, const u
 
 // ------------------------------------------------------------------------------ AMX tiles
 // On CPUs with AMX (cpu/isa.h amx_enabled; AttentionFwdSplit / AttentionBwdSplit::amx) the
-// bfloat16 dots run on tiles: TDPBF16PS adds a 16 x 16 float32 block the products of a 16 x 16
-// block of pairs (A: 16 rows x 32 bfloat16) and 16 x 16 words of B, packed as above, which is
-// the layout AMX takes for B. Eight tile registers: C blocks in 0-3 (2 x 2 of them, 32 x 32
+// bfloat16 dots run on tiles: TDPBF16PS adds to a 16 x 16 float32 block the products of a 16 x
+// 16 block of pairs (A: 16 rows x 32 bfloat16) and 16 x 16 words of B, packed as above, which
+// is the layout AMX takes for B. Eight tile registers: C blocks in 0-3 (2 x 2 of them, 32 x 32
 // floats), A blocks in 4-5, B blocks in 6-7, all 16 rows x 64 bytes (AmxTiles loads that
 // configuration for a kernel call's thread and releases the tiles at its end; tl_amx says it
-// is loaded). A block is read straight from A, B and C at their strides: gemm_bf16 sends the
-// whole 16 x 16 blocks of C over the whole 16-pair slices of k to the tiles and the rest (rows
-// and columns past the last whole block, pairs past the last whole slice) to the dots, so no
-// tile load reads past a row's end. Same exact products as the dots; TDPBF16PS sums them in
-// its own order (float32, round to nearest even, denormals flushed), so results agree with the
-// dots' to float32 rounding of the sums. B = 1, H = 8, D = 64, K = 64, L = 1024-4096, 2 threads
-// of a Xeon with AMX (family 6, model 167): forward 3.0-4.0x and forward+backward 3.1-4.2x
-// faster than the dots (benchmarks/results/bench_bf16_amx.json). The logit-forming band
-// matmuls keep the dots (band_dots says why).
+// is loaded). Every entry of every product takes the tiles: whole blocks are read straight
+// from A, B and C at their strides, and blocks at the edges (the last rows, the last columns,
+// the pairs past the last whole 16) through zero-padded copies, so no tile load reads past a
+// row's end. An entry's sum is then the same whatever block, band or row count it is computed
+// in (zero products add nothing), as a dot's is: the backward recomputes P = e^(s - lse),
+// which needs its logits bitwise the forward's, and it computes S, QE and KE^T in other
+// blocks than the forward (other tiles and bands; one row again after a one-pass attempt).
+// The tiles sum the same exact products as the dots in another order (float32, round to nearest
+// even, denormals flushed), so results agree with the dots' to float32 rounding of the sums.
+// B = 1, H = 8, D = 64, K = 64, L = 1024-4096, 2 threads of a Xeon with AMX (family 6, model
+// 167): forward 3.3-4.1x and forward+backward 3.5-4.4x faster than the dots
+// (benchmarks/results/bench_bf16_amx.json). Calls of fewer than kAttentionAmxMinRows query
+// rows keep the dots (kernels.h).
 #if defined(RELPOS_HAVE_AMX)
 #define RELPOS_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
+// GCC's _tile_loadd (amxtileintrin.h, GCC 11-12 at least) is an asm statement that does not
+// tell the compiler it reads memory: stores to what it reads (a padded copy built just before)
+// could be kept for later or dropped, and were (NaN in P V). A compiler barrier before each
+// load; _tile_stored has its memory clobber.
+#define RELPOS_TILE_LOAD(tile, base, stride)  \
+  do {                                        \
+    __asm__ volatile("" ::: "memory");        \
+    _tile_loadd(tile, base, stride);          \
+  } while (0)
 thread_local bool tl_amx = false;
 
 struct alignas(64) AmxConfig {
@@ -683,29 +696,60 @@ class AmxTiles {
   bool on_;
 };
 
-// C[:16 MI, :16 NJ] (+)= A[:16 MI, :2 k2] B[:k2, :16 NJ] for k2 a multiple of 16 (MI, NJ: 1 or
-// 2 blocks); ACC = false starts from zeros. No scaling (gemm_bf16 does it).
+// A tile for a block at an edge: rows [0, rows) and 32-bit words [0, cols) of `src` (rows
+// `stride` bytes apart: A's pairs, or B's words) into the 16 x 16 words of `tile`, zeros
+// elsewhere (zero products add nothing).
+RELPOS_AMX_TARGET inline void pad_tile(const void* src, int64_t stride, int64_t rows, int64_t cols,
+                                       uint32_t* tile) {
+  const __mmask16 mk = Zmm::tail(cols);
+  const char* row = static_cast<const char*>(src);
+  for (int64_t r = 0; r < 16; ++r, row += stride) {
+    const __m512i x = r < rows ? _mm512_maskz_loadu_epi32(mk, row) : _mm512_setzero_si512();
+    _mm512_store_si512(tile + 16 * r, x);
+  }
+}
+
+// C[:16 MI, :16 NJ] (+)= A[:16 MI, :2 k2] B[:k2, :16 NJ], whole blocks (MI, NJ: 1 or 2 of them);
+// the pairs past the last whole 16 from zero-padded copies. ACC = false starts from zeros. No
+// scaling (gemm_bf16 does it).
 template <int MI, int NJ, bool ACC>
 RELPOS_AMX_TARGET inline void amx_block(int64_t k2, const uint16_t* A, int64_t lda,
                                         const uint32_t* B, int64_t ldb, float* C, int64_t ldc) {
   const int64_t sa = lda * 2, sb = ldb * 4, sc = ldc * 4;  // strides in bytes
   float* c10 = C + 16 * ldc;
   if constexpr (ACC) {
-    _tile_loadd(0, C, sc);
-    if constexpr (NJ == 2) _tile_loadd(1, C + 16, sc);
-    if constexpr (MI == 2) _tile_loadd(2, c10, sc);
-    if constexpr (MI == 2 && NJ == 2) _tile_loadd(3, c10 + 16, sc);
+    RELPOS_TILE_LOAD(0, C, sc);
+    if constexpr (NJ == 2) RELPOS_TILE_LOAD(1, C + 16, sc);
+    if constexpr (MI == 2) RELPOS_TILE_LOAD(2, c10, sc);
+    if constexpr (MI == 2 && NJ == 2) RELPOS_TILE_LOAD(3, c10 + 16, sc);
   } else {
     _tile_zero(0);
     if constexpr (NJ == 2) _tile_zero(1);
     if constexpr (MI == 2) _tile_zero(2);
     if constexpr (MI == 2 && NJ == 2) _tile_zero(3);
   }
-  for (int64_t k = 0; k < k2; k += 16) {
-    _tile_loadd(4, A + 2 * k, sa);
-    if constexpr (MI == 2) _tile_loadd(5, A + 16 * lda + 2 * k, sa);
-    _tile_loadd(6, B + k * ldb, sb);
-    if constexpr (NJ == 2) _tile_loadd(7, B + k * ldb + 16, sb);
+  const int64_t k16 = k2 / 16 * 16;
+  for (int64_t k = 0; k < k16; k += 16) {
+    RELPOS_TILE_LOAD(4, A + 2 * k, sa);
+    if constexpr (MI == 2) RELPOS_TILE_LOAD(5, A + 16 * lda + 2 * k, sa);
+    RELPOS_TILE_LOAD(6, B + k * ldb, sb);
+    if constexpr (NJ == 2) RELPOS_TILE_LOAD(7, B + k * ldb + 16, sb);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NJ == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MI == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (MI == 2 && NJ == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  if (k16 < k2) {
+    alignas(64) uint32_t ta[2][256], tb[2][256];
+    const int64_t kn = k2 - k16;
+    pad_tile(A + 2 * k16, sa, 16, kn, ta[0]);
+    if constexpr (MI == 2) pad_tile(A + 16 * lda + 2 * k16, sa, 16, kn, ta[1]);
+    pad_tile(B + k16 * ldb, sb, kn, 16, tb[0]);
+    if constexpr (NJ == 2) pad_tile(B + k16 * ldb + 16, sb, kn, 16, tb[1]);
+    RELPOS_TILE_LOAD(4, ta[0], 64);
+    if constexpr (MI == 2) RELPOS_TILE_LOAD(5, ta[1], 64);
+    RELPOS_TILE_LOAD(6, tb[0], 64);
+    if constexpr (NJ == 2) RELPOS_TILE_LOAD(7, tb[1], 64);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (NJ == 2) _tile_dpbf16ps(1, 4, 7);
     if constexpr (MI == 2) _tile_dpbf16ps(2, 5, 6);
@@ -717,6 +761,43 @@ RELPOS_AMX_TARGET inline void amx_block(int64_t k2, const uint16_t* A, int64_t l
   if constexpr (MI == 2 && NJ == 2) _tile_stored(3, c10 + 16, sc);
 }
 
+// One block at C's edge, rows <= 16 and cols <= 16 (one of them less): C, A and B through
+// zero-padded copies where the block or the k slice is partial, the same tile products.
+template <bool ACC>
+RELPOS_AMX_TARGET void amx_edge_block(int64_t rows, int64_t cols, int64_t k2, const uint16_t* A,
+                                      int64_t lda, const uint32_t* B, int64_t ldb, float* C,
+                                      int64_t ldc) {
+  alignas(64) float tc[256];
+  alignas(64) uint32_t ta[256], tb[256];
+  const __mmask16 mc = Zmm::tail(cols);
+  if constexpr (ACC) {
+    for (int64_t r = 0; r < 16; ++r) {
+      _mm512_store_ps(tc + 16 * r, r < rows ? _mm512_maskz_loadu_ps(mc, C + r * ldc) : _mm512_setzero_ps());
+    }
+    RELPOS_TILE_LOAD(0, tc, 64);
+  } else {
+    _tile_zero(0);
+  }
+  for (int64_t k = 0; k < k2; k += 16) {
+    const int64_t kn = imin(16, k2 - k);
+    if (rows == 16 && kn == 16) {
+      RELPOS_TILE_LOAD(4, A + 2 * k, lda * 2);
+    } else {
+      pad_tile(A + 2 * k, lda * 2, rows, kn, ta);
+      RELPOS_TILE_LOAD(4, ta, 64);
+    }
+    if (cols == 16 && kn == 16) {
+      RELPOS_TILE_LOAD(6, B + k * ldb, ldb * 4);
+    } else {
+      pad_tile(B + k * ldb, ldb * 4, kn, cols, tb);
+      RELPOS_TILE_LOAD(6, tb, 64);
+    }
+    _tile_dpbf16ps(0, 4, 6);
+  }
+  _tile_stored(0, tc, 64);
+  for (int64_t r = 0; r < rows; ++r) _mm512_mask_storeu_ps(C + r * ldc, mc, _mm512_load_ps(tc + 16 * r));
+}
+
 template <int MI, bool ACC>
 RELPOS_AMX_TARGET inline void amx_row_blocks(int64_t n16, int64_t k2, const uint16_t* A,
                                              int64_t lda, const uint32_t* B, int64_t ldb, float* C,
@@ -726,14 +807,26 @@ RELPOS_AMX_TARGET inline void amx_row_blocks(int64_t n16, int64_t k2, const uint
   if (j < n16) amx_block<MI, 1, ACC>(k2, A, lda, B + j, ldb, C + j, ldc);
 }
 
-// C[:m16, :n16] (+)= A B over the first k16 pairs (multiples of 16), unscaled.
+// C[M, N] (+)= A B on the tiles, every entry, unscaled: whole blocks straight from A, B and C,
+// the blocks at the edges (the last rows and columns) through padded copies.
 template <bool ACC>
-RELPOS_AMX_TARGET void amx_gemm(int64_t m16, int64_t n16, int64_t k16, const uint16_t* A,
-                                int64_t lda, const uint32_t* B, int64_t ldb, float* C,
-                                int64_t ldc) {
+RELPOS_AMX_TARGET void amx_gemm(int64_t M, int64_t N, int64_t k2, const uint16_t* A, int64_t lda,
+                                const uint32_t* B, int64_t ldb, float* C, int64_t ldc) {
+  const int64_t m16 = M / 16 * 16, n16 = N / 16 * 16;
   int64_t i = 0;
-  for (; i + 32 <= m16; i += 32) amx_row_blocks<2, ACC>(n16, k16, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
-  if (i < m16) amx_row_blocks<1, ACC>(n16, k16, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+  for (; i + 32 <= m16; i += 32) amx_row_blocks<2, ACC>(n16, k2, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+  if (i < m16) amx_row_blocks<1, ACC>(n16, k2, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+  if (n16 < N) {
+    for (i = 0; i < m16; i += 16) {
+      amx_edge_block<ACC>(16, N - n16, k2, A + i * lda, lda, B + n16, ldb, C + i * ldc + n16, ldc);
+    }
+  }
+  if (m16 < M) {
+    for (int64_t j = 0; j < N; j += 16) {
+      amx_edge_block<ACC>(M - m16, imin(16, N - j), k2, A + m16 * lda, lda, B + j, ldb,
+                          C + m16 * ldc + j, ldc);
+    }
+  }
 }
 
 // C[:rows, :cols] *= alpha
@@ -753,45 +846,20 @@ struct AmxTiles {
 #endif
 
 // C[M, N] (+)= A[M, 2 k2] B with B packed [k2][ldb words] (see above); ACC = false: C = alpha A B.
-// On AMX tiles where they are configured (tl_amx) and the product has a whole 16 x 16 x 16 block.
+// Every entry on the AMX tiles where they are configured (tl_amx), else by the dots.
 template <bool ACC>
 RELPOS_BF16_TARGET void gemm_bf16(int64_t M, int64_t N, int64_t k2, const uint16_t* A,
                                   int64_t lda, const uint32_t* B, int64_t ldb, float* C,
                                   int64_t ldc, float alpha = 1.f) {
 #if defined(RELPOS_HAVE_AMX)
-  const int64_t m16 = M / 16 * 16, n16 = N / 16 * 16, k16 = k2 / 16 * 16;
-  if (tl_amx && m16 > 0 && n16 > 0 && k16 > 0) {
-    amx_gemm<ACC>(m16, n16, k16, A, lda, B, ldb, C, ldc);
-    if (k16 < k2) {  // the last pairs, added to the tiles' sums
-      gemm_bf16_dots<true>(m16, n16, k2 - k16, A + 2 * k16, lda, B + k16 * ldb, ldb, C, ldc);
-    }
-    if (!ACC && alpha != 1.f) scale_block(C, ldc, m16, n16, alpha);
-    gemm_bf16_dots<ACC>(m16, N - n16, k2, A, lda, B + n16, ldb, C + n16, ldc, alpha);
-    gemm_bf16_dots<ACC>(M - m16, N, k2, A + m16 * lda, lda, B, ldb, C + m16 * ldc, ldc, alpha);
+  if (tl_amx) {
+    if (M <= 0 || N <= 0) return;
+    amx_gemm<ACC>(M, N, k2, A, lda, B, ldb, C, ldc);
+    if (!ACC && alpha != 1.f) scale_block(C, ldc, M, N, alpha);
     return;
   }
 #endif
   gemm_bf16_dots<ACC>(M, N, k2, A, lda, B, ldb, C, ldc, alpha);
-}
-
-// Row r of C = alpha A B as gemm_bf16<false> computes it for all M rows, written to c_row:
-// a row of a whole 16-row block on the tiles is computed with its block (into block, 16 x N
-// floats), since a row alone would take the dots, whose sums differ in the last bits; the
-// forward's logits must stay bitwise those the backward recomputes.
-RELPOS_BF16_TARGET void gemm_bf16_row(int64_t M, int64_t r, int64_t N, int64_t k2,
-                                      const uint16_t* A, int64_t lda, const uint32_t* B,
-                                      int64_t ldb, float* c_row, float* block, float alpha) {
-#if defined(RELPOS_HAVE_AMX)
-  if (tl_amx && r < M / 16 * 16 && N >= 16 && k2 >= 16) {
-    const int64_t r16 = r / 16 * 16;
-    gemm_bf16<false>(16, N, k2, A + r16 * lda, lda, B, ldb, block, N, alpha);
-    std::memcpy(c_row, block + (r - r16) * N, static_cast<size_t>(N) * sizeof(float));
-    return;
-  }
-#endif
-  (void)M;
-  (void)block;
-  gemm_bf16_dots<false>(1, N, k2, A + r * lda, lda, B, ldb, c_row, N, alpha);
 }
 
 // dst[c][r] = the pair word (src[r][2c], src[r][2c + 1]) for r < rows, c < D / 2 (D even):
@@ -874,11 +942,6 @@ struct AmxTiles {
 template <bool ACC>
 void gemm_bf16(int64_t M, int64_t N, int64_t k2, const uint16_t* A, int64_t lda, const uint32_t* B,
                int64_t ldb, float* C, int64_t ldc, float alpha = 1.f);
-void gemm_bf16_row(int64_t M, int64_t r, int64_t N, int64_t k2, const uint16_t* A, int64_t lda,
-                   const uint32_t* B, int64_t ldb, float* c_row, float* block, float alpha);
-template <bool ACC>
-void gemm_bf16_dots(int64_t M, int64_t N, int64_t k2, const uint16_t* A, int64_t lda,
-                    const uint32_t* B, int64_t ldb, float* C, int64_t ldc, float alpha = 1.f);
 void pack_pairs_t(const uint16_t* src, int64_t rows, int64_t D, uint32_t* dst, int64_t ldd);
 void pack_row_pairs(const uint16_t* src, int64_t rows, int64_t D, uint32_t* dst);
 void round_rows_bf16(const float* src, int64_t lds, int64_t rows, int64_t cols, uint16_t* dst,
@@ -1955,18 +2018,13 @@ void table_terms(DType d, const char* table, int64_t D, const Band& band, const 
 // bfloat16 already, so band_dots is exact up to the order of the sums, as S is; band_acc_dots
 // rounds its weights to bfloat16, as P and dS are rounded for P V and dS K.
 // xe[r, c] = alpha * x_r . table[band.lo + c] for mq rows x (leading dim ldx) over the band;
-// pk: D / 2 x band.n words (the band rows' pairs, transposed). By the AVX512-BF16 dots alone,
-// never the AMX tiles: QE is part of the logits, which the backward must recompute bitwise,
-// and its band differs between the forward (a query tile, all its keys) and the backward (a
-// query tile and a key tile), so an entry would fall in a whole 16 x 16 block in one and not
-// in the other; a dot gives an entry the same sum whatever the band. (So does KE^T, the
-// key-side table's band, by gemm_bf16_dots where it is computed.)
+// pk: D / 2 x band.n words (the band rows' pairs, transposed).
 void band_dots(const uint16_t* table, int64_t D, const Band& band, const uint16_t* x, int64_t ldx,
                int64_t mq, float alpha, float* xe, uint32_t* pk) {
   if constexpr (kBf16Dot) {  // (the AVX2 build only declares the bfloat16 functions)
     if (band.n == 0 || mq == 0) return;
     pack_pairs_t(table + band.lo * D, band.n, D, pk, band.n);
-    gemm_bf16_dots<false>(mq, band.n, D / 2, x, ldx, pk, band.n, xe, band.n, alpha);
+    gemm_bf16<false>(mq, band.n, D / 2, x, ldx, pk, band.n, xe, band.n, alpha);
   }
 }
 
@@ -2246,7 +2304,6 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
   float* tmp = buf.take(TK * D);
   float* kf = few_q && !f32 && !bdot ? buf.take(TK * D) : nullptr;
   float* s = buf.take(TQ * TK);  // logits, then (in place) probabilities
-  float* s_block = bdot ? buf.take(16 * TK) : nullptr;  // a row's logits again (gemm_bf16_row)
   float* acc = buf.take(TQ * D);
   float* m = buf.take(TQ);
   float* l = buf.take(TQ);
@@ -2371,9 +2428,8 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
           const uint32_t* kt = kt_of(t);
           // the ends: rel_q rows 0 and 2K as the two rows of A (lda reaches from one to the other)
           gemm_bf16<false>(2, nk, D2, eq, (rows_tab - 1) * D, kt, TK, kq, TK);
-          // (by the dots alone, never the tiles: these are logits, see band_dots)
           for_key_strips(p, i0, mq, j0, nk, kband, [&](int64_t s0, int64_t w, int64_t c0, int64_t n) {
-            gemm_bf16_dots<false>(n, w, D2, eq + (kband.lo + c0) * D, D, kt + s0, TK, ket + c0 * TK + s0, TK);
+            gemm_bf16<false>(n, w, D2, eq + (kband.lo + c0) * D, D, kt + s0, TK, ket + c0 * TK + s0, TK);
           }, kKeTStripDots);
         }
       } else if (hd.rel_q) {
@@ -2393,19 +2449,13 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
           });
         }
       }
-      // S = Q K^T (scaled) for the rows [r0, r0 + rows) of the tile (all of them, or one again),
-      // with the key-side term; a row computed again comes out bitwise the same (the same
-      // products summed in the same order)
+      // S = Q K^T (scaled) for the rows [r0, r0 + rows) of the tile, with the key-side term; a
+      // row computed alone comes out bitwise the same (the same products summed in the same
+      // order, by the dots or on the tiles)
       auto scores = [&](int64_t r0, int64_t rows) {
         if (bdot) {  // S = scale (Q K^T), Q in its bfloat16
           if constexpr (kBf16Dot) {
-            if (rows == mq) {
-              gemm_bf16<false>(rows, nk, D2, q_bf + r0 * D, D, kt_of(t), TK, s + r0 * TK, TK, scale);
-            } else {
-              for (int64_t r = r0; r < r0 + rows; ++r) {
-                gemm_bf16_row(mq, r, nk, D2, q_bf, D, kt_of(t), TK, s + r * TK, s_block, scale);
-              }
-            }
+            gemm_bf16<false>(rows, nk, D2, q_bf + r0 * D, D, kt_of(t), TK, s + r0 * TK, TK, scale);
           }
         } else {
           times_keys(qs + r0 * D, rows, s + r0 * TK, TK);
@@ -3010,8 +3060,8 @@ void rel_attention_backward(const RelAttentionBwdParams& bp, const AttentionBwdS
                                                                int64_t n) {
                     if (bdot) {
                       if constexpr (kBf16Dot) {
-                        gemm_bf16_dots<false>(n, w, D2, h16.rel_q + (kband.lo + c0) * D, D,
-                                              kt_pk + tl * D2 * BK + s0, BK, ket + c0 * BK + s0, BK);
+                        gemm_bf16<false>(n, w, D2, h16.rel_q + (kband.lo + c0) * D, D,
+                                         kt_pk + tl * D2 * BK + s0, BK, ket + c0 * BK + s0, BK);
                       }
                     } else {
                       gemm0(n, w, D, bq + c0 * D, D, kt_run + tl * D * BK + s0, BK,

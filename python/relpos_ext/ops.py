@@ -620,8 +620,8 @@ def rel_attention(
     On CPUs with AVX512-BF16 the CPU kernels take bfloat16 inputs' matmuls (``q k^T``, ``p v``,
     the relative terms' and the backward's) by bfloat16 dot products with float32 sums (``p``,
     its gradient and their sums per bucket rounded to bfloat16, as flash-attention does on
-    GPUs), about 1.5-1.7x faster; on CPUs with AMX those products run on AMX tiles, 3-4x faster
-    again (``RELPOS_CPU_AMX=0`` keeps the AVX512-BF16 instructions);
+    GPUs), about 1.5-1.7x faster; on CPUs with AMX those products run on AMX tiles (from 8 query
+    rows on), 3-4x faster again (``RELPOS_CPU_AMX=0`` keeps the AVX512-BF16 instructions);
     ``RELPOS_CPU_BF16_DOT=0`` keeps float32 matmuls there. Float32 inputs with more than 32
     query rows take the same dot products (``q``, ``k``, ``v`` and the upstream gradient rounded
     to bfloat16 a tile at a time, the tables once per call; outputs and gradients stay float32)
