@@ -650,7 +650,7 @@ RELPOS_BF16_TARGET void gemm_bf16_dots(int64_t M, int64_t N, int64_t k2, const u
 // The tiles sum the same exact products as the dots in another order (float32, round to nearest
 // even, denormals flushed), so results agree with the dots' to float32 rounding of the sums.
 // B = 1, H = 8, D = 64, K = 64, L = 1024-4096, 2 threads of a Xeon with AMX (family 6, model
-// 167): forward 3.3-4.1x and forward+backward 3.5-4.4x faster than the dots
+// 167): forward 3.4-4.3x and forward+backward 3.4-4.5x faster than the dots
 // (benchmarks/results/bench_bf16_amx.json). Calls of fewer than kAttentionAmxMinRows query
 // rows keep the dots (kernels.h).
 #if defined(RELPOS_HAVE_AMX)
@@ -709,12 +709,25 @@ RELPOS_AMX_TARGET inline void pad_tile(const void* src, int64_t stride, int64_t 
   }
 }
 
+// C[:rows, :cols] *= alpha
+RELPOS_AMX_TARGET inline void scale_block(float* C, int64_t ldc, int64_t rows, int64_t cols, float alpha) {
+  const __m512 a = _mm512_set1_ps(alpha);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; c += 16) {
+      const __mmask16 mk = Zmm::tail(cols - c);
+      _mm512_mask_storeu_ps(C + r * ldc + c, mk, _mm512_mul_ps(a, _mm512_maskz_loadu_ps(mk, C + r * ldc + c)));
+    }
+  }
+}
 // C[:16 MI, :16 NJ] (+)= A[:16 MI, :2 k2] B[:k2, :16 NJ], whole blocks (MI, NJ: 1 or 2 of them);
-// the pairs past the last whole 16 from zero-padded copies. ACC = false starts from zeros. No
-// scaling (gemm_bf16 does it).
+// the pairs past the last whole 16 from zero-padded copies. ACC = false starts from zeros and
+// scales the sums by alpha once stored, while they are in L1 (a pass over all of S afterwards
+// took 6.6% of a bfloat16 forward's samples; L = 2048, 3 alternating runs, forward 14.5-15.0 ->
+// 13.2-13.3 ms, forward+backward 48.3-49.4 -> 45.7-47.4).
 template <int MI, int NJ, bool ACC>
 RELPOS_AMX_TARGET inline void amx_block(int64_t k2, const uint16_t* A, int64_t lda,
-                                        const uint32_t* B, int64_t ldb, float* C, int64_t ldc) {
+                                        const uint32_t* B, int64_t ldb, float* C, int64_t ldc,
+                                        float alpha) {
   const int64_t sa = lda * 2, sb = ldb * 4, sc = ldc * 4;  // strides in bytes
   float* c10 = C + 16 * ldc;
   if constexpr (ACC) {
@@ -759,14 +772,16 @@ RELPOS_AMX_TARGET inline void amx_block(int64_t k2, const uint16_t* A, int64_t l
   if constexpr (NJ == 2) _tile_stored(1, C + 16, sc);
   if constexpr (MI == 2) _tile_stored(2, c10, sc);
   if constexpr (MI == 2 && NJ == 2) _tile_stored(3, c10 + 16, sc);
+  if (!ACC && alpha != 1.f) scale_block(C, ldc, 16 * MI, 16 * NJ, alpha);
 }
 
 // One block at C's edge, rows <= 16 and cols <= 16 (one of them less): C, A and B through
-// zero-padded copies where the block or the k slice is partial, the same tile products.
+// zero-padded copies where the block or the k slice is partial, the same tile products; alpha
+// as amx_block.
 template <bool ACC>
 RELPOS_AMX_TARGET void amx_edge_block(int64_t rows, int64_t cols, int64_t k2, const uint16_t* A,
                                       int64_t lda, const uint32_t* B, int64_t ldb, float* C,
-                                      int64_t ldc) {
+                                      int64_t ldc, float alpha) {
   alignas(64) float tc[256];
   alignas(64) uint32_t ta[256], tb[256];
   const __mmask16 mc = Zmm::tail(cols);
@@ -795,50 +810,42 @@ RELPOS_AMX_TARGET void amx_edge_block(int64_t rows, int64_t cols, int64_t k2, co
     _tile_dpbf16ps(0, 4, 6);
   }
   _tile_stored(0, tc, 64);
+  if (!ACC && alpha != 1.f) scale_block(tc, 16, rows, 16, alpha);
   for (int64_t r = 0; r < rows; ++r) _mm512_mask_storeu_ps(C + r * ldc, mc, _mm512_load_ps(tc + 16 * r));
 }
 
 template <int MI, bool ACC>
 RELPOS_AMX_TARGET inline void amx_row_blocks(int64_t n16, int64_t k2, const uint16_t* A,
                                              int64_t lda, const uint32_t* B, int64_t ldb, float* C,
-                                             int64_t ldc) {
+                                             int64_t ldc, float alpha) {
   int64_t j = 0;
-  for (; j + 32 <= n16; j += 32) amx_block<MI, 2, ACC>(k2, A, lda, B + j, ldb, C + j, ldc);
-  if (j < n16) amx_block<MI, 1, ACC>(k2, A, lda, B + j, ldb, C + j, ldc);
+  for (; j + 32 <= n16; j += 32) amx_block<MI, 2, ACC>(k2, A, lda, B + j, ldb, C + j, ldc, alpha);
+  if (j < n16) amx_block<MI, 1, ACC>(k2, A, lda, B + j, ldb, C + j, ldc, alpha);
 }
 
-// C[M, N] (+)= A B on the tiles, every entry, unscaled: whole blocks straight from A, B and C,
-// the blocks at the edges (the last rows and columns) through padded copies.
+// C[M, N] (+)= A B on the tiles, every entry (ACC = false: C = alpha A B): whole blocks straight
+// from A, B and C, the blocks at the edges (the last rows and columns) through padded copies.
 template <bool ACC>
 RELPOS_AMX_TARGET void amx_gemm(int64_t M, int64_t N, int64_t k2, const uint16_t* A, int64_t lda,
-                                const uint32_t* B, int64_t ldb, float* C, int64_t ldc) {
+                                const uint32_t* B, int64_t ldb, float* C, int64_t ldc,
+                                float alpha) {
   const int64_t m16 = M / 16 * 16, n16 = N / 16 * 16;
   int64_t i = 0;
-  for (; i + 32 <= m16; i += 32) amx_row_blocks<2, ACC>(n16, k2, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
-  if (i < m16) amx_row_blocks<1, ACC>(n16, k2, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+  for (; i + 32 <= m16; i += 32) amx_row_blocks<2, ACC>(n16, k2, A + i * lda, lda, B, ldb, C + i * ldc, ldc, alpha);
+  if (i < m16) amx_row_blocks<1, ACC>(n16, k2, A + i * lda, lda, B, ldb, C + i * ldc, ldc, alpha);
   if (n16 < N) {
     for (i = 0; i < m16; i += 16) {
-      amx_edge_block<ACC>(16, N - n16, k2, A + i * lda, lda, B + n16, ldb, C + i * ldc + n16, ldc);
+      amx_edge_block<ACC>(16, N - n16, k2, A + i * lda, lda, B + n16, ldb, C + i * ldc + n16, ldc, alpha);
     }
   }
   if (m16 < M) {
     for (int64_t j = 0; j < N; j += 16) {
       amx_edge_block<ACC>(M - m16, imin(16, N - j), k2, A + m16 * lda, lda, B + j, ldb,
-                          C + m16 * ldc + j, ldc);
+                          C + m16 * ldc + j, ldc, alpha);
     }
   }
 }
 
-// C[:rows, :cols] *= alpha
-RELPOS_AMX_TARGET inline void scale_block(float* C, int64_t ldc, int64_t rows, int64_t cols, float alpha) {
-  const __m512 a = _mm512_set1_ps(alpha);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; c += 16) {
-      const __mmask16 mk = Zmm::tail(cols - c);
-      _mm512_mask_storeu_ps(C + r * ldc + c, mk, _mm512_mul_ps(a, _mm512_maskz_loadu_ps(mk, C + r * ldc + c)));
-    }
-  }
-}
 #else
 struct AmxTiles {
   explicit AmxTiles(bool) {}
@@ -854,8 +861,7 @@ RELPOS_BF16_TARGET void gemm_bf16(int64_t M, int64_t N, int64_t k2, const uint16
 #if defined(RELPOS_HAVE_AMX)
   if (tl_amx) {
     if (M <= 0 || N <= 0) return;
-    amx_gemm<ACC>(M, N, k2, A, lda, B, ldb, C, ldc);
-    if (!ACC && alpha != 1.f) scale_block(C, ldc, M, N, alpha);
+    amx_gemm<ACC>(M, N, k2, A, lda, B, ldb, C, ldc, alpha);
     return;
   }
 #endif
