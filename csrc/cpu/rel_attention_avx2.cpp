@@ -613,7 +613,7 @@ RELPOS_BF16_TARGET inline void dot_rows(int64_t N, int64_t k2, const uint16_t* A
   }
 }
 
-// gemm_bf16 by vdpbf16ps (dot_block), the whole product or its edges on AMX (below).
+// gemm_bf16 by vdpbf16ps (dot_block): the whole product, where the AMX tiles (below) are off.
 template <bool ACC>
 RELPOS_BF16_TARGET void gemm_bf16_dots(int64_t M, int64_t N, int64_t k2, const uint16_t* A,
                                        int64_t lda, const uint32_t* B, int64_t ldb, float* C,
@@ -846,10 +846,6 @@ RELPOS_AMX_TARGET void amx_gemm(int64_t M, int64_t N, int64_t k2, const uint16_t
   }
 }
 
-#else
-struct AmxTiles {
-  explicit AmxTiles(bool) {}
-};
 #endif
 
 // C[M, N] (+)= A[M, 2 k2] B with B packed [k2][ldb words] (see above); ACC = false: C = alpha A B.
@@ -942,9 +938,6 @@ RELPOS_BF16_TARGET void round_pack_pairs(const float* src, int64_t lds, int64_t 
 }
 #else
 constexpr bool kBf16Dot = false;
-struct AmxTiles {
-  explicit AmxTiles(bool) {}
-};
 template <bool ACC>
 void gemm_bf16(int64_t M, int64_t N, int64_t k2, const uint16_t* A, int64_t lda, const uint32_t* B,
                int64_t ldb, float* C, int64_t ldc, float alpha = 1.f);
@@ -954,6 +947,12 @@ void round_rows_bf16(const float* src, int64_t lds, int64_t rows, int64_t cols, 
                      int64_t ldd);
 void round_pack_pairs(const float* src, int64_t lds, int64_t rows, int64_t cols, uint32_t* dst,
                       int64_t ldd);
+#endif
+#if !defined(__AVX512F__) || !defined(RELPOS_HAVE_AMX)
+// No AMX code in this build: the kernels' AmxTiles does nothing (split.amx is never set here).
+struct AmxTiles {
+  explicit AmxTiles(bool) {}
+};
 #endif
 
 // s[r * lds + j] = q_r . k_j for r < mq, j < nk, with K row-major [nk, D]: the scores of a few
