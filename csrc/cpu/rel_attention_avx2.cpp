@@ -2545,6 +2545,12 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
         }
         m[r] = mt;
       };
+      // P's rows [r0, r0 + n) rounded to bfloat16 for P V by the dots, while they are in L1
+      auto round_p = [&](int64_t r0, int64_t n) {
+        if constexpr (kBf16Dot) {
+          if (bdot && mq > 1) round_rows_bf16(s + r0 * TK, TK, n, nk, p_bf + r0 * 2 * TK2, 2 * TK2);
+        }
+      };
       int64_t r = 0;
       // Every row of the tile on one clamped side: 8 rows at a time, in one pass each
       if (const int side = uniform_tile(p, clear, i0, mq, j0, nk); side != 0) {
@@ -2583,18 +2589,21 @@ void forward_tiles(const RelAttentionParams& p, const AttentionFwdSplit& split, 
               mref[(r + u) * n_ktiles + t] = m[r + u];
             }
           }
+          round_p(r, 8);
         }
       }
-      for (; r < mq; ++r) row(r, false);
+      for (; r < mq; ++r) {
+        row(r, false);
+        round_p(r, 1);
+      }
       // acc += P V
       if (mq == 1) {
         dispatch(p.dtype, [&](auto tag) {
           const auto* vp = reinterpret_cast<const decltype(tag)*>(hd.v) + j0 * D;
           gemv_acc(D, nk, s, 1, vp, D, acc, stream);
         });
-      } else if (bdot) {  // P rounded to bfloat16, its pairs against the packed V
+      } else if (bdot) {  // P in bfloat16 (round_p), its pairs against the packed V
         if constexpr (kBf16Dot) {
-          round_rows_bf16(s, TK, mq, nk, p_bf, 2 * TK2);
           gemm_bf16<true>(mq, D, (nk + 1) / 2, p_bf, 2 * TK2, v_of(t), D, acc, D);
         }
       } else if (f32) {
