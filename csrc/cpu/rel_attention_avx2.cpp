@@ -775,9 +775,9 @@ RELPOS_AMX_TARGET inline void amx_block(int64_t k2, const uint16_t* A, int64_t l
   if (!ACC && alpha != 1.f) scale_block(C, ldc, 16 * MI, 16 * NJ, alpha);
 }
 
-// One block at C's edge, rows <= 16 and cols <= 16 (one of them less): C, A and B through
-// zero-padded copies where the block or the k slice is partial, the same tile products; alpha
-// as amx_block.
+// One block at C's right edge, rows <= 16 and cols < 16 (amx_edge_rows takes the last rows):
+// C, A and B through zero-padded copies where the block or the k slice is partial, the same
+// tile products; alpha as amx_block.
 template <bool ACC>
 RELPOS_AMX_TARGET void amx_edge_block(int64_t rows, int64_t cols, int64_t k2, const uint16_t* A,
                                       int64_t lda, const uint32_t* B, int64_t ldb, float* C,
@@ -814,6 +814,54 @@ RELPOS_AMX_TARGET void amx_edge_block(int64_t rows, int64_t cols, int64_t k2, co
   for (int64_t r = 0; r < rows; ++r) _mm512_mask_storeu_ps(C + r * ldc, mc, _mm512_load_ps(tc + 16 * r));
 }
 
+// The last rows < 16 of a product, every column: C[:rows, :N] (+)= A[:rows, :2 k2] B. A's rows
+// are padded once per slice of kAmxEdgeRowPairs pairs and serve every 16-column block, rather
+// than once per block (a decode step of 8-15 query rows: 8 times for S over a tile of 128 keys). The sums of a block that needs more than one slice are stored
+// between slices and loaded again, which float32 keeps exact: the same entries as
+// amx_edge_block's, bitwise.
+constexpr int64_t kAmxEdgeRowPairs = 128;  // A's padded slice: 16 x 128 words, 8 KiB
+template <bool ACC>
+RELPOS_AMX_TARGET void amx_edge_rows(int64_t rows, int64_t N, int64_t k2, const uint16_t* A,
+                                     int64_t lda, const uint32_t* B, int64_t ldb, float* C,
+                                     int64_t ldc, float alpha) {
+  alignas(64) uint32_t ta[kAmxEdgeRowPairs / 16][256];
+  alignas(64) uint32_t tb[256];
+  alignas(64) float tc[256];
+  for (int64_t k0 = 0; k0 < k2; k0 += kAmxEdgeRowPairs) {
+    const int64_t kc = imin(kAmxEdgeRowPairs, k2 - k0);
+    for (int64_t k = 0; k < kc; k += 16) pad_tile(A + 2 * (k0 + k), lda * 2, rows, imin(16, kc - k), ta[k / 16]);
+    const bool first = k0 == 0, last = k0 + kc == k2;
+    for (int64_t j = 0; j < N; j += 16) {
+      const int64_t cols = imin(16, N - j);
+      const __mmask16 mc = Zmm::tail(cols);
+      float* cj = C + j;
+      if (ACC || !first) {  // the sums so far (C's own, or the slices before)
+        for (int64_t r = 0; r < 16; ++r) {
+          _mm512_store_ps(tc + 16 * r, r < rows ? _mm512_maskz_loadu_ps(mc, cj + r * ldc) : _mm512_setzero_ps());
+        }
+        RELPOS_TILE_LOAD(0, tc, 64);
+      } else {
+        _tile_zero(0);
+      }
+      for (int64_t k = 0; k < kc; k += 16) {
+        const int64_t kn = imin(16, kc - k);
+        const uint32_t* bk = B + (k0 + k) * ldb + j;
+        RELPOS_TILE_LOAD(4, ta[k / 16], 64);
+        if (cols == 16 && kn == 16) {
+          RELPOS_TILE_LOAD(6, bk, ldb * 4);
+        } else {
+          pad_tile(bk, ldb * 4, kn, cols, tb);
+          RELPOS_TILE_LOAD(6, tb, 64);
+        }
+        _tile_dpbf16ps(0, 4, 6);
+      }
+      _tile_stored(0, tc, 64);
+      if (!ACC && last && alpha != 1.f) scale_block(tc, 16, rows, 16, alpha);
+      for (int64_t r = 0; r < rows; ++r) _mm512_mask_storeu_ps(cj + r * ldc, mc, _mm512_load_ps(tc + 16 * r));
+    }
+  }
+}
+
 template <int MI, bool ACC>
 RELPOS_AMX_TARGET inline void amx_row_blocks(int64_t n16, int64_t k2, const uint16_t* A,
                                              int64_t lda, const uint32_t* B, int64_t ldb, float* C,
@@ -838,12 +886,7 @@ RELPOS_AMX_TARGET void amx_gemm(int64_t M, int64_t N, int64_t k2, const uint16_t
       amx_edge_block<ACC>(16, N - n16, k2, A + i * lda, lda, B + n16, ldb, C + i * ldc + n16, ldc, alpha);
     }
   }
-  if (m16 < M) {
-    for (int64_t j = 0; j < N; j += 16) {
-      amx_edge_block<ACC>(M - m16, imin(16, N - j), k2, A + m16 * lda, lda, B + j, ldb,
-                          C + m16 * ldc + j, ldc, alpha);
-    }
-  }
+  if (m16 < M) amx_edge_rows<ACC>(M - m16, N, k2, A + m16 * lda, lda, B, ldb, C + m16 * ldc, ldc, alpha);
 }
 
 #endif
