@@ -1659,13 +1659,24 @@ def test_rel_attention_float32_bf16_dots_with_every_option(monkeypatch, name):
             assert x.dtype == torch.float32 and torch.equal(x.to(torch.bfloat16), want)
 
 
+def _cpu_vendor() -> str | None:
+    """The CPU's vendor string from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def test_rel_attention_wide_rows_env(monkeypatch):
     """RELPOS_CPU_WIDE_ROWS takes 4 or 6 (read at every call, where the AVX-512 path runs; 0 on
     the others); unset, 6 on Intel CPUs and 4 on others."""
     skip_unless_avx512(monkeypatch)
     monkeypatch.delenv("RELPOS_CPU_WIDE_ROWS", raising=False)
-    with open("/proc/cpuinfo") as f:
-        intel = "GenuineIntel" in f.read()
+    intel = _cpu_vendor() == "GenuineIntel"
     assert relpos_ext.build_info()["cpu_wide_rows"] == (6 if intel else 4)
     for rows in (4, 6):
         monkeypatch.setenv("RELPOS_CPU_WIDE_ROWS", str(rows))
@@ -1676,6 +1687,40 @@ def test_rel_attention_wide_rows_env(monkeypatch):
     monkeypatch.setenv("RELPOS_CPU_WIDE_ROWS", "8")
     with pytest.raises(RuntimeError, match="RELPOS_CPU_WIDE_ROWS must be 4 or 6"):
         relpos_ext.build_info()
+
+
+@pytest.mark.parametrize("name", ["tiles_two_sided", "decode_split_keys", "bwd_key_runs"])
+def test_rel_attention_bf16_dot_rows(monkeypatch, name):
+    """Which calls take the bfloat16 dots by default (cpu/isa.h bf16_dot_max_rows): on Intel CPUs
+    whose dots do not run on AMX tiles (here RELPOS_CPU_AMX=0) only calls of at most 32 query rows,
+    elsewhere (AMD, or on AMX tiles) any number; RELPOS_CPU_BF16_DOT=1 any number everywhere.
+    Forward and backward are bitwise those of RELPOS_CPU_BF16_DOT=1 (the dots) or =0 (float32
+    matmuls) accordingly, both passes deciding alike."""
+    skip_unless_bf16_dot(monkeypatch)
+    assert relpos_ext.build_info()["cpu_bf16_dot_max_rows"] is None  # RELPOS_CPU_BF16_DOT=1
+    monkeypatch.setenv("RELPOS_CPU_AMX", "0")
+    case = CASES[name]
+    tensors, kw = make_inputs(case, torch.bfloat16)
+    cpu = Backend("cpu", "cpu", "relpos")
+    grad = torch.randn(tensors[0].shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    results = {}
+    for dot in ("0", "1", None):
+        if dot is None:
+            monkeypatch.delenv("RELPOS_CPU_BF16_DOT")
+        else:
+            monkeypatch.setenv("RELPOS_CPU_BF16_DOT", dot)
+        out, lse = _call(cpu, tensors, kw)
+        results[dot] = [out, lse, *_call_backward(cpu, grad, tensors, out, lse, kw)]
+    max_rows = relpos_ext.build_info()["cpu_bf16_dot_max_rows"]
+    assert max_rows == (32 if _cpu_vendor() == "GenuineIntel" else None)
+    dots = max_rows is None or case[3] <= max_rows
+    want = results["1" if dots else "0"]
+    assert all((g is None and w is None) or torch.equal(g, w) for g, w in zip(results[None], want))
+    other = results["0" if dots else "1"]
+    assert not all((g is None and w is None) or torch.equal(g, w) for g, w in zip(results[None], other))
+    monkeypatch.delenv("RELPOS_CPU_AMX")
+    if relpos_ext.build_info()["cpu_amx"]:  # on the tiles: every number of rows
+        assert relpos_ext.build_info()["cpu_bf16_dot_max_rows"] is None
 
 
 def test_rel_attention_bf16_dot_env(monkeypatch):

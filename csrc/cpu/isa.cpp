@@ -109,6 +109,18 @@ bool bf16_dot_enabled(Isa isa) {
 #endif
 }
 
+int64_t bf16_dot_max_rows(Isa isa) {
+  if (!bf16_dot_enabled(isa) || env_choice("RELPOS_CPU_BF16_DOT", {"0", "1"}) == "1" || amx_enabled(isa)) {
+    return 0;
+  }
+#if defined(__x86_64__) || defined(_M_X64)
+  static const bool intel = __builtin_cpu_is("intel");
+  return intel ? kAttentionFewQueries : 0;
+#else
+  return 0;
+#endif
+}
+
 bool amx_enabled(Isa isa) {
   const bool off = env_choice("RELPOS_CPU_AMX", {"0", "1"}) == "0";
   return !off && bf16_dot_enabled(isa) && cpu_has_amx();

@@ -210,18 +210,27 @@ struct CpuBackend {
     bool bf16_dot;  // bfloat16 inputs' matmuls by AVX512-BF16 dots (cpu/isa.h bf16_dot_enabled)
     bool amx;       // those dots on AMX tiles (cpu/isa.h amx_enabled)
     int wide_rows;  // matmul block rows of full 64-column strips (cpu/isa.h wide_block_rows)
+    int64_t dot_max_rows;  // the dots for calls of at most this many query rows, 0: any (isa.h)
+
+    // Whether a call of q_len query rows takes the dots for matmuls of `dot_dtype` operands
+    // (from kAttentionDotMinRows rows on in the forward; the backward of a single row takes
+    // them too): decided from q_len alone, so both passes decide alike.
+    bool dots(bool dot_dtype, const RelAttentionParams& f, int64_t min_rows) const {
+      return dot_dtype && bf16_dot && f.dim % 2 == 0 && f.q_len >= min_rows &&
+             (dot_max_rows == 0 || f.q_len <= dot_max_rows);
+    }
   };
   static AttentionKernels attention_kernels(Isa isa) {
 #if defined(RELPOS_HAVE_AVX512)
     if (isa == Isa::Avx512) {
       return {&avx512::rel_attention, &avx512::rel_attention_combine, &avx512::rel_attention_backward,
               &avx512::rel_attention_backward_reduce, &avx512::attn_mask_tiles, bf16_dot_enabled(isa),
-              amx_enabled(isa), wide_block_rows(isa)};
+              amx_enabled(isa), wide_block_rows(isa), bf16_dot_max_rows(isa)};
     }
 #endif
     (void)isa;
     return {&avx2::rel_attention, &avx2::rel_attention_combine, &avx2::rel_attention_backward,
-            &avx2::rel_attention_backward_reduce, &avx2::attn_mask_tiles, false, false, 0};
+            &avx2::rel_attention_backward_reduce, &avx2::attn_mask_tiles, false, false, 0, 0};
   }
 
   // Whether float32 inputs may take the bfloat16 dots: torch's float32 matmul precision for the
@@ -299,7 +308,7 @@ struct CpuBackend {
                       p.window_left < 0 && p.window_right < 0;
     split.tile = wide ? kAttentionWideTile : kAttentionTileQ;
     const bool dot_dtype = p.dtype == DType::BFloat16 || (p.dtype == DType::Float32 && fp32_dots(p));
-    split.bf16_dot = dot_dtype && p.q_len >= kAttentionDotMinRows && p.dim % 2 == 0 && kern.bf16_dot;
+    split.bf16_dot = kern.dots(dot_dtype, p, kAttentionDotMinRows);
     std::vector<at::Tensor> rounded;  // float32 tables rounded for the dots
     split.amx = split.bf16_dot && kern.amx && p.q_len >= kAttentionAmxMinRows;
     if (split.bf16_dot) split.bf16 = bf16_operands(p, nullptr, rounded);
@@ -359,7 +368,7 @@ struct CpuBackend {
     }
     AttentionBwdSplit split;
     const bool dot_dtype = f.dtype == DType::BFloat16 || (f.dtype == DType::Float32 && fp32_dots(f));
-    split.bf16_dot = dot_dtype && f.dim % 2 == 0 && kern.bf16_dot;
+    split.bf16_dot = kern.dots(dot_dtype, f, 0);
     std::vector<at::Tensor> rounded;  // float32 tables rounded for the dots
     split.amx = split.bf16_dot && kern.amx && f.q_len >= kAttentionAmxMinRows;  // as the forward's
     if (split.bf16_dot) split.bf16 = bf16_operands(f, p.grad_out, rounded);
