@@ -52,8 +52,7 @@ pybind11::dict build_info() {
   info["cpu_float64_attention"] = relpos::cpu::float64_attention_kernel(isa);
   info["cpu_bf16_dot"] = relpos::cpu::bf16_dot_enabled(isa);
   info["cpu_amx"] = relpos::cpu::amx_enabled(isa);
-  const int64_t dot_rows = relpos::cpu::bf16_dot_max_rows(isa);
-  info["cpu_bf16_dot_max_rows"] = dot_rows > 0 ? pybind11::object(pybind11::int_(dot_rows)) : pybind11::none();
+  info["cpu_bf16_dot_decode_only"] = relpos::cpu::bf16_dot_decode_only(isa);
   info["cpu_wide_rows"] = relpos::cpu::wide_block_rows(isa);
   info["cpu_threads"] = relpos::cpu::threads_name(relpos::cpu::selected_threads());
 #if defined(RELPOS_WITH_CUDA)

@@ -74,9 +74,9 @@ def skip_unless_avx512(monkeypatch) -> None:
 
 def skip_unless_bf16_dot(monkeypatch) -> None:
     """skip_unless_avx512, and skip unless this CPU has AVX512-BF16 (the attention kernels'
-    bfloat16 dot products, cpu/isa.h bf16_dot_enabled); RELPOS_CPU_BF16_DOT=1, so that calls of
-    any number of query rows take them (Intel CPUs without AMX tiles take them only up to
-    build_info()["cpu_bf16_dot_max_rows"] by default)."""
+    bfloat16 dot products, cpu/isa.h bf16_dot_enabled); RELPOS_CPU_BF16_DOT=1, so that every
+    call takes them (Intel CPUs without AMX tiles take them only when decoding by default,
+    build_info()["cpu_bf16_dot_decode_only"])."""
     skip_unless_avx512(monkeypatch)
     monkeypatch.setenv("RELPOS_CPU_BF16_DOT", "1")
     if not relpos_ext.build_info()["cpu_bf16_dot"]:

@@ -1689,15 +1689,17 @@ def test_rel_attention_wide_rows_env(monkeypatch):
         relpos_ext.build_info()
 
 
-@pytest.mark.parametrize("name", ["tiles_two_sided", "decode_split_keys", "bwd_key_runs"])
-def test_rel_attention_bf16_dot_rows(monkeypatch, name):
-    """Which calls take the bfloat16 dots by default (cpu/isa.h bf16_dot_max_rows): on Intel CPUs
-    whose dots do not run on AMX tiles (here RELPOS_CPU_AMX=0) only calls of at most 32 query rows,
-    elsewhere (AMD, or on AMX tiles) any number; RELPOS_CPU_BF16_DOT=1 any number everywhere.
+@pytest.mark.parametrize("name", ["tiles_two_sided", "decode_split_keys", "bwd_key_runs",
+                                  "decode_five_rows"])
+def test_rel_attention_bf16_dot_decode_only(monkeypatch, name):
+    """Which calls take the bfloat16 dots by default (cpu/isa.h bf16_dot_decode_only): on Intel
+    CPUs whose dots do not run on AMX tiles (here RELPOS_CPU_AMX=0) only decoding calls, at most 32
+    query rows against at least 256 keys (decode_split_keys; not decode_five_rows, 130 keys),
+    elsewhere (AMD, or on AMX tiles) every call; RELPOS_CPU_BF16_DOT=1 every call everywhere.
     Forward and backward are bitwise those of RELPOS_CPU_BF16_DOT=1 (the dots) or =0 (float32
     matmuls) accordingly, both passes deciding alike."""
     skip_unless_bf16_dot(monkeypatch)
-    assert relpos_ext.build_info()["cpu_bf16_dot_max_rows"] is None  # RELPOS_CPU_BF16_DOT=1
+    assert relpos_ext.build_info()["cpu_bf16_dot_decode_only"] is False  # RELPOS_CPU_BF16_DOT=1
     monkeypatch.setenv("RELPOS_CPU_AMX", "0")
     case = CASES[name]
     tensors, kw = make_inputs(case, torch.bfloat16)
@@ -1711,16 +1713,16 @@ def test_rel_attention_bf16_dot_rows(monkeypatch, name):
             monkeypatch.setenv("RELPOS_CPU_BF16_DOT", dot)
         out, lse = _call(cpu, tensors, kw)
         results[dot] = [out, lse, *_call_backward(cpu, grad, tensors, out, lse, kw)]
-    max_rows = relpos_ext.build_info()["cpu_bf16_dot_max_rows"]
-    assert max_rows == (32 if _cpu_vendor() == "GenuineIntel" else None)
-    dots = max_rows is None or case[3] <= max_rows
+    decode_only = relpos_ext.build_info()["cpu_bf16_dot_decode_only"]
+    assert decode_only == (_cpu_vendor() == "GenuineIntel")
+    dots = not decode_only or (case[3] <= 32 and case[4] >= 256)
     want = results["1" if dots else "0"]
     assert all((g is None and w is None) or torch.equal(g, w) for g, w in zip(results[None], want))
     other = results["0" if dots else "1"]
     assert not all((g is None and w is None) or torch.equal(g, w) for g, w in zip(results[None], other))
     monkeypatch.delenv("RELPOS_CPU_AMX")
     if relpos_ext.build_info()["cpu_amx"]:  # on the tiles: every number of rows
-        assert relpos_ext.build_info()["cpu_bf16_dot_max_rows"] is None
+        assert relpos_ext.build_info()["cpu_bf16_dot_decode_only"] is False
 
 
 def test_rel_attention_bf16_dot_env(monkeypatch):

@@ -109,15 +109,15 @@ bool bf16_dot_enabled(Isa isa) {
 #endif
 }
 
-int64_t bf16_dot_max_rows(Isa isa) {
+bool bf16_dot_decode_only(Isa isa) {
   if (!bf16_dot_enabled(isa) || env_choice("RELPOS_CPU_BF16_DOT", {"0", "1"}) == "1" || amx_enabled(isa)) {
-    return 0;
+    return false;
   }
 #if defined(__x86_64__) || defined(_M_X64)
   static const bool intel = __builtin_cpu_is("intel");
-  return intel ? kAttentionFewQueries : 0;
+  return intel;
 #else
-  return 0;
+  return false;
 #endif
 }
 

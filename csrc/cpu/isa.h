@@ -25,19 +25,21 @@ const char* float64_attention_kernel(Isa isa);
 // P V, the backward's five) by AVX512-BF16 dot products (AttentionFwdSplit / AttentionBwdSplit
 // ::bf16_dot) on `isa`: the AVX-512 path on a CPU with AVX512-BF16, unless RELPOS_CPU_BF16_DOT=0
 // (read at every call, as RELPOS_CPU_ISA) asks for the float32 matmuls, whose results are bitwise
-// those of the AVX2 path. Which calls take them: bf16_dot_max_rows.
+// those of the AVX2 path. Which calls take them: bf16_dot_decode_only.
 bool bf16_dot_enabled(Isa isa);
 
-// The most query rows of a call whose matmuls take those dots, or 0 for any number (where
-// bf16_dot_enabled): kAttentionFewQueries (kernels.h) on Intel CPUs where the dots do not run on
-// AMX tiles (amx_enabled false: no AMX, an OS that refuses the tile state, RELPOS_CPU_AMX=0),
-// else 0; RELPOS_CPU_BF16_DOT=1 asks for 0 (the dots at any number of rows). On a Xeon with AMX
-// switched off (family 6, model 167) `vdpbf16ps` lost to float32 FMAs from 64 query rows on
-// (B = 1, H = 8, D = 64, K = 64, 4096 keys, 2 threads, forward: the float32 matmuls' time over
-// the dots' 0.86x at 64 rows, 0.76-0.78x at 128-256, 0.60-0.67x at L = 2048) and won up to 32
-// (1.09-1.20x, decoding, where the float32 path converts the bfloat16 cache row by row); on
-// AMD's Zen 4 the dots won at every length (1.6-1.7x).
-int64_t bf16_dot_max_rows(Isa isa);
+// Whether only decoding calls take those dots (where bf16_dot_enabled): calls of at most
+// kAttentionFewQueries query rows against at least kAttentionDotDecodeMinKeys keys (kernels.h).
+// True on Intel CPUs whose dots do not run on AMX tiles (amx_enabled false: no AMX, an OS that
+// refuses the tile state, RELPOS_CPU_AMX=0), unless RELPOS_CPU_BF16_DOT=1 asks for the dots in
+// every call; false elsewhere. On a Xeon with AMX switched off (family 6, model 167; B = 1, H = 8,
+// D = 64, K = 64, 2 threads, forward, the float32 matmuls' time over the dots') `vdpbf16ps` lost
+// to float32 FMAs from 64 query rows on (0.86x at 64 rows against 4096 keys, 0.76-0.78x at
+// 128-256, 0.60-0.67x at L = 2048) and with few keys (32 rows, 64 keys: 0.95x; training at
+// L = 16-32, B = 32-64: 0.87-0.96x, forward+backward 0.82-0.86x), and won decoding 2-32 rows
+// against 256-16k keys (1.02-1.23x), where the float32 path converts the bfloat16 cache row by
+// row. On AMD's Zen 4 the dots won at every size (1.6-1.7x).
+bool bf16_dot_decode_only(Isa isa);
 
 // Whether those bfloat16 dots run on AMX tiles (TDPBF16PS: a 16 x 16 float32 block += 16 x 32
 // bfloat16 times 32 x 16, 8192 products per instruction where vdpbf16ps does 32): where

@@ -45,6 +45,9 @@ constexpr int64_t kAttentionFewQueries = 32;
 // call after another of the same kind, 1.3-1.9x from 4 rows); a single row 1.2-1.5x slower
 // (its scores read each key once, in place, where the dots would first pack them)
 constexpr int64_t kAttentionDotMinRows = 2;
+// Where only decoding takes the dots (cpu/isa.h bf16_dot_decode_only): calls of at most
+// kAttentionFewQueries query rows against at least this many keys.
+constexpr int64_t kAttentionDotDecodeMinKeys = 256;
 // ... and on AMX tiles (AttentionFwdSplit / AttentionBwdSplit::amx) from this many query rows
 // on: a product of fewer rows pads them to the tile's 16, where the dots take only the rows
 // there are. bfloat16, B = 1, H = 8, D = 64, K = 64, 4k and 16k keys, 2 threads, the tiles over

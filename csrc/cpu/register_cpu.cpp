@@ -210,14 +210,15 @@ struct CpuBackend {
     bool bf16_dot;  // bfloat16 inputs' matmuls by AVX512-BF16 dots (cpu/isa.h bf16_dot_enabled)
     bool amx;       // those dots on AMX tiles (cpu/isa.h amx_enabled)
     int wide_rows;  // matmul block rows of full 64-column strips (cpu/isa.h wide_block_rows)
-    int64_t dot_max_rows;  // the dots for calls of at most this many query rows, 0: any (isa.h)
+    bool dot_decode_only;  // the dots for decoding calls only (cpu/isa.h bf16_dot_decode_only)
 
-    // Whether a call of q_len query rows takes the dots for matmuls of `dot_dtype` operands
-    // (from kAttentionDotMinRows rows on in the forward; the backward of a single row takes
-    // them too): decided from q_len alone, so both passes decide alike.
+    // Whether a call takes the dots for matmuls of `dot_dtype` operands (from min_rows query
+    // rows on: kAttentionDotMinRows in the forward; the backward of a single row takes them
+    // too): decided from the call's shape alone, so both passes decide alike.
     bool dots(bool dot_dtype, const RelAttentionParams& f, int64_t min_rows) const {
+      const bool decoding = f.q_len <= kAttentionFewQueries && f.k_len >= kAttentionDotDecodeMinKeys;
       return dot_dtype && bf16_dot && f.dim % 2 == 0 && f.q_len >= min_rows &&
-             (dot_max_rows == 0 || f.q_len <= dot_max_rows);
+             (!dot_decode_only || decoding);
     }
   };
   static AttentionKernels attention_kernels(Isa isa) {
@@ -225,12 +226,12 @@ struct CpuBackend {
     if (isa == Isa::Avx512) {
       return {&avx512::rel_attention, &avx512::rel_attention_combine, &avx512::rel_attention_backward,
               &avx512::rel_attention_backward_reduce, &avx512::attn_mask_tiles, bf16_dot_enabled(isa),
-              amx_enabled(isa), wide_block_rows(isa), bf16_dot_max_rows(isa)};
+              amx_enabled(isa), wide_block_rows(isa), bf16_dot_decode_only(isa)};
     }
 #endif
     (void)isa;
     return {&avx2::rel_attention, &avx2::rel_attention_combine, &avx2::rel_attention_backward,
-            &avx2::rel_attention_backward_reduce, &avx2::attn_mask_tiles, false, false, 0, 0};
+            &avx2::rel_attention_backward_reduce, &avx2::attn_mask_tiles, false, false, 0, false};
   }
 
   // Whether float32 inputs may take the bfloat16 dots: torch's float32 matmul precision for the

@@ -59,9 +59,9 @@ def build_info() -> dict[str, Any]:
     take bfloat16 inputs' matmuls by AVX512-BF16 dot products now: on CPUs that have them,
     unless ``RELPOS_CPU_BF16_DOT=0``), ``cpu_amx`` (whether those dot products run on AMX tiles
     now: on CPUs with AMX-BF16 whose OS grants the tile state, unless ``RELPOS_CPU_AMX=0``),
-    ``cpu_bf16_dot_max_rows`` (the most query rows of a call that takes those dot products, or
-    ``None`` for any number: 32 on Intel CPUs whose dots do not run on AMX tiles, unless
-    ``RELPOS_CPU_BF16_DOT=1``),
+    ``cpu_bf16_dot_decode_only`` (whether only decoding calls take those dot products, at most
+    32 query rows against at least 256 keys: on Intel CPUs whose dots do not run on AMX tiles,
+    where they are slower than float32 matmuls otherwise, unless ``RELPOS_CPU_BF16_DOT=1``),
     ``cpu_wide_rows`` (rows per matmul block of the AVX-512
     attention kernels' 64-column strips: 6 on Intel CPUs, 4 on others, ``RELPOS_CPU_WIDE_ROWS``
     overriding; 0 on the other paths) and ``cuda_archs`` (e.g. ``["80", "90"]``, or ``None``

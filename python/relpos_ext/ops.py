@@ -623,8 +623,9 @@ def rel_attention(
     GPUs), about 1.5-1.7x faster; on CPUs with AMX those products run on AMX tiles (from 8 query
     rows on), 3-4x faster again (``RELPOS_CPU_AMX=0`` keeps the AVX512-BF16 instructions);
     ``RELPOS_CPU_BF16_DOT=0`` keeps float32 matmuls there. Intel CPUs whose dots cannot run on
-    AMX tiles keep float32 matmuls past 32 query rows, where the dots are slower there
-    (``build_info()["cpu_bf16_dot_max_rows"]``; ``RELPOS_CPU_BF16_DOT=1`` takes the dots anyway). Float32 inputs with more than 32
+    AMX tiles, where the dots are slower than float32 matmuls, take them only when decoding (at
+    most 32 query rows against at least 256 keys; ``build_info()["cpu_bf16_dot_decode_only"]``;
+    ``RELPOS_CPU_BF16_DOT=1`` takes them in every call). Float32 inputs with more than 32
     query rows take the same dot products (``q``, ``k``, ``v`` and the upstream gradient rounded
     to bfloat16 a tile at a time, the tables once per call; outputs and gradients stay float32)
     only where the user allows float32 matmuls in bfloat16:
