@@ -775,7 +775,7 @@ RELPOS_AMX_TARGET inline void amx_block(int64_t k2, const uint16_t* A, int64_t l
   if (!ACC && alpha != 1.f) scale_block(C, ldc, 16 * MI, 16 * NJ, alpha);
 }
 
-// One block at C's right edge, rows <= 16 and cols < 16 (amx_edge_rows takes the last rows):
+// One block at C's right edge, 16 rows and cols < 16 (amx_edge_rows takes the last rows):
 // C, A and B through zero-padded copies where the block or the k slice is partial, the same
 // tile products; alpha as amx_block.
 template <bool ACC>
@@ -816,9 +816,9 @@ RELPOS_AMX_TARGET void amx_edge_block(int64_t rows, int64_t cols, int64_t k2, co
 
 // The last rows < 16 of a product, every column: C[:rows, :N] (+)= A[:rows, :2 k2] B. A's rows
 // are padded once per slice of kAmxEdgeRowPairs pairs and serve every 16-column block, rather
-// than once per block (a decode step of 8-15 query rows: 8 times for S over a tile of 128 keys). The sums of a block that needs more than one slice are stored
-// between slices and loaded again, which float32 keeps exact: the same entries as
-// amx_edge_block's, bitwise.
+// than once per block (a decode step of 8-15 query rows: 8 times for S over a tile of 128
+// keys). The sums of a block that needs more than one slice are stored between slices and
+// loaded again, which float32 keeps exact: the same entries as amx_edge_block's, bitwise.
 constexpr int64_t kAmxEdgeRowPairs = 128;  // A's padded slice: 16 x 128 words, 8 KiB
 template <bool ACC>
 RELPOS_AMX_TARGET void amx_edge_rows(int64_t rows, int64_t N, int64_t k2, const uint16_t* A,
