@@ -626,9 +626,10 @@ def rel_attention(
     AMX tiles, where the dots are slower than float32 matmuls, take them only when decoding (at
     most 32 query rows against at least 256 keys; ``build_info()["cpu_bf16_dot_decode_only"]``;
     ``RELPOS_CPU_BF16_DOT=1`` takes them in every call). Float32 inputs with more than 32
-    query rows take the same dot products (where the dots serve such calls) (``q``, ``k``, ``v`` and the upstream gradient rounded
-    to bfloat16 a tile at a time, the tables once per call; outputs and gradients stay float32)
-    only where the user allows float32 matmuls in bfloat16:
+    query rows take the same dot products where those serve such calls (``q``, ``k``, ``v`` and
+    the upstream gradient rounded to bfloat16 a tile at a time, the tables once per call;
+    outputs and gradients stay float32), and only where the user allows float32 matmuls in
+    bfloat16:
     ``torch.set_float32_matmul_precision("medium")``, or
     ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``, as torch's own CPU matmuls do.
     Forward mode (``torch.func.jvp``, ``jacfwd``, ``torch.autograd.forward_ad``) computes the
