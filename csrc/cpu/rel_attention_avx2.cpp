@@ -775,43 +775,52 @@ RELPOS_AMX_TARGET inline void amx_block(int64_t k2, const uint16_t* A, int64_t l
   if (!ACC && alpha != 1.f) scale_block(C, ldc, 16 * MI, 16 * NJ, alpha);
 }
 
-// One block at C's right edge, 16 rows and cols < 16 (amx_edge_rows takes the last rows):
-// C, A and B through zero-padded copies where the block or the k slice is partial, the same
-// tile products; alpha as amx_block.
+// An edge block's C, rows x cols < 16 x 16 of it, through the padded copy tc: into tile 0
+// (the sums so far, zeros past the edge) ...
+RELPOS_AMX_TARGET inline void edge_c_load(const float* C, int64_t ldc, int64_t rows, int64_t cols,
+                                          float* tc) {
+  const __mmask16 mc = Zmm::tail(cols);
+  for (int64_t r = 0; r < 16; ++r) {
+    _mm512_store_ps(tc + 16 * r, r < rows ? _mm512_maskz_loadu_ps(mc, C + r * ldc) : _mm512_setzero_ps());
+  }
+  RELPOS_TILE_LOAD(0, tc, 64);
+}
+// ... and tile 0 back into it, times alpha (1: as it is)
+RELPOS_AMX_TARGET inline void edge_c_store(float* tc, int64_t rows, int64_t cols, float alpha,
+                                           float* C, int64_t ldc) {
+  _tile_stored(0, tc, 64);
+  if (alpha != 1.f) scale_block(tc, 16, rows, 16, alpha);
+  const __mmask16 mc = Zmm::tail(cols);
+  for (int64_t r = 0; r < rows; ++r) _mm512_mask_storeu_ps(C + r * ldc, mc, _mm512_load_ps(tc + 16 * r));
+}
+
+// One block of 16 rows at C's right edge, cols < 16 (amx_edge_rows takes the last rows): C and
+// B through zero-padded copies, A too where the k slice is partial, the same tile products;
+// alpha as amx_block.
 template <bool ACC>
-RELPOS_AMX_TARGET void amx_edge_block(int64_t rows, int64_t cols, int64_t k2, const uint16_t* A,
-                                      int64_t lda, const uint32_t* B, int64_t ldb, float* C,
-                                      int64_t ldc, float alpha) {
+RELPOS_AMX_TARGET void amx_edge_block(int64_t cols, int64_t k2, const uint16_t* A, int64_t lda,
+                                      const uint32_t* B, int64_t ldb, float* C, int64_t ldc,
+                                      float alpha) {
   alignas(64) float tc[256];
   alignas(64) uint32_t ta[256], tb[256];
-  const __mmask16 mc = Zmm::tail(cols);
   if constexpr (ACC) {
-    for (int64_t r = 0; r < 16; ++r) {
-      _mm512_store_ps(tc + 16 * r, r < rows ? _mm512_maskz_loadu_ps(mc, C + r * ldc) : _mm512_setzero_ps());
-    }
-    RELPOS_TILE_LOAD(0, tc, 64);
+    edge_c_load(C, ldc, 16, cols, tc);
   } else {
     _tile_zero(0);
   }
   for (int64_t k = 0; k < k2; k += 16) {
     const int64_t kn = imin(16, k2 - k);
-    if (rows == 16 && kn == 16) {
+    if (kn == 16) {
       RELPOS_TILE_LOAD(4, A + 2 * k, lda * 2);
     } else {
-      pad_tile(A + 2 * k, lda * 2, rows, kn, ta);
+      pad_tile(A + 2 * k, lda * 2, 16, kn, ta);
       RELPOS_TILE_LOAD(4, ta, 64);
     }
-    if (cols == 16 && kn == 16) {
-      RELPOS_TILE_LOAD(6, B + k * ldb, ldb * 4);
-    } else {
-      pad_tile(B + k * ldb, ldb * 4, kn, cols, tb);
-      RELPOS_TILE_LOAD(6, tb, 64);
-    }
+    pad_tile(B + k * ldb, ldb * 4, kn, cols, tb);
+    RELPOS_TILE_LOAD(6, tb, 64);
     _tile_dpbf16ps(0, 4, 6);
   }
-  _tile_stored(0, tc, 64);
-  if (!ACC && alpha != 1.f) scale_block(tc, 16, rows, 16, alpha);
-  for (int64_t r = 0; r < rows; ++r) _mm512_mask_storeu_ps(C + r * ldc, mc, _mm512_load_ps(tc + 16 * r));
+  edge_c_store(tc, 16, cols, ACC ? 1.f : alpha, C, ldc);
 }
 
 // The last rows < 16 of a product, every column: C[:rows, :N] (+)= A[:rows, :2 k2] B. A's rows
@@ -833,13 +842,9 @@ RELPOS_AMX_TARGET void amx_edge_rows(int64_t rows, int64_t N, int64_t k2, const 
     const bool first = k0 == 0, last = k0 + kc == k2;
     for (int64_t j = 0; j < N; j += 16) {
       const int64_t cols = imin(16, N - j);
-      const __mmask16 mc = Zmm::tail(cols);
       float* cj = C + j;
       if (ACC || !first) {  // the sums so far (C's own, or the slices before)
-        for (int64_t r = 0; r < 16; ++r) {
-          _mm512_store_ps(tc + 16 * r, r < rows ? _mm512_maskz_loadu_ps(mc, cj + r * ldc) : _mm512_setzero_ps());
-        }
-        RELPOS_TILE_LOAD(0, tc, 64);
+        edge_c_load(cj, ldc, rows, cols, tc);
       } else {
         _tile_zero(0);
       }
@@ -855,9 +860,7 @@ RELPOS_AMX_TARGET void amx_edge_rows(int64_t rows, int64_t N, int64_t k2, const 
         }
         _tile_dpbf16ps(0, 4, 6);
       }
-      _tile_stored(0, tc, 64);
-      if (!ACC && last && alpha != 1.f) scale_block(tc, 16, rows, 16, alpha);
-      for (int64_t r = 0; r < rows; ++r) _mm512_mask_storeu_ps(cj + r * ldc, mc, _mm512_load_ps(tc + 16 * r));
+      edge_c_store(tc, rows, cols, !ACC && last ? alpha : 1.f, cj, ldc);
     }
   }
 }
@@ -883,7 +886,7 @@ RELPOS_AMX_TARGET void amx_gemm(int64_t M, int64_t N, int64_t k2, const uint16_t
   if (i < m16) amx_row_blocks<1, ACC>(n16, k2, A + i * lda, lda, B, ldb, C + i * ldc, ldc, alpha);
   if (n16 < N) {
     for (i = 0; i < m16; i += 16) {
-      amx_edge_block<ACC>(16, N - n16, k2, A + i * lda, lda, B + n16, ldb, C + i * ldc + n16, ldc, alpha);
+      amx_edge_block<ACC>(N - n16, k2, A + i * lda, lda, B + n16, ldb, C + i * ldc + n16, ldc, alpha);
     }
   }
   if (m16 < M) amx_edge_rows<ACC>(M - m16, N, k2, A + m16 * lda, lda, B, ldb, C + m16 * ldc, ldc, alpha);
